@@ -1,0 +1,87 @@
+"""Codec steps and pipelines (SPEC.md, "Codecs").
+
+A pipeline is what a codec id in a file stands for: zero or more filters
+(bytes -> bytes of the same length, e.g. byteshuffle) followed by one coder
+(raw, zstd, nvcomp-ans).  Steps are small frozen objects with a name and a
+JSON-able configuration, as in zarr v3 and numcodecs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+
+class Codec:
+    """One step of a pipeline.  Subclasses set ``name`` and ``is_filter``."""
+
+    name: ClassVar[str]
+    is_filter: ClassVar[bool | None] = False  # None: unknown codec, order not checkable
+    # Names of the software that decodes this codec, for error messages.
+    readers: ClassVar[str] = "any nvckpt reader"
+
+    def configuration(self) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def from_configuration(cls, configuration: dict[str, Any]) -> "Codec":
+        if configuration:
+            raise ValueError(f"codec {cls.name!r} takes no configuration, got {configuration!r}")
+        return cls()
+
+    def encode(self, data: memoryview) -> bytes | memoryview:
+        raise NotImplementedError
+
+    def decode(self, data: memoryview, raw_length: int) -> bytes | memoryview:
+        """Decode ``data``; must return exactly ``raw_length`` bytes or raise."""
+        raise NotImplementedError
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and self.configuration() == other.configuration()  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((self.name, json.dumps(self.configuration(), sort_keys=True)))
+
+    def __repr__(self) -> str:
+        return f"{self.name}({json.dumps(self.configuration(), sort_keys=True)})"
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """Filters then one coder.  Hashable, so a writer can give it one codec id."""
+
+    steps: tuple[Codec, ...]
+
+    def __post_init__(self) -> None:
+        if not self.steps:
+            raise ValueError("a codec pipeline needs at least one step")
+        *filters, coder = self.steps
+        if any(s.is_filter is None for s in self.steps):
+            return
+        if coder.is_filter or any(not f.is_filter for f in filters):
+            raise ValueError(f"pipeline {self.describe()} must be filters followed by exactly one coder")
+
+    @property
+    def coder(self) -> Codec:
+        return self.steps[-1]
+
+    def to_json(self) -> list[dict[str, Any]]:
+        return [{"name": s.name, "configuration": s.configuration()} for s in self.steps]
+
+    def describe(self) -> str:
+        return "+".join(
+            s.name + (f"({','.join(f'{k}={v}' for k, v in s.configuration().items())})" if s.configuration() else "")
+            for s in self.steps
+        )
+
+    def encode(self, data: memoryview) -> bytes | memoryview:
+        for step in self.steps:
+            data = step.encode(memoryview(data))
+        return data
+
+    def decode(self, data: memoryview, raw_length: int) -> bytes | memoryview:
+        out = self.coder.decode(memoryview(data), raw_length)
+        for step in reversed(self.steps[:-1]):
+            out = step.decode(memoryview(out), raw_length)
+        return out

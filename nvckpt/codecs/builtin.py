@@ -1,0 +1,119 @@
+"""The CPU codecs of SPEC.md: raw, zstd and the byteshuffle filter."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import numpy as np
+import zstandard
+
+from .base import Codec
+
+
+class Raw(Codec):
+    """Identity coder: the payload is the raw bytes."""
+
+    name = "raw"
+
+    def encode(self, data: memoryview) -> memoryview:
+        return data
+
+    def decode(self, data: memoryview, raw_length: int) -> memoryview:
+        if len(data) != raw_length:
+            raise ValueError(f"raw payload is {len(data)} bytes, raw_length says {raw_length}")
+        return data
+
+
+class Zstd(Codec):
+    """RFC 8878 Zstandard frames; any zstd library decodes them (nvCOMP Zstd RAW too)."""
+
+    name = "zstd"
+    readers = "any zstd library (libzstd, python zstandard, nvCOMP Zstd)"
+
+    def __init__(self, level: int = 1) -> None:
+        if not isinstance(level, int) or isinstance(level, bool) or not -7 <= level <= 22:
+            raise ValueError(f"zstd level must be an integer in -7..22, got {level!r}")
+        self.level = level
+
+    def configuration(self) -> dict[str, Any]:
+        return {"level": self.level}
+
+    @classmethod
+    def from_configuration(cls, configuration: dict[str, Any]) -> "Zstd":
+        unknown = set(configuration) - {"level"}
+        if unknown:
+            raise ValueError(f"unknown zstd configuration keys {sorted(unknown)}")
+        return cls(configuration.get("level", 1))
+
+    def encode(self, data: memoryview) -> bytes:
+        # A compressor per call: ZstdCompressor objects are not thread-safe.
+        return zstandard.ZstdCompressor(level=self.level, write_content_size=True).compress(data)
+
+    def decode(self, data: memoryview, raw_length: int) -> bytes:
+        # Never trust a declared size: the frame header may lie (decompression bomb).
+        size = zstandard.frame_content_size(data) if len(data) >= 4 else -1
+        if size == raw_length:
+            try:
+                out = zstandard.ZstdDecompressor().decompress(data, allow_extra_data=False)
+            except zstandard.ZstdError:
+                out = None  # more than one frame: take the bounded path below
+            if out is not None:
+                if len(out) != raw_length:
+                    raise ValueError(f"zstd frame decoded to {len(out)} bytes, expected {raw_length}")
+                return out
+        elif size > raw_length:
+            raise ValueError(f"zstd frame declares {size} bytes, more than raw_length {raw_length}")
+        reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data), read_across_frames=True)
+        out = bytearray()
+        while len(out) <= raw_length:
+            block = reader.read(raw_length + 1 - len(out))
+            if not block:
+                break
+            out += block
+        if len(out) != raw_length:
+            raise ValueError(
+                f"zstd data decodes to {'more than ' if len(out) > raw_length else ''}{len(out)} bytes, expected {raw_length}"
+            )
+        return bytes(out)
+
+
+class ByteShuffle(Codec):
+    """Filter: byte j of element i goes to j*n + i (high bytes of floats end up together)."""
+
+    name = "byteshuffle"
+    is_filter = True
+
+    def __init__(self, elementsize: int) -> None:
+        if not isinstance(elementsize, int) or isinstance(elementsize, bool) or not 1 <= elementsize <= 16:
+            raise ValueError(f"byteshuffle elementsize must be an integer in 1..16, got {elementsize!r}")
+        self.elementsize = elementsize
+
+    def configuration(self) -> dict[str, Any]:
+        return {"elementsize": self.elementsize}
+
+    @classmethod
+    def from_configuration(cls, configuration: dict[str, Any]) -> "ByteShuffle":
+        unknown = set(configuration) - {"elementsize"}
+        if unknown or "elementsize" not in configuration:
+            raise ValueError(f"byteshuffle needs exactly 'elementsize', got {sorted(configuration)}")
+        return cls(configuration["elementsize"])
+
+    def _planes(self, data: memoryview, rows: int) -> np.ndarray:
+        k = self.elementsize
+        if len(data) % k:
+            raise ValueError(f"byteshuffle: {len(data)} bytes is not a multiple of elementsize {k}")
+        arr = np.frombuffer(data, dtype=np.uint8)
+        return arr.reshape(-1, k) if rows == 0 else arr.reshape(k, -1)
+
+    def encode(self, data: memoryview) -> bytes:
+        if self.elementsize == 1:
+            return bytes(data)
+        return np.ascontiguousarray(self._planes(data, 0).T).tobytes()
+
+    def decode(self, data: memoryview, raw_length: int) -> bytes:
+        if len(data) != raw_length:
+            raise ValueError(f"byteshuffle input is {len(data)} bytes, expected {raw_length}")
+        if self.elementsize == 1:
+            return bytes(data)
+        return np.ascontiguousarray(self._planes(data, 1).T).tobytes()

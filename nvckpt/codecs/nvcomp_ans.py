@@ -1,0 +1,53 @@
+"""nvcomp-ans: nvCOMP's ANS coder (RAW bitstream, one chunk per stream).
+
+The bitstream is proprietary and undocumented, has no CPU decoder, and changed
+in nvCOMP 6.0, so the configuration records the nvCOMP version that wrote it.
+Only nvCOMP on a CUDA GPU decodes it; the GPU engine does that in batches
+(nvckpt.pipeline.nvcomp_backend).  This class is the codec-table entry.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import UnsupportedCodecError
+from .base import Codec
+
+# nvCOMP ANS data type modes by element type (SPEC.md, "nvcomp-ans").
+DATA_TYPES = ("<f2", "<f4", "|f1", "|u1")
+
+
+class NvcompAns(Codec):
+    name = "nvcomp-ans"
+    readers = "nvCOMP (nvidia-nvcomp-cu12) on a CUDA GPU"
+
+    def __init__(self, data_type: str = "|u1", nvcomp_version: str = "", bitstream: str = "raw") -> None:
+        if data_type not in DATA_TYPES:
+            raise ValueError(f"nvcomp-ans data_type must be one of {DATA_TYPES}, got {data_type!r}")
+        if not isinstance(nvcomp_version, str):
+            raise ValueError(f"nvcomp-ans nvcomp_version must be a string, got {nvcomp_version!r}")
+        if bitstream != "raw":
+            raise ValueError(f"nvcomp-ans bitstream must be 'raw', got {bitstream!r}")
+        self.data_type = data_type
+        self.nvcomp_version = nvcomp_version
+        self.bitstream = bitstream
+
+    def configuration(self) -> dict[str, Any]:
+        return {"data_type": self.data_type, "nvcomp_version": self.nvcomp_version, "bitstream": self.bitstream}
+
+    @classmethod
+    def from_configuration(cls, configuration: dict[str, Any]) -> "NvcompAns":
+        unknown = set(configuration) - {"data_type", "nvcomp_version", "bitstream"}
+        if unknown:
+            raise ValueError(f"unknown nvcomp-ans configuration keys {sorted(unknown)}")
+        return cls(**configuration)
+
+    def encode(self, data: memoryview) -> bytes:
+        raise UnsupportedCodecError("nvcomp-ans encodes only on a CUDA GPU with nvCOMP (use the GPU engine)")
+
+    def decode(self, data: memoryview, raw_length: int) -> bytes:
+        raise UnsupportedCodecError(
+            f"chunk is coded with nvcomp-ans (nvCOMP {self.nvcomp_version or '?'}, data type {self.data_type}), "
+            f"which only {self.readers} decodes: load it with device='cuda' where nvCOMP is installed "
+            "(pip install 'nvckpt[gpu]'), or convert it there with `nvckpt convert --codec portable`"
+        )

@@ -1,0 +1,95 @@
+"""The one exception hierarchy of nvckpt.
+
+Every error raised while reading or writing a checkpoint is an ``NvckptError``.
+Messages name the file, tensor, chunk and byte offset where they are known, so
+that one line on stderr says what is wrong and where.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "NvckptError",
+    "FormatError",
+    "TruncatedError",
+    "ChecksumError",
+    "UnsupportedCodecError",
+    "UnsupportedFeatureError",
+    "LimitError",
+    "UnsupportedObjectError",
+    "TensorNotFoundError",
+]
+
+
+class NvckptError(Exception):
+    """Base class of every nvckpt error."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: object = None,
+        tensor: str | None = None,
+        chunk: int | None = None,
+        offset: int | None = None,
+    ) -> None:
+        self.path = None if path is None else str(path)
+        self.tensor = tensor
+        self.chunk = chunk
+        self.offset = offset
+        self.reason = message
+        super().__init__(self._compose())
+
+    def _compose(self) -> str:
+        where = []
+        if self.path is not None:
+            where.append(self.path)
+        if self.tensor is not None:
+            where.append(f"tensor {self.tensor!r}")
+        if self.chunk is not None:
+            where.append(f"chunk {self.chunk}")
+        if self.offset is not None:
+            where.append(f"offset {self.offset}")
+        return f"{', '.join(where)}: {self.reason}" if where else self.reason
+
+    def located(self, **where: object) -> "NvckptError":
+        """Fill in location fields that are still unknown, and return self."""
+        for key, value in where.items():
+            if getattr(self, key, None) is None and value is not None:
+                setattr(self, key, str(value) if key == "path" else value)
+        self.args = (self._compose(),)
+        return self
+
+
+class FormatError(NvckptError):
+    """The bytes do not follow SPEC.md (bad magic, bad field, inconsistent index)."""
+
+
+class TruncatedError(FormatError):
+    """The file ends before a structure it declares (see ``nvckpt recover``)."""
+
+
+class ChecksumError(NvckptError):
+    """Stored bytes do not match their XXH3-64 checksum."""
+
+
+class UnsupportedCodecError(NvckptError):
+    """A chunk uses a codec this reader cannot decode (unknown, or needs nvCOMP/GPU)."""
+
+
+class UnsupportedFeatureError(NvckptError):
+    """The file needs a format version or required feature this reader lacks."""
+
+
+class LimitError(NvckptError):
+    """A declared size or count exceeds a limit of SPEC.md (or one set by the caller)."""
+
+
+class UnsupportedObjectError(NvckptError, TypeError):
+    """``save`` was given an object it cannot store without pickle."""
+
+
+class TensorNotFoundError(NvckptError, KeyError):
+    """No tensor of that name in the file."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return self.args[0] if self.args else ""

@@ -1,0 +1,44 @@
+"""Magic numbers, sizes and limits of SPEC.md, in one place."""
+
+PREAMBLE_MAGIC = b"\x89NVCKPT\n"
+FRAME_MAGIC = b"NVCF"
+FOOTER_MAGIC = b"NVCKEND\n"
+
+VERSION_MAJOR = 1
+VERSION_MINOR = 0
+
+PREAMBLE_SIZE = 24
+FRAME_HEADER_SIZE = 48
+FOOTER_SIZE = 40
+
+# Frame types (SPEC.md, "Frame types").  128..255 are optional extensions a
+# reader skips; anything else unknown is an error.
+FRAME_CODEC = 1
+FRAME_TENSOR = 2
+FRAME_CHUNK = 3
+FRAME_INDEX = 4
+FRAME_NAMES = {FRAME_CODEC: "CODEC", FRAME_TENSOR: "TENSOR", FRAME_CHUNK: "CHUNK", FRAME_INDEX: "INDEX"}
+FIRST_OPTIONAL_FRAME = 128
+
+# Feature bits: v1 defines none.  Unknown required bits are fatal.
+KNOWN_REQUIRED_FEATURES = 0
+
+# Limits (SPEC.md, "Limits").
+MAX_CHUNK_LENGTH = 16 << 20
+MAX_INDEX_LENGTH = 1 << 30
+MAX_META_FRAME_LENGTH = 16 << 20  # CODEC and TENSOR frame payloads
+MAX_TENSORS = 1 << 24
+MAX_RANK = 64
+MAX_NAME_BYTES = 4096
+MAX_TREE_DEPTH = 64
+MAX_CODECS = 0xFFFF
+MAX_PADDING = 1 << 20
+MAX_ALIGNMENT = 1 << 20
+MAX_TENSOR_BYTES = 1 << 62
+
+DEFAULT_ALIGNMENT = 4096
+DEFAULT_CHUNK_SIZE = 1 << 20
+
+# Tree ext types.
+EXT_TENSOR = 1
+EXT_TUPLE = 2

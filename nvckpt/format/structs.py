@@ -1,0 +1,147 @@
+"""The three fixed-size structures of SPEC.md: preamble, frame header, footer."""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+from ..errors import ChecksumError, FormatError, TruncatedError, UnsupportedFeatureError
+from .constants import (
+    FOOTER_MAGIC,
+    FOOTER_SIZE,
+    FRAME_HEADER_SIZE,
+    FRAME_MAGIC,
+    KNOWN_REQUIRED_FEATURES,
+    MAX_PADDING,
+    PREAMBLE_MAGIC,
+    PREAMBLE_SIZE,
+    VERSION_MAJOR,
+    VERSION_MINOR,
+)
+
+_PREAMBLE = struct.Struct("<8sHHIII")
+_FRAME = struct.Struct("<4sBBHIIIIQQQ")
+_FOOTER = struct.Struct("<QQQII8s")
+assert _PREAMBLE.size == PREAMBLE_SIZE and _FRAME.size == FRAME_HEADER_SIZE and _FOOTER.size == FOOTER_SIZE
+
+
+def xxh3(data) -> int:
+    """XXH3-64, seed 0: the checksum of every structure in the format."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def _low32(data) -> int:
+    return xxhash.xxh3_64_intdigest(data) & 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class Preamble:
+    version_major: int = VERSION_MAJOR
+    version_minor: int = VERSION_MINOR
+    required_features: int = 0
+    optional_features: int = 0
+
+    def pack(self) -> bytes:
+        return _PREAMBLE.pack(
+            PREAMBLE_MAGIC, self.version_major, self.version_minor,
+            self.required_features, self.optional_features, 0,
+        )
+
+    @classmethod
+    def unpack(cls, data: bytes) -> "Preamble":
+        if len(data) < PREAMBLE_SIZE:
+            raise TruncatedError(f"file is {len(data)} bytes, shorter than the {PREAMBLE_SIZE}-byte preamble", offset=0)
+        magic, major, minor, required, optional, reserved = _PREAMBLE.unpack_from(data)
+        if magic != PREAMBLE_MAGIC:
+            raise FormatError(f"not an nvckpt file (magic {magic.hex()} != {PREAMBLE_MAGIC.hex()})", offset=0)
+        if major != VERSION_MAJOR:
+            raise UnsupportedFeatureError(
+                f"format version {major}.{minor} is not supported (this reader reads {VERSION_MAJOR}.x)", offset=8
+            )
+        if required & ~KNOWN_REQUIRED_FEATURES:
+            raise UnsupportedFeatureError(
+                f"file requires unknown features 0x{required & ~KNOWN_REQUIRED_FEATURES:08x}", offset=12
+            )
+        if reserved != 0:
+            raise FormatError(f"preamble reserved field is 0x{reserved:08x}, must be 0", offset=20)
+        return cls(major, minor, required, optional)
+
+
+@dataclass(frozen=True)
+class FrameHeader:
+    frame_type: int
+    stored_length: int
+    raw_length: int
+    payload_checksum: int
+    codec_id: int = 0
+    tensor_id: int = 0
+    chunk_index: int = 0
+    padding_length: int = 0
+    flags: int = 0
+
+    def _pack(self, header_checksum: int) -> bytes:
+        return _FRAME.pack(
+            FRAME_MAGIC, self.frame_type, self.flags, self.codec_id, self.tensor_id,
+            self.chunk_index, self.padding_length, header_checksum,
+            self.stored_length, self.raw_length, self.payload_checksum,
+        )
+
+    def pack(self) -> bytes:
+        return self._pack(_low32(self._pack(0)))
+
+    @property
+    def payload_skip(self) -> int:
+        """Bytes from the start of the frame to the start of its payload."""
+        return FRAME_HEADER_SIZE + self.padding_length
+
+    @classmethod
+    def unpack(cls, data: bytes, offset: int = 0) -> "FrameHeader":
+        """Parse and check one frame header; ``offset`` is only for messages."""
+        if len(data) < FRAME_HEADER_SIZE:
+            raise TruncatedError(f"frame header cut short ({len(data)} of {FRAME_HEADER_SIZE} bytes)", offset=offset)
+        (magic, ftype, flags, codec_id, tensor_id, chunk_index, padding, hcheck,
+         stored, raw, pcheck) = _FRAME.unpack_from(data)
+        if magic != FRAME_MAGIC:
+            raise FormatError(f"bad frame magic {magic.hex()} (expected {FRAME_MAGIC.hex()})", offset=offset)
+        header = cls(ftype, stored, raw, pcheck, codec_id, tensor_id, chunk_index, padding, flags)
+        expected = _low32(header._pack(0))
+        if hcheck != expected:
+            raise ChecksumError(
+                f"frame header checksum 0x{hcheck:08x} != computed 0x{expected:08x}", offset=offset
+            )
+        if flags != 0:
+            raise FormatError(f"frame flags 0x{flags:02x} are reserved and must be 0", offset=offset + 5)
+        if padding > MAX_PADDING:
+            raise FormatError(f"frame padding {padding} exceeds the limit {MAX_PADDING}", offset=offset + 16)
+        return header
+
+
+@dataclass(frozen=True)
+class Footer:
+    index_offset: int
+    index_length: int
+    index_checksum: int
+
+    def pack(self) -> bytes:
+        head = struct.pack("<QQQI", self.index_offset, self.index_length, self.index_checksum, 0)
+        return head + struct.pack("<I8s", _low32(head), FOOTER_MAGIC)
+
+    @classmethod
+    def unpack(cls, data: bytes, offset: int = 0) -> "Footer":
+        if len(data) != FOOTER_SIZE:
+            raise TruncatedError(f"footer is {len(data)} bytes, expected {FOOTER_SIZE}", offset=offset)
+        index_offset, index_length, index_checksum, reserved, fcheck, magic = _FOOTER.unpack(data)
+        if magic != FOOTER_MAGIC:
+            raise TruncatedError(
+                f"no footer at the end of the file (end magic {magic.hex()} != {FOOTER_MAGIC.hex()}); "
+                "the file may be truncated: try `nvckpt recover`",
+                offset=offset + 32,
+            )
+        expected = _low32(data[:28])
+        if fcheck != expected:
+            raise ChecksumError(f"footer checksum 0x{fcheck:08x} != computed 0x{expected:08x}", offset=offset + 28)
+        if reserved != 0:
+            raise FormatError(f"footer reserved field is 0x{reserved:08x}, must be 0", offset=offset + 24)
+        return cls(index_offset, index_length, index_checksum)

@@ -1,0 +1,101 @@
+"""The saved object's structure ("tree" in the index) <-> msgpack.
+
+Containers and Python scalars are stored as themselves; a tensor is stored as
+an ext-type reference to its index entry, a tuple as an ext type holding an
+array.  No pickle: nothing in a file can run code when it is loaded.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import msgpack
+
+from ..errors import FormatError, LimitError, UnsupportedObjectError
+from .constants import EXT_TENSOR, EXT_TUPLE, MAX_TREE_DEPTH
+
+_KEY_TYPES = (str, int, float, bool, type(None))
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A leaf of the tree that stands for index entry ``tensor_id``."""
+
+    tensor_id: int
+
+
+def _pack_hook(obj: Any) -> msgpack.ExtType:
+    if isinstance(obj, TensorRef):
+        return msgpack.ExtType(EXT_TENSOR, struct.pack("<I", obj.tensor_id))
+    if isinstance(obj, tuple):
+        return msgpack.ExtType(EXT_TUPLE, pack_tree(list(obj)))
+    raise UnsupportedObjectError(f"cannot store an object of type {type(obj).__qualname__}")
+
+
+def pack_tree(node: Any) -> bytes:
+    """Serialise a tree whose tensors were already replaced by TensorRef."""
+    return msgpack.packb(node, default=_pack_hook, use_bin_type=True, strict_types=True)
+
+
+def _ext_hook(code: int, data: bytes) -> Any:
+    if code == EXT_TENSOR:
+        if len(data) != 4:
+            raise FormatError(f"tensor reference has {len(data)} bytes, expected 4")
+        return TensorRef(struct.unpack("<I", data)[0])
+    if code == EXT_TUPLE:
+        items = unpack_tree(data)
+        if not isinstance(items, list):
+            raise FormatError("tuple ext payload is not an array")
+        return tuple(items)
+    raise FormatError(f"unknown ext type {code} in the tree")
+
+
+def unpack_tree(data: bytes) -> Any:
+    try:
+        return msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False, use_list=True)
+    except (FormatError, LimitError):
+        raise
+    except RecursionError:
+        raise LimitError(f"tree nesting exceeds the limit of {MAX_TREE_DEPTH}") from None
+    except Exception as exc:  # msgpack raises many types on bad input
+        raise FormatError(f"tree is not valid msgpack: {exc}") from None
+
+
+def check_tree(node: Any, num_tensors: int) -> None:
+    """Validate types, depth and tensor references of a decoded tree."""
+    stack = [(node, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (list, tuple, dict)) and depth > MAX_TREE_DEPTH:
+            raise LimitError(f"tree nesting exceeds the limit of {MAX_TREE_DEPTH}")
+        if isinstance(item, TensorRef):
+            if item.tensor_id >= num_tensors:
+                raise FormatError(f"tree refers to tensor {item.tensor_id}, but the index has {num_tensors}")
+        elif isinstance(item, (list, tuple)):
+            stack.extend((x, depth + 1) for x in item)
+        elif isinstance(item, dict):
+            for k, v in item.items():
+                if not isinstance(k, _KEY_TYPES):
+                    raise FormatError(f"tree map key of type {type(k).__name__} is not allowed")
+                stack.append((v, depth + 1))
+        elif not isinstance(item, (str, bytes, int, float, bool, type(None))):
+            raise FormatError(f"unexpected {type(item).__name__} in the tree")
+
+
+def escape(key: object) -> str:
+    """One path segment: JSON Pointer escaping (RFC 6901) of str(key)."""
+    return str(key).replace("~", "~0").replace("/", "~1")
+
+
+def leaf_paths(node: Any, parts: tuple[str, ...] = ()) -> Iterator[tuple[str, TensorRef]]:
+    """(name, ref) of every tensor leaf, depth first in stored order."""
+    if isinstance(node, TensorRef):
+        yield "/".join(parts), node
+    elif isinstance(node, dict):
+        for k, v in node.items():
+            yield from leaf_paths(v, parts + (escape(k),))
+    elif isinstance(node, (list, tuple)):
+        for i, v in enumerate(node):
+            yield from leaf_paths(v, parts + (str(i),))

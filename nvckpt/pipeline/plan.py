@@ -1,0 +1,311 @@
+"""Plan a save: walk the object, find shared storage and derived tensors, cut chunks.
+
+The plan is device-agnostic: it holds the caller's tensors (CPU or CUDA) and
+says which bytes go in which chunk.  Engines (CPU, GPU) turn it into frames.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .. import dtypes
+from ..derive import BF16_RNE, is_bf16_rne_of
+from ..errors import LimitError, UnsupportedObjectError
+from ..format.constants import (
+    DEFAULT_CHUNK_SIZE,
+    MAX_CHUNK_LENGTH,
+    MAX_NAME_BYTES,
+    MAX_RANK,
+    MAX_TENSORS,
+    MAX_TREE_DEPTH,
+)
+from ..format.tree import TensorRef, escape
+
+_INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
+_KEY_TYPES = (str, int, float, bool, type(None))
+
+
+@dataclass
+class PlannedTensor:
+    tensor_id: int
+    entry: dict[str, Any]  # index entry without "chunks"
+    data: torch.Tensor | None  # what to store (any layout, any device); None for views/derived
+    chunks: list[tuple[int, int]] = field(default_factory=list)  # (byte_start, byte_length)
+
+    @property
+    def name(self) -> str:
+        return self.entry["name"]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(length for _, length in self.chunks)
+
+    def flat_bytes(self) -> torch.Tensor:
+        """The C-contiguous raw bytes of ``data`` as a 1-D uint8 tensor (same device)."""
+        assert self.data is not None
+        return self.data.contiguous().reshape(-1).view(torch.uint8)
+
+
+@dataclass
+class SavePlan:
+    tree: Any
+    tensors: list[PlannedTensor]
+    metadata: dict[str, Any]
+
+    def data_tensors(self) -> list[PlannedTensor]:
+        return [t for t in self.tensors if t.data is not None]
+
+
+def chunk_ranges(shape: tuple[int, ...], itemsize: int, chunk_size: int) -> list[tuple[int, int]]:
+    """Chunks of whole rows of dim 0 where a row fits in ``chunk_size``; else pieces of one row."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    nbytes = numel * itemsize
+    if nbytes == 0:
+        return []
+    row_bytes = nbytes // shape[0] if shape else nbytes
+    step = max(itemsize, chunk_size - chunk_size % itemsize)
+    if row_bytes <= step:
+        per = (step // row_bytes) * row_bytes
+        return [(s, min(per, nbytes - s)) for s in range(0, nbytes, per)]
+    out = []
+    for row in range(0, nbytes, row_bytes):
+        out.extend((row + s, min(step, row_bytes - s)) for s in range(0, row_bytes, step))
+    return out
+
+
+def _check_int(value: int, path: str) -> int:
+    if not _INT_MIN <= value <= _INT_MAX:
+        raise UnsupportedObjectError(f"integer at {path or '<root>'} does not fit in 64 bits: {value}")
+    return value
+
+
+def _check_tensor(t: torch.Tensor, path: str) -> None:
+    if t.layout != torch.strided:
+        raise UnsupportedObjectError(f"tensor at {path or '<root>'} has layout {t.layout}; only dense tensors are stored")
+    if t.is_quantized or t.device.type == "meta":
+        raise UnsupportedObjectError(f"tensor at {path or '<root>'} is {'quantized' if t.is_quantized else 'on the meta device'}")
+    if t.dim() > MAX_RANK:
+        raise LimitError(f"tensor at {path or '<root>'} has rank {t.dim()} > {MAX_RANK}")
+    dtypes.name_of(t.dtype)  # raises for dtypes without a byte layout
+
+
+def plan_save(
+    obj: Any,
+    *,
+    metadata: dict[str, Any] | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    derive_bf16: bool = False,
+) -> SavePlan:
+    if not isinstance(chunk_size, int) or not 1 <= chunk_size <= MAX_CHUNK_LENGTH:
+        raise ValueError(f"chunk_size must be in 1..{MAX_CHUNK_LENGTH}, got {chunk_size!r}")
+    leaves: list[tuple[str, torch.Tensor]] = []  # (path, tensor) in tree order
+
+    def walk(node: Any, parts: tuple[str, ...], depth: int) -> Any:
+        path = "/".join(parts)
+        if depth > MAX_TREE_DEPTH:
+            raise LimitError(f"object nesting at {path} exceeds the limit of {MAX_TREE_DEPTH}")
+        if isinstance(node, torch.Tensor):
+            _check_tensor(node, path)
+            leaves.append((path, node))
+            return len(leaves) - 1  # replaced by a TensorRef below
+        if isinstance(node, dict):
+            out = {}
+            for k, v in node.items():
+                if not isinstance(k, _KEY_TYPES):
+                    raise UnsupportedObjectError(f"dict key {k!r} at {path or '<root>'} has type {type(k).__qualname__}; keys must be str, int, float, bool or None")
+                key = _plain_scalar(k, path)
+                out[key] = walk(v, parts + (escape(k),), depth + 1)
+            return _Dict(out)
+        if isinstance(node, (list, tuple)):
+            items = [walk(v, parts + (str(i),), depth + 1) for i, v in enumerate(node)]
+            return _List(items) if isinstance(node, list) else _Tuple(items)
+        if node is None or isinstance(node, (bool, int, float, str, bytes)):
+            return _Scalar(_plain_scalar(node, path))
+        raise UnsupportedObjectError(
+            f"cannot store {type(node).__module__}.{type(node).__qualname__} at {path or '<root>'}: "
+            "nvckpt stores tensors, dicts, lists, tuples, str, bytes, int, float, bool and None (no pickle)"
+        )
+
+    skeleton = walk(obj, (), 0)
+    if metadata is not None:
+        _check_metadata(metadata)
+
+    plan_tensors, leaf_ids = _dedupe(leaves, chunk_size)
+    if derive_bf16:
+        _find_derived(plan_tensors)
+    if len(plan_tensors) > MAX_TENSORS:
+        raise LimitError(f"{len(plan_tensors)} tensors exceed the limit of {MAX_TENSORS}")
+    tree = _finish(skeleton, leaf_ids)
+    return SavePlan(tree, plan_tensors, dict(metadata or {}))
+
+
+# Skeleton nodes keep plain Python values apart from leaf indices.
+class _Scalar:
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+class _Dict(dict):
+    pass
+
+
+class _List(list):
+    pass
+
+
+class _Tuple(list):
+    pass
+
+
+def _finish(node: Any, leaf_ids: list[int]) -> Any:
+    if isinstance(node, _Scalar):
+        return node.value
+    if isinstance(node, int):
+        return TensorRef(leaf_ids[node])
+    if isinstance(node, _Dict):
+        return {k: _finish(v, leaf_ids) for k, v in node.items()}
+    if isinstance(node, _Tuple):
+        return tuple(_finish(v, leaf_ids) for v in node)
+    return [_finish(v, leaf_ids) for v in node]
+
+
+def _plain_scalar(value: Any, path: str) -> Any:
+    # Subclasses (numpy floats, IntEnum, str enums) are stored as their base type.
+    if value is None or type(value) in (bool, int, float, str, bytes):
+        return _check_int(value, path) if type(value) is int else value
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, int):
+        return _check_int(int(value), path)
+    for base in (float, str, bytes):
+        if isinstance(value, base):
+            return base(value)
+    return value
+
+
+def _check_metadata(metadata: Any) -> None:
+    if not isinstance(metadata, dict):
+        raise UnsupportedObjectError(f"metadata must be a dict with str keys, got {type(metadata).__qualname__}")
+
+    def check(value: Any, where: str, depth: int) -> None:
+        if depth > MAX_TREE_DEPTH:
+            raise LimitError(f"metadata nesting at {where} exceeds {MAX_TREE_DEPTH}")
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if not isinstance(k, str):
+                    raise UnsupportedObjectError(f"metadata key {k!r} at {where or '<root>'} is not a str")
+                check(v, f"{where}/{k}", depth + 1)
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                check(v, f"{where}/{i}", depth + 1)
+        elif value is not None and type(value) not in (bool, int, float, str):
+            raise UnsupportedObjectError(
+                f"metadata value at {where} has type {type(value).__qualname__}; use JSON-like values "
+                "(None, bool, int, float, str, list, dict with str keys)"
+            )
+        elif type(value) is int:
+            _check_int(value, f"metadata {where}")
+
+    check(metadata, "", 0)
+
+
+def _view_key(t: torch.Tensor) -> tuple:
+    return (t.dtype, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+
+
+def _dedupe(leaves: list[tuple[str, torch.Tensor]], chunk_size: int) -> tuple[list[PlannedTensor], list[int]]:
+    """One entry per distinct tensor; views of one storage share a base entry."""
+    groups: dict[tuple, list[int]] = {}
+    for i, (_, t) in enumerate(leaves):
+        storage = t.untyped_storage()
+        if t.numel() == 0 or storage.nbytes() == 0:
+            key: tuple = ("leaf", i)
+        else:
+            key = ("storage", t.device, storage.data_ptr())
+        groups.setdefault(key, []).append(i)
+
+    names_seen: dict[str, int] = {}
+    tensors: list[PlannedTensor] = []
+    leaf_ids = [0] * len(leaves)
+
+    def add(entry: dict[str, Any], data: torch.Tensor | None) -> int:
+        tid = len(tensors)
+        name = entry["name"]
+        if len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+            raise LimitError(f"tensor name {name[:80]!r}... is longer than {MAX_NAME_BYTES} bytes")
+        if name in names_seen:
+            raise UnsupportedObjectError(
+                f"two different tensors would both be named {name!r}: keys must stay distinct after str() "
+                "(for example 1 and '1' in one dict)"
+            )
+        names_seen[name] = tid
+        chunks = chunk_ranges(tuple(entry["shape"]), dtypes.DTYPES[entry["dtype"]].itemsize, chunk_size) if data is not None else []
+        tensors.append(PlannedTensor(tid, entry, data, chunks))
+        return tid
+
+    def base_entry(path: str, t: torch.Tensor) -> dict[str, Any]:
+        return {"name": path, "dtype": dtypes.name_of(t.dtype), "shape": list(t.shape)}
+
+    # Walk groups in order of their first leaf, so names follow tree order.
+    for members in sorted(groups.values(), key=lambda m: m[0]):
+        views: dict[tuple, list[int]] = {}
+        for i in members:
+            views.setdefault(_view_key(leaves[i][1]), []).append(i)
+        if len(views) == 1 or len({k[0] for k in views}) > 1:
+            # One distinct view (tied weights), or views of differing dtypes
+            # (stored as separate copies: the format's views share one dtype).
+            for same in views.values():
+                path, t = leaves[same[0]]
+                tid = add(base_entry(path, t), t)
+                for i in same:
+                    leaf_ids[i] = tid
+            _check_alias_names(leaves, members, names_seen, leaf_ids)
+            continue
+        # Several distinct views of one storage: store the spanned elements once.
+        first = leaves[members[0]][1]
+        lo = min(k[1] for k in views)
+        hi = max(k[1] + sum((s - 1) * st for s, st in zip(k[2], k[3])) + 1 for k in views)
+        base_data = first.as_strided((hi - lo,), (1,), lo)
+        base_name = leaves[members[0]][0] + "@base"
+        base = add({"name": base_name, "dtype": dtypes.name_of(first.dtype), "shape": [hi - lo], "internal": True}, base_data)
+        for key, same in views.items():
+            path, t = leaves[same[0]]
+            entry = base_entry(path, t)
+            entry["view"] = {"base": base, "offset": key[1] - lo, "stride": list(key[3])}
+            tid = add(entry, None)
+            for i in same:
+                leaf_ids[i] = tid
+        _check_alias_names(leaves, members, names_seen, leaf_ids)
+    return tensors, leaf_ids
+
+
+def _check_alias_names(leaves, members, names_seen, leaf_ids) -> None:
+    # An alias path (second path to a tied tensor) must not be another tensor's name.
+    for i in members:
+        owner = names_seen.get(leaves[i][0])
+        if owner is not None and owner != leaf_ids[i]:
+            raise UnsupportedObjectError(f"two different tensors would both be named {leaves[i][0]!r}")
+
+
+def _find_derived(tensors: list[PlannedTensor]) -> None:
+    """Store a bf16 tensor as derived when it is exactly bf16_rne of a stored fp32 one."""
+    sources: dict[tuple, list[PlannedTensor]] = {}
+    for t in tensors:
+        if t.data is not None and t.entry["dtype"] == "float32" and not t.entry.get("internal"):
+            sources.setdefault((tuple(t.entry["shape"]), t.data.device), []).append(t)
+    for t in tensors:
+        if t.data is None or t.entry["dtype"] != "bfloat16" or t.data.numel() == 0 or t.entry.get("internal"):
+            continue
+        for src in sources.get((tuple(t.entry["shape"]), t.data.device), []):
+            if is_bf16_rne_of(t.data, src.data):  # verified bit for bit before use
+                t.entry["derived"] = {"function": BF16_RNE, "source": src.tensor_id}
+                t.data = None
+                t.chunks = []
+                break
