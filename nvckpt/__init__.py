@@ -6,7 +6,7 @@ chunk; GPU compression with nvCOMP where available, portable zstd on CPU.
 
 __version__ = "0.1.0"
 
-from .api import Checkpoint, SaveResult, TensorSlice, load, open, save  # noqa: E402
+from .api import Checkpoint, SaveFuture, SaveResult, TensorSlice, async_save, load, open, save  # noqa: E402
 from .errors import (  # noqa: E402
     ChecksumError,
     FormatError,
@@ -20,7 +20,7 @@ from .errors import (  # noqa: E402
 )
 
 __all__ = [
-    "save", "load", "open", "Checkpoint", "TensorSlice", "SaveResult",
+    "save", "async_save", "SaveFuture", "load", "open", "Checkpoint", "TensorSlice", "SaveResult",
     "NvckptError", "FormatError", "TruncatedError", "ChecksumError", "UnsupportedCodecError",
     "UnsupportedFeatureError", "LimitError", "UnsupportedObjectError", "TensorNotFoundError",
     "__version__",

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import platform
-import tempfile
+import secrets
+import threading
 import time
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
@@ -21,6 +23,7 @@ from .pipeline.container import ContainerWriter, EncodedChunk, TensorFrame
 from .pipeline.encode_cpu import encode_cpu
 from .pipeline.plan import PlannedTensor, SavePlan, plan_save
 from .pipeline.reader import Reader
+from .pipeline.sink import FileSink
 
 CODECS = ("auto", "portable", "zstd", "raw", "ans")
 
@@ -94,18 +97,23 @@ def write_plan(stream: Any, items: Iterable[TensorFrame | EncodedChunk], plan: S
 class _AtomicFile:
     """Write to a temporary file beside ``path``; fsync and rename over it only on success."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, direct_io: bool = True) -> None:
         self.path = os.path.abspath(path)
         if os.path.isdir(self.path):
             raise IsADirectoryError(f"{path} is a directory")
         folder, base = os.path.split(self.path)
-        fd, self.tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=".nvckpt-tmp", dir=folder)
-        self.file = os.fdopen(fd, "wb", buffering=8 << 20)
+        for _ in range(100):
+            self.tmp = os.path.join(folder, f".{base}.{secrets.token_hex(4)}.nvckpt-tmp")
+            try:
+                self.file = FileSink(self.tmp, direct=direct_io)
+                break
+            except FileExistsError:
+                continue
+        else:
+            raise FileExistsError(f"could not create a temporary file beside {path}")
 
     def commit(self) -> None:
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        self.file.close()
+        self.file.close(sync=True)
         os.replace(self.tmp, self.path)
         dir_fd = os.open(os.path.dirname(self.path), os.O_RDONLY)
         try:
@@ -115,10 +123,88 @@ class _AtomicFile:
 
     def abort(self) -> None:
         try:
-            self.file.close()
+            self.file.abort()
         finally:
             if os.path.exists(self.tmp):
                 os.unlink(self.tmp)
+
+
+def _check_save_args(codec: str | Pipeline, engine: str) -> None:
+    if engine not in ("auto", "cpu", "gpu"):
+        raise ValueError(f"engine must be 'auto', 'cpu' or 'gpu', got {engine!r}")
+    if not isinstance(codec, Pipeline) and codec not in CODECS:
+        raise ValueError(f"codec must be one of {CODECS} or a Pipeline, got {codec!r}")
+
+
+class _SaveJob:
+    """One save: a plan, the engine that encodes it, and the target it goes to."""
+
+    def __init__(self, obj: Any, target: Any, *, codec: str | Pipeline, metadata: dict[str, Any] | None,
+                 chunk_size: int, alignment: int, zstd_level: int, derive_bf16: bool,
+                 tensor_checksums: bool, engine: str, workers: int | None, direct_io: bool) -> None:
+        _check_save_args(codec, engine)
+        if not 1 <= alignment <= (1 << 20) or alignment & (alignment - 1):
+            raise ValueError(f"alignment must be a power of two in 1..{1 << 20}, got {alignment!r}")
+        self.start = time.perf_counter()
+        self.target = target
+        self.plan = plan_save(obj, metadata=metadata, chunk_size=chunk_size, derive_bf16=derive_bf16)
+        self.gpu = _gpu_engine(self.plan, codec, engine)
+        self.codec, self.zstd_level, self.tensor_checksums = codec, zstd_level, tensor_checksums
+        self.alignment, self.workers, self.direct_io = alignment, workers, direct_io
+
+    def snapshot(self) -> None:
+        """Copy every tensor, so the caller may change its own right away (async_save)."""
+        if self.gpu is not None and hasattr(self.gpu, "snapshot"):
+            self.gpu.snapshot(self.plan)
+            return
+        with torch.no_grad():
+            for t in self.plan.tensors:
+                if t.data is not None:
+                    snap = torch.empty(t.data.shape, dtype=t.data.dtype, device="cpu")
+                    t.data = snap.copy_(t.data)
+
+    def items(self) -> Iterator[TensorFrame | EncodedChunk]:
+        if self.gpu is not None:
+            return self.gpu.encode_gpu(self.plan, codec=self.codec, zstd_level=self.zstd_level,
+                                       tensor_checksums=self.tensor_checksums)
+        return encode_cpu(self.plan, cpu_pipeline_chooser(self.codec, self.zstd_level), workers=self.workers,
+                          tensor_checksums=self.tensor_checksums)
+
+    def run(self, cancel: threading.Event | None = None) -> SaveResult:
+        info = writer_info(self.gpu.writer_info() if self.gpu is not None else None)
+        items = self.items()
+        if cancel is not None:
+            items = _cancellable(items, cancel)
+        raw_bytes = sum(t.nbytes for t in self.plan.tensors)
+        engine = "gpu" if self.gpu is not None else "cpu"
+        if hasattr(self.target, "write"):
+            size = write_plan(self.target, items, self.plan, alignment=self.alignment, info=info)
+            return SaveResult(None, raw_bytes, size, time.perf_counter() - self.start, engine)
+        out = _AtomicFile(os.fspath(self.target), direct_io=self.direct_io)
+        try:
+            size = write_plan(out.file, items, self.plan, alignment=self.alignment, info=info)
+            if cancel is not None and cancel.is_set():
+                raise CancelledError("async save cancelled; the file at the target path was not changed")
+            out.commit()
+        except BaseException:
+            out.abort()
+            raise
+        return SaveResult(out.path, raw_bytes, size, time.perf_counter() - self.start, engine)
+
+
+def _cancellable(items: Iterator, cancel: threading.Event) -> Iterator:
+    for item in items:
+        if cancel.is_set():
+            close = getattr(items, "close", None)
+            if close is not None:
+                close()  # lets the engine release its buffers
+            raise CancelledError("async save cancelled; the file at the target path was not changed")
+        yield item
+
+
+_SAVE_DEFAULTS = dict(codec="auto", metadata=None, chunk_size=DEFAULT_CHUNK_SIZE, alignment=DEFAULT_ALIGNMENT,
+                      zstd_level=1, derive_bf16=False, tensor_checksums=True, engine="auto", workers=None,
+                      direct_io=True)
 
 
 def save(
@@ -134,6 +220,7 @@ def save(
     tensor_checksums: bool = True,
     engine: str = "auto",
     workers: int | None = None,
+    direct_io: bool = True,
 ) -> SaveResult:
     """Save a nested training state (tensors in dicts, lists, tuples, with scalars and strings).
 
@@ -142,32 +229,60 @@ def save(
     ``codec``: "auto" (nvcomp-ans on a GPU with nvCOMP, else portable),
     "portable" (byteshuffle+zstd, readable by any zstd library), "zstd",
     "raw", "ans" (GPU only), or a ``nvckpt.codecs.Pipeline``.
+    ``derive_bf16``: store a bf16 tensor that is exactly the rounding of a
+    saved fp32 tensor as derived from it (zero bytes; verified bit for bit).
+    ``direct_io``: write with O_DIRECT where the filesystem allows it.
     """
-    if engine not in ("auto", "cpu", "gpu"):
-        raise ValueError(f"engine must be 'auto', 'cpu' or 'gpu', got {engine!r}")
-    if not isinstance(codec, Pipeline) and codec not in CODECS:
-        raise ValueError(f"codec must be one of {CODECS} or a Pipeline, got {codec!r}")
+    return _SaveJob(obj, target, codec=codec, metadata=metadata, chunk_size=chunk_size, alignment=alignment,
+                    zstd_level=zstd_level, derive_bf16=derive_bf16, tensor_checksums=tensor_checksums,
+                    engine=engine, workers=workers, direct_io=direct_io).run()
+
+
+class SaveFuture(Future):
+    """The result of ``async_save``: a concurrent.futures.Future of a SaveResult.
+
+    ``blocked_seconds`` is how long ``async_save`` held the caller.
+    ``cancel()`` also stops a save that is already running, unless it has
+    reached its final rename; a cancelled save leaves the target path with
+    whatever file it had before."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocked_seconds = 0.0
+        self._stop = threading.Event()
+
+    def cancel(self) -> bool:
+        if self.done():
+            return False
+        self._stop.set()
+        return True
+
+
+def async_save(obj: Any, target: str | os.PathLike | Any, **options: Any) -> SaveFuture:
+    """Start a save and return once the tensors are snapshotted.
+
+    The caller may change its tensors as soon as this returns: the file holds
+    their values at the time of the call.  Takes the options of ``save``."""
+    unknown = set(options) - set(_SAVE_DEFAULTS)
+    if unknown:
+        raise TypeError(f"async_save() got unexpected options {sorted(unknown)}")
     start = time.perf_counter()
-    plan = plan_save(obj, metadata=metadata, chunk_size=chunk_size, derive_bf16=derive_bf16)
-    gpu = _gpu_engine(plan, codec, engine)
-    if gpu is not None:
-        items = gpu.encode_gpu(plan, codec=codec, zstd_level=zstd_level, tensor_checksums=tensor_checksums)
-        info = writer_info(gpu.writer_info())
-    else:
-        items = encode_cpu(plan, cpu_pipeline_chooser(codec, zstd_level), workers=workers, tensor_checksums=tensor_checksums)
-        info = writer_info()
-    raw_bytes = sum(t.nbytes for t in plan.tensors)
-    if hasattr(target, "write"):
-        size = write_plan(target, items, plan, alignment=alignment, info=info)
-        return SaveResult(None, raw_bytes, size, time.perf_counter() - start, "gpu" if gpu else "cpu")
-    out = _AtomicFile(os.fspath(target))
-    try:
-        size = write_plan(out.file, items, plan, alignment=alignment, info=info)
-        out.commit()
-    except BaseException:
-        out.abort()
-        raise
-    return SaveResult(out.path, raw_bytes, size, time.perf_counter() - start, "gpu" if gpu else "cpu")
+    job = _SaveJob(obj, target, **{**_SAVE_DEFAULTS, **options})
+    job.snapshot()
+    future = SaveFuture()
+    future.set_running_or_notify_cancel()
+
+    def work() -> None:
+        try:
+            result = job.run(future._stop)
+        except BaseException as exc:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+
+    threading.Thread(target=work, name="nvckpt-async-save", daemon=False).start()
+    future.blocked_seconds = time.perf_counter() - start
+    return future
 
 
 class TensorSlice:
@@ -326,4 +441,4 @@ def load(target: str | os.PathLike | Any, *, device: str | torch.device = "cpu",
         return ck.load(keys)
 
 
-__all__ = ["save", "load", "open", "Checkpoint", "TensorSlice", "SaveResult", "NvckptError"]
+__all__ = ["save", "async_save", "SaveFuture", "load", "open", "Checkpoint", "TensorSlice", "SaveResult", "NvckptError"]

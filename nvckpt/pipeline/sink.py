@@ -1,0 +1,159 @@
+"""FileSink: the last stage of a save, aligned block writes overlapped with encoding.
+
+Frames are copied into fixed-size staging blocks; a full block goes to an I/O
+thread that writes it (with O_DIRECT where the filesystem allows: the page
+cache then costs neither copies nor a long fsync), while the caller fills the
+next block.  The pool of blocks is bounded, so a slow disk slows the encoder
+(backpressure) instead of growing memory.  An I/O error is raised to the
+caller at its next write or at close.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import queue
+import threading
+from typing import Any, Callable
+
+from ..errors import NvckptError
+
+DEFAULT_BLOCK = 16 << 20
+DEFAULT_BLOCKS = 4
+_DIRECT_ALIGN = 4096
+
+
+def _mmap_block(size: int) -> Any:
+    # Anonymous mmap is page-aligned, as O_DIRECT needs.
+    return mmap.mmap(-1, size)
+
+
+class FileSink:
+    """A write-only binary sink over a file descriptor it owns."""
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        direct: bool = True,
+        block_size: int = DEFAULT_BLOCK,
+        blocks: int = DEFAULT_BLOCKS,
+        allocate: Callable[[int], Any] = _mmap_block,
+        flags: int = os.O_WRONLY | os.O_CREAT | os.O_EXCL,
+    ) -> None:
+        if block_size % _DIRECT_ALIGN or block_size <= 0:
+            raise ValueError(f"block_size must be a positive multiple of {_DIRECT_ALIGN}")
+        if blocks < 2:
+            raise ValueError("a FileSink needs at least 2 blocks to overlap copy and I/O")
+        self.path = path
+        self.direct = False
+        self.fd = -1
+        if direct and hasattr(os, "O_DIRECT"):
+            try:
+                self.fd = os.open(path, flags | os.O_DIRECT, 0o644)
+                self.direct = True
+            except OSError as exc:
+                if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+                    raise
+        if self.fd < 0:
+            self.fd = os.open(path, flags, 0o644)
+        self.block_size = block_size
+        self._free: queue.Queue = queue.Queue()
+        for _ in range(blocks):
+            self._free.put(memoryview(allocate(block_size)))
+        self._full: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._current = self._free.get()
+        self._used = 0
+        self.position = 0  # bytes accepted so far
+        self.written = 0  # bytes on disk so far
+        self._closed = False
+        self._thread = threading.Thread(target=self._io_loop, name="nvckpt-io", daemon=True)
+        self._thread.start()
+
+    # -- I/O thread --------------------------------------------------------
+    def _io_loop(self) -> None:
+        while True:
+            item = self._full.get()
+            if item is None:
+                return
+            block, length = item
+            try:
+                if self._error is None:
+                    self._write_all(block, length)
+            except BaseException as exc:  # reported to the producer
+                self._error = exc
+            finally:
+                self._free.put(block)
+
+    def _write_all(self, block: memoryview, length: int) -> None:
+        # O_DIRECT needs an aligned length: the last block is padded, then truncated at close.
+        padded = -(-length // _DIRECT_ALIGN) * _DIRECT_ALIGN if self.direct else length
+        view = block[:padded]
+        done = 0
+        while done < padded:
+            n = os.write(self.fd, view[done:])
+            if n <= 0:
+                raise OSError(errno.EIO, "write returned 0 bytes")
+            done += n
+        self.written += length
+
+    def _check(self) -> None:
+        if self._error is not None:
+            err = self._error
+            if isinstance(err, OSError):
+                raise OSError(err.errno, f"writing {self.path}: {err.strerror}") from err
+            raise NvckptError(f"writing failed: {err}", path=self.path) from err
+
+    def _submit(self) -> None:
+        self._full.put((self._current, self._used))
+        self._current = None
+        self._used = 0
+
+    # -- producer side -----------------------------------------------------
+    def write(self, data: Any) -> int:
+        self._check()
+        src = memoryview(data).cast("B")
+        n = src.nbytes
+        pos = 0
+        while pos < n:
+            if self._current is None:
+                self._current = self._free.get()  # blocks while the disk is behind
+                self._check()
+            take = min(n - pos, self.block_size - self._used)
+            self._current[self._used : self._used + take] = src[pos : pos + take]
+            self._used += take
+            pos += take
+            if self._used == self.block_size:
+                self._submit()
+        self.position += n
+        return n
+
+    def close(self, *, sync: bool = True) -> None:
+        """Write what is left, wait for the I/O thread, fsync, close."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._current is not None and self._used:
+                self._submit()
+            self._full.put(None)
+            self._thread.join()
+            self._check()
+            if self.direct:
+                os.ftruncate(self.fd, self.position)  # drop the padding of the last block
+            if sync:
+                os.fsync(self.fd)
+        finally:
+            os.close(self.fd)
+
+    def abort(self) -> None:
+        """Stop without flushing (the caller removes the file)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._error = self._error or NvckptError("aborted", path=self.path)
+        self._full.put(None)
+        self._thread.join()
+        os.close(self.fd)
