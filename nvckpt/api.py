@@ -19,6 +19,7 @@ from .errors import NvckptError, UnsupportedCodecError
 from .format.constants import DEFAULT_ALIGNMENT, DEFAULT_CHUNK_SIZE
 from .format.index import TensorEntry
 from .format.tree import TensorRef
+from .derive import bf16_rne
 from .pipeline.container import ContainerWriter, EncodedChunk, TensorFrame
 from .pipeline.encode_cpu import encode_cpu
 from .pipeline.plan import PlannedTensor, SavePlan, plan_save
@@ -338,12 +339,24 @@ class TensorSlice:
         return self._ck._to_device(reader.rows(entry, lo, hi)[(picked - lo,) + rest])
 
 
+def _gpu_decoder(device: torch.device):
+    """The GPU decoding engine for a CUDA device, when nvCOMP is there; else None (CPU decode, then copy)."""
+    if device.type != "cuda":
+        return None
+    try:
+        from .pipeline import decode_gpu
+    except ImportError:
+        return None
+    return decode_gpu if decode_gpu.available() else None
+
+
 class Checkpoint:
     """An open nvckpt file: lazy, random access, safe to share between threads."""
 
     def __init__(self, target: Any, *, device: str | torch.device = "cpu", workers: int | None = None) -> None:
         self.device = torch.device(device)
         self._reader = Reader(target, workers=workers)
+        self._gpu = _gpu_decoder(self.device)
 
     # context manager
     def __enter__(self) -> "Checkpoint":
@@ -389,32 +402,52 @@ class Checkpoint:
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.device.type == "cpu" else t.to(self.device)
 
+    def _load_data(self, entries: list[TensorEntry]) -> dict[int, torch.Tensor]:
+        """Stored tensors on the target device: decoded on the GPU where it can, else on the CPU."""
+        if self._gpu is not None and entries:
+            return self._gpu.load_entries(self._reader, entries, self.device)
+        return {e.tensor_id: self._to_device(self._reader.tensor(e)) for e in entries}
+
+    def _load(self, tids: Iterable[int]) -> dict[int, torch.Tensor]:
+        """Tensors by id, with views built on their (shared) base and derived tensors computed on the device."""
+        tensors = self._reader.index.tensors
+        wanted: dict[int, None] = {}
+
+        def need(tid: int) -> None:
+            e = tensors[tid]
+            if e.view is not None:
+                need(e.view["base"])
+            elif e.derived is not None:
+                need(e.derived["source"])
+            wanted[tid] = None
+
+        for tid in tids:
+            need(tid)
+        out = self._load_data([tensors[t] for t in wanted if tensors[t].chunks is not None])
+        for tid in wanted:  # bases and sources come before their users
+            e = tensors[tid]
+            if e.view is not None:
+                out[tid] = out[e.view["base"]].as_strided(e.shape, e.view["stride"], e.view["offset"])
+            elif e.derived is not None:
+                out[tid] = bf16_rne(out[e.derived["source"]])
+        return out
+
     def get_tensor(self, name: str) -> torch.Tensor:
-        entry = self._reader.entry(name)
-        return self._to_device(self._reader.tensor(entry))
+        tid = self._reader.entry(name).tensor_id
+        return self._load([tid])[tid]
 
     def get_slice(self, name: str) -> TensorSlice:
         return TensorSlice(self, self._reader.entry(name))
 
     def load(self, keys: Iterable[str] | None = None) -> Any:
         """The whole saved object (or, with ``keys``, a dict of just those tensors)."""
-        cache: dict[int, torch.Tensor] = {}
-        moved: dict[int, torch.Tensor] = {}
-
-        def get(tid: int) -> torch.Tensor:
-            if tid not in moved:
-                moved[tid] = self._to_device(self._reader.tensor(self._reader.index.tensors[tid], cache))
-            return moved[tid]
-
         if keys is not None:
-            return {k: get(self._reader.entry(k).tensor_id) for k in keys}
-        self._preload(get)
-        return _rebuild(self._reader.index.tree, get)
-
-    def _preload(self, get: Callable[[int], torch.Tensor]) -> None:
-        for entry in self._reader.index.tensors:
-            if not entry.internal:
-                get(entry.tensor_id)
+            keys = list(keys)
+            ids = [self._reader.entry(k).tensor_id for k in keys]
+            loaded = self._load(ids)
+            return {k: loaded[t] for k, t in zip(keys, ids)}
+        loaded = self._load(e.tensor_id for e in self._reader.index.tensors if not e.internal)
+        return _rebuild(self._reader.index.tree, loaded.__getitem__)
 
 
 def _rebuild(node: Any, get: Callable[[int], torch.Tensor]) -> Any:
