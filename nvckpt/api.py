@@ -146,6 +146,8 @@ class _SaveJob:
         _check_save_args(codec, engine)
         if not 1 <= alignment <= (1 << 20) or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two in 1..{1 << 20}, got {alignment!r}")
+        if type(zstd_level) is not int or not -7 <= zstd_level <= 22:
+            raise ValueError(f"zstd_level must be an integer in -7..22, got {zstd_level!r}")
         self.start = time.perf_counter()
         self.target = target
         self.plan = plan_save(obj, metadata=metadata, chunk_size=chunk_size, derive_bf16=derive_bf16)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import FormatError, UnsupportedObjectError
+from .errors import FormatError, UnsupportedFeatureError, UnsupportedObjectError
 
 
 @dataclass(frozen=True)
@@ -43,8 +43,10 @@ _BY_TORCH = {d: n for n, d in TORCH_DTYPES.items()}
 
 
 def from_name(name: object) -> DType:
-    if not isinstance(name, str) or name not in DTYPES:
-        raise FormatError(f"unknown dtype {name!r}")
+    if not isinstance(name, str):
+        raise FormatError(f"dtype must be a string, got {name!r:.80}")
+    if name not in DTYPES:
+        raise UnsupportedFeatureError(f"unknown dtype {name!r:.80} (this reader knows {', '.join(DTYPES)})")
     return DTYPES[name]
 
 

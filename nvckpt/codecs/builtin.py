@@ -32,8 +32,9 @@ class Zstd(Codec):
     readers = "any zstd library (libzstd, python zstandard, nvCOMP Zstd)"
 
     def __init__(self, level: int = 1) -> None:
-        if not isinstance(level, int) or isinstance(level, bool) or not -7 <= level <= 22:
-            raise ValueError(f"zstd level must be an integer in -7..22, got {level!r}")
+        # Any integer is valid in a file (decoders ignore it); encoding needs -7..22.
+        if not isinstance(level, int) or isinstance(level, bool):
+            raise ValueError(f"zstd level must be an integer, got {level!r}")
         self.level = level
 
     def configuration(self) -> dict[str, Any]:
@@ -47,6 +48,8 @@ class Zstd(Codec):
         return cls(configuration.get("level", 1))
 
     def encode(self, data: memoryview) -> bytes:
+        if not -7 <= self.level <= 22:
+            raise ValueError(f"zstd level must be in -7..22 to encode, got {self.level}")
         # A compressor per call: ZstdCompressor objects are not thread-safe.
         return zstandard.ZstdCompressor(level=self.level, write_content_size=True).compress(data)
 

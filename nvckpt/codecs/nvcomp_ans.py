@@ -37,9 +37,9 @@ class NvcompAns(Codec):
 
     @classmethod
     def from_configuration(cls, configuration: dict[str, Any]) -> "NvcompAns":
-        unknown = set(configuration) - {"data_type", "nvcomp_version", "bitstream"}
-        if unknown:
-            raise ValueError(f"unknown nvcomp-ans configuration keys {sorted(unknown)}")
+        keys = {"data_type", "nvcomp_version", "bitstream"}
+        if set(configuration) != keys:
+            raise ValueError(f"nvcomp-ans configuration needs exactly {sorted(keys)}, got {sorted(configuration)}")
         return cls(**configuration)
 
     def encode(self, data: memoryview) -> bytes:

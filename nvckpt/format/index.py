@@ -10,10 +10,11 @@ import msgpack
 from .. import dtypes
 from ..codecs import Pipeline, pipeline_from_json
 from ..derive import FUNCTIONS
-from ..errors import FormatError, LimitError, NvckptError
+from ..errors import FormatError, LimitError, NvckptError, UnsupportedFeatureError
 from .constants import (
     EXT_TENSOR,
     EXT_TUPLE,
+    FRAME_HEADER_SIZE,
     MAX_CHUNK_LENGTH,
     MAX_CODECS,
     MAX_NAME_BYTES,
@@ -196,7 +197,7 @@ def _parse_entry(tid: int, raw: dict, ncodecs: int, index_offset: int, ranges: l
             c = _list(c, f"{where}: chunk {i}")
             if len(c) != 5:
                 raise FormatError(f"{where}: chunk {i} must be [offset, stored_length, raw_length, codec, checksum]")
-            off = _int(c[0], f"{where}: chunk {i} offset", PREAMBLE_SIZE)
+            off = _int(c[0], f"{where}: chunk {i} offset", PREAMBLE_SIZE + FRAME_HEADER_SIZE)
             stored = _int(c[1], f"{where}: chunk {i} stored_length", 1, MAX_CHUNK_LENGTH)
             rawlen = _int(c[2], f"{where}: chunk {i} raw_length", 1, MAX_CHUNK_LENGTH)
             codec = _int(c[3], f"{where}: chunk {i} codec id", 0, MAX_CODECS)
@@ -226,7 +227,7 @@ def _parse_entry(tid: int, raw: dict, ncodecs: int, index_offset: int, ranges: l
     if "derived" in raw:
         derived = _map(raw["derived"], f"{where}: 'derived'")
         if derived.get("function") not in FUNCTIONS:
-            raise FormatError(f"{where}: unknown derived function {derived.get('function')!r:.60} (known: {', '.join(FUNCTIONS)})")
+            raise UnsupportedFeatureError(f"{where}: unknown derived function {derived.get('function')!r:.60} (known: {', '.join(FUNCTIONS)})")
         _int(derived.get("source"), f"{where}: derived source", 0, MAX_TENSORS)
     return TensorEntry(tid, name, dtype, shape, chunks, view, derived, checksum, internal)
 

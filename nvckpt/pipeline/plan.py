@@ -131,7 +131,7 @@ def plan_save(
             "nvckpt stores tensors, dicts, lists, tuples, str, bytes, int, float, bool and None (no pickle)"
         )
 
-    skeleton = walk(obj, (), 0)
+    skeleton = walk(obj, (), 1)  # the root container is level 1, as in check_tree
     if metadata is not None:
         _check_metadata(metadata)
 

@@ -18,7 +18,7 @@ import torch
 
 from .. import dtypes
 from ..derive import bf16_rne
-from ..errors import ChecksumError, FormatError, LimitError, NvckptError, TensorNotFoundError, TruncatedError
+from ..errors import ChecksumError, FormatError, LimitError, NvckptError, TensorNotFoundError, TruncatedError, UnsupportedCodecError, UnsupportedFeatureError
 from ..format.constants import (
     FIRST_OPTIONAL_FRAME,
     FOOTER_SIZE,
@@ -162,6 +162,10 @@ class Reader:
         pipeline = self.index.codecs[c.codec_id]
         try:
             out = memoryview(pipeline.decode(memoryview(data), c.raw_length))
+        except UnsupportedCodecError as exc:
+            w = self.index.writer
+            exc.reason += f" [codec id {c.codec_id}; file written by {w.get('name', '?')} {w.get('version', '?')}]"
+            raise exc.located(path=self.path, tensor=entry.name, chunk=i, offset=c.offset)
         except NvckptError as exc:
             raise exc.located(path=self.path, tensor=entry.name, chunk=i, offset=c.offset)
         except Exception as exc:  # a decoder rejecting its input
@@ -239,7 +243,7 @@ def scan_frames(source: Source, start: int = PREAMBLE_SIZE) -> Iterator[tuple[in
         if end > source.size:
             raise TruncatedError(f"{FRAME_NAMES.get(header.frame_type, 'frame')} payload runs past the end of the file", path=source.name, offset=offset)
         if header.frame_type not in FRAME_NAMES and header.frame_type < FIRST_OPTIONAL_FRAME:
-            raise FormatError(f"unknown required frame type {header.frame_type}", path=source.name, offset=offset)
+            raise UnsupportedFeatureError(f"unknown required frame type {header.frame_type}", path=source.name, offset=offset)
         yield offset, header
         if header.frame_type == FRAME_INDEX:
             return
