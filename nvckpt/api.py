@@ -141,17 +141,20 @@ class _SaveJob:
     """One save: a plan, the engine that encodes it, and the target it goes to."""
 
     def __init__(self, obj: Any, target: Any, *, codec: str | Pipeline, metadata: dict[str, Any] | None,
-                 chunk_size: int, alignment: int, zstd_level: int, derive_bf16: bool,
+                 chunk_size: int | None, alignment: int, zstd_level: int, derive_bf16: bool,
                  tensor_checksums: bool, engine: str, workers: int | None, direct_io: bool) -> None:
         _check_save_args(codec, engine)
-        if not 1 <= alignment <= (1 << 20) or alignment & (alignment - 1):
+        if type(alignment) is not int or not 1 <= alignment <= (1 << 20) or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two in 1..{1 << 20}, got {alignment!r}")
         if type(zstd_level) is not int or not -7 <= zstd_level <= 22:
             raise ValueError(f"zstd_level must be an integer in -7..22, got {zstd_level!r}")
         self.start = time.perf_counter()
         self.target = target
-        self.plan = plan_save(obj, metadata=metadata, chunk_size=chunk_size, derive_bf16=derive_bf16)
+        self.plan = plan_save(obj, metadata=metadata, chunk_size=chunk_size or DEFAULT_CHUNK_SIZE,
+                              derive_bf16=derive_bf16)
         self.gpu = _gpu_engine(self.plan, codec, engine)
+        if chunk_size is None and self.gpu is not None and self.gpu.CHUNK_SIZE != DEFAULT_CHUNK_SIZE:
+            self.plan.rechunk(self.gpu.CHUNK_SIZE)  # the GPU engine's own default
         self.codec, self.zstd_level, self.tensor_checksums = codec, zstd_level, tensor_checksums
         self.alignment, self.workers, self.direct_io = alignment, workers, direct_io
 
@@ -205,7 +208,7 @@ def _cancellable(items: Iterator, cancel: threading.Event) -> Iterator:
         yield item
 
 
-_SAVE_DEFAULTS = dict(codec="auto", metadata=None, chunk_size=DEFAULT_CHUNK_SIZE, alignment=DEFAULT_ALIGNMENT,
+_SAVE_DEFAULTS = dict(codec="auto", metadata=None, chunk_size=None, alignment=DEFAULT_ALIGNMENT,
                       zstd_level=1, derive_bf16=False, tensor_checksums=True, engine="auto", workers=None,
                       direct_io=True)
 
@@ -216,7 +219,7 @@ def save(
     *,
     codec: str | Pipeline = "auto",
     metadata: dict[str, Any] | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = None,
     alignment: int = DEFAULT_ALIGNMENT,
     zstd_level: int = 1,
     derive_bf16: bool = False,
@@ -234,6 +237,8 @@ def save(
     "raw", "ans" (GPU only), or a ``nvckpt.codecs.Pipeline``.
     ``derive_bf16``: store a bf16 tensor that is exactly the rounding of a
     saved fp32 tensor as derived from it (zero bytes; verified bit for bit).
+    ``chunk_size``: target raw bytes per chunk (default: 1 MiB on the CPU
+    engine, the GPU engine's own default on the GPU).
     ``direct_io``: write with O_DIRECT where the filesystem allows it.
     """
     return _SaveJob(obj, target, codec=codec, metadata=metadata, chunk_size=chunk_size, alignment=alignment,

@@ -58,6 +58,12 @@ class SavePlan:
     def data_tensors(self) -> list[PlannedTensor]:
         return [t for t in self.tensors if t.data is not None]
 
+    def rechunk(self, chunk_size: int) -> None:
+        """Cut every stored tensor again with another target chunk size."""
+        _check_chunk_size(chunk_size)
+        for t in self.data_tensors():
+            t.chunks = chunk_ranges(tuple(t.entry["shape"]), dtypes.DTYPES[t.entry["dtype"]].itemsize, chunk_size)
+
 
 def chunk_ranges(shape: tuple[int, ...], itemsize: int, chunk_size: int) -> list[tuple[int, int]]:
     """Chunks of whole rows of dim 0 where a row fits in ``chunk_size``; else pieces of one row."""
@@ -76,6 +82,11 @@ def chunk_ranges(shape: tuple[int, ...], itemsize: int, chunk_size: int) -> list
     for row in range(0, nbytes, row_bytes):
         out.extend((row + s, min(step, row_bytes - s)) for s in range(0, row_bytes, step))
     return out
+
+
+def _check_chunk_size(chunk_size: object) -> None:
+    if type(chunk_size) is not int or not 1 <= chunk_size <= MAX_CHUNK_LENGTH:
+        raise ValueError(f"chunk_size must be an integer in 1..{MAX_CHUNK_LENGTH}, got {chunk_size!r}")
 
 
 def _check_int(value: int, path: str) -> int:
@@ -101,8 +112,7 @@ def plan_save(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     derive_bf16: bool = False,
 ) -> SavePlan:
-    if not isinstance(chunk_size, int) or not 1 <= chunk_size <= MAX_CHUNK_LENGTH:
-        raise ValueError(f"chunk_size must be in 1..{MAX_CHUNK_LENGTH}, got {chunk_size!r}")
+    _check_chunk_size(chunk_size)
     leaves: list[tuple[str, torch.Tensor]] = []  # (path, tensor) in tree order
 
     def walk(node: Any, parts: tuple[str, ...], depth: int) -> Any:
