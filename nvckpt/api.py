@@ -150,7 +150,7 @@ class _SaveJob:
             raise ValueError(f"zstd_level must be an integer in -7..22, got {zstd_level!r}")
         self.start = time.perf_counter()
         self.target = target
-        self.plan = plan_save(obj, metadata=metadata, chunk_size=chunk_size or DEFAULT_CHUNK_SIZE,
+        self.plan = plan_save(obj, metadata=metadata, chunk_size=DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size,
                               derive_bf16=derive_bf16)
         self.gpu = _gpu_engine(self.plan, codec, engine)
         if chunk_size is None and self.gpu is not None and self.gpu.CHUNK_SIZE != DEFAULT_CHUNK_SIZE:
