@@ -23,7 +23,7 @@ from .derive import bf16_rne
 from .pipeline.container import ContainerWriter, EncodedChunk, TensorFrame
 from .pipeline.encode_cpu import encode_cpu
 from .pipeline.plan import PlannedTensor, SavePlan, plan_save
-from .pipeline.reader import Reader
+from .pipeline.reader import Reader, check_supported
 from .pipeline.sink import FileSink
 
 CODECS = ("auto", "portable", "zstd", "raw", "ans")
@@ -313,9 +313,9 @@ class TensorSlice:
     def __getitem__(self, index: Any) -> torch.Tensor:
         if not isinstance(index, tuple):
             index = (index,)
-        entry, reader = self._entry, self._ck._reader
+        entry, ck = self._entry, self._ck
         if not entry.shape or not index or entry.chunks is None or not isinstance(index[0], (slice, int, list, torch.Tensor)):
-            return self._ck._to_device(reader.tensor(entry)[index])
+            return ck._load([entry.tensor_id])[entry.tensor_id][index]
         first, rest = index[0], index[1:]
         n = entry.shape[0]
         if isinstance(first, slice):
@@ -324,26 +324,28 @@ class TensorSlice:
                 raise ValueError("step must be greater than zero")  # as torch says
             rows = range(start, stop, step)
             if not rows:
-                return self._ck._to_device(reader.rows(entry, 0, 0)[(slice(None),) + rest])
+                return ck._rows(entry, 0, 0)[(slice(None),) + rest]
             lo, hi = rows[0], rows[-1] + 1
-            return self._ck._to_device(reader.rows(entry, lo, hi)[(slice(0, hi - lo, step),) + rest])
+            return ck._rows(entry, lo, hi)[(slice(0, hi - lo, step),) + rest]
         if isinstance(first, int) or (isinstance(first, torch.Tensor) and first.dim() == 0 and first.dtype != torch.bool):
             i = int(first)
             if not -n <= i < n:
                 raise IndexError(f"index {i} is out of bounds for dimension 0 with size {n}")
             i %= n
-            return self._ck._to_device(reader.rows(entry, i, i + 1)[(0,) + rest])
+            return ck._rows(entry, i, i + 1)[(0,) + rest]
         # Fancy indexing on dim 0: read the span it touches.
         picked = torch.as_tensor(first)
         if picked.dtype == torch.bool:
+            if tuple(picked.shape) != (n,):  # a mask over several dims, or of the wrong length: torch's own rules
+                return ck._load([entry.tensor_id])[entry.tensor_id][index]
             picked = picked.nonzero().reshape(-1)
         if picked.numel() == 0:
-            return self._ck._to_device(reader.rows(entry, 0, 0)[(picked,) + rest])
+            return ck._rows(entry, 0, 0)[(picked.long(),) + rest]  # [] is a float tensor
         picked = torch.where(picked < 0, picked + n, picked)
         lo, hi = int(picked.min()), int(picked.max()) + 1
         if lo < 0 or hi > n:
             raise IndexError(f"index out of bounds for dimension 0 with size {n}")
-        return self._ck._to_device(reader.rows(entry, lo, hi)[(picked - lo,) + rest])
+        return ck._rows(entry, lo, hi)[(picked - lo,) + rest]
 
 
 def _gpu_decoder(device: torch.device):
@@ -409,6 +411,12 @@ class Checkpoint:
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t if self.device.type == "cpu" else t.to(self.device)
 
+    def _rows(self, entry: TensorEntry, first: int, stop: int) -> torch.Tensor:
+        """Rows [first, stop) of a stored tensor on the target device, decoding only the chunks that hold them."""
+        if self._gpu is not None:
+            return self._gpu.load_rows(self._reader, entry, first, stop, self.device)
+        return self._to_device(self._reader.rows(entry, first, stop))
+
     def _load_data(self, entries: list[TensorEntry]) -> dict[int, torch.Tensor]:
         """Stored tensors on the target device: decoded on the GPU where it can, else on the CPU."""
         if self._gpu is not None and entries:
@@ -422,6 +430,7 @@ class Checkpoint:
 
         def need(tid: int) -> None:
             e = tensors[tid]
+            check_supported(e, self._reader.path)
             if e.view is not None:
                 need(e.view["base"])
             elif e.derived is not None:
@@ -453,7 +462,9 @@ class Checkpoint:
             ids = [self._reader.entry(k).tensor_id for k in keys]
             loaded = self._load(ids)
             return {k: loaded[t] for k, t in zip(keys, ids)}
-        loaded = self._load(e.tensor_id for e in self._reader.index.tensors if not e.internal)
+        # Every entry the tree refers to (a reference to an "internal" entry is legal, SPEC 9).
+        loaded = self._load({*self._reader.index.paths.values(),
+                             *(e.tensor_id for e in self._reader.index.tensors if not e.internal)})
         return _rebuild(self._reader.index.tree, loaded.__getitem__)
 
 

@@ -21,6 +21,7 @@ from .constants import (
     MAX_RANK,
     MAX_TENSOR_BYTES,
     MAX_TENSORS,
+    MAX_TREE_DEPTH,
     PREAMBLE_SIZE,
     VERSION_MAJOR,
 )
@@ -50,6 +51,7 @@ class TensorEntry:
     derived: dict[str, Any] | None
     checksum: int | None
     internal: bool
+    unsupported: str | None = None  # why this reader cannot build the tensor (raised when it is read)
 
     @property
     def numel(self) -> int:
@@ -121,6 +123,7 @@ def parse_index(data: dict[str, Any], index_offset: int) -> Index:
     metadata = _map(data.get("metadata", {}), "index 'metadata'")
     if not all(isinstance(k, str) for k in metadata):
         raise FormatError("metadata keys must be strings")
+    _check_depth(metadata, "metadata")
 
     codec_list = _list(data.get("codecs"), "index 'codecs'")
     if len(codec_list) > MAX_CODECS:
@@ -160,6 +163,17 @@ def parse_index(data: dict[str, Any], index_offset: int) -> Index:
     return Index(writer, codecs, tensors, tree, metadata, (version[0], version[1]), paths)
 
 
+def _check_depth(node: Any, what: str) -> None:
+    """SPEC 8.6: metadata nests at most MAX_TREE_DEPTH deep (root container = 1)."""
+    stack = [(node, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list, tuple)):
+            if depth > MAX_TREE_DEPTH:
+                raise LimitError(f"{what} nesting exceeds the limit of {MAX_TREE_DEPTH}")
+            stack.extend((x, depth + 1) for x in (item.values() if isinstance(item, dict) else item))
+
+
 def _parse_entry(tid: int, raw: dict, ncodecs: int, index_offset: int, ranges: list) -> TensorEntry:
     name = raw.get("name")
     if not isinstance(name, str):
@@ -167,15 +181,20 @@ def _parse_entry(tid: int, raw: dict, ncodecs: int, index_offset: int, ranges: l
     where = f"tensor {name!r:.200}"
     if len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
         raise LimitError(f"{where}: name longer than {MAX_NAME_BYTES} bytes")
-    dtype = dtypes.from_name(raw.get("dtype"))
+    unsupported = None
+    try:
+        dtype = dtypes.from_name(raw.get("dtype"))
+    except UnsupportedFeatureError as exc:  # SPEC 10: fail when the tensor is read, not at open
+        dtype, unsupported = dtypes.DType(raw["dtype"], 0, False), exc.reason
     shape = tuple(_int(d, f"{where}: shape dimension") for d in _list(raw.get("shape"), f"{where}: 'shape'"))
     if len(shape) > MAX_RANK:
         raise LimitError(f"{where}: rank {len(shape)} exceeds {MAX_RANK}")
-    numel = 1
+    numel = nonzero = 1
     for d in shape:
         numel *= d
+        nonzero *= d or 1
     nbytes = numel * dtype.itemsize
-    if nbytes > MAX_TENSOR_BYTES:
+    if max(nbytes, nonzero * dtype.itemsize) > MAX_TENSOR_BYTES:  # SPEC 8.3: an empty tensor may not hide an overflow
         raise LimitError(f"{where}: {nbytes} bytes exceed the limit of {MAX_TENSOR_BYTES}")
     kinds = [k for k in ("chunks", "view", "derived") if k in raw]
     if len(kinds) != 1:
@@ -190,7 +209,7 @@ def _parse_entry(tid: int, raw: dict, ncodecs: int, index_offset: int, ranges: l
     chunks = None
     if "chunks" in raw:
         chunk_list = _list(raw["chunks"], f"{where}: 'chunks'")
-        if len(chunk_list) > nbytes:  # every chunk holds at least one byte
+        if unsupported is None and len(chunk_list) > nbytes:  # every chunk holds at least one byte
             raise FormatError(f"{where}: {len(chunk_list)} chunks for {nbytes} bytes")
         parsed, total = [], 0
         for i, c in enumerate(chunk_list):
@@ -206,12 +225,12 @@ def _parse_entry(tid: int, raw: dict, ncodecs: int, index_offset: int, ranges: l
             check = _int(c[4], f"{where}: chunk {i} checksum")
             if off + stored > index_offset:
                 raise FormatError(f"{where}: chunk {i} ({off}..{off + stored}) runs past the index at {index_offset}")
-            if rawlen % dtype.itemsize:
+            if unsupported is None and rawlen % dtype.itemsize:
                 raise FormatError(f"{where}: chunk {i} raw_length {rawlen} is not a multiple of the item size {dtype.itemsize}")
             parsed.append(Chunk(off, stored, rawlen, codec, check, total))
             ranges.append((off, off + stored, tid, i))
             total += rawlen
-        if total != nbytes:
+        if unsupported is None and total != nbytes:
             raise FormatError(f"{where}: chunks hold {total} raw bytes, shape and dtype need {nbytes}")
         chunks = tuple(parsed)
     view = derived = None
@@ -226,10 +245,10 @@ def _parse_entry(tid: int, raw: dict, ncodecs: int, index_offset: int, ranges: l
             _int(s, f"{where}: view stride", 0, MAX_TENSOR_BYTES)
     if "derived" in raw:
         derived = _map(raw["derived"], f"{where}: 'derived'")
-        if derived.get("function") not in FUNCTIONS:
-            raise UnsupportedFeatureError(f"{where}: unknown derived function {derived.get('function')!r:.60} (known: {', '.join(FUNCTIONS)})")
+        if derived.get("function") not in FUNCTIONS:  # SPEC 8.5: fail when the tensor is read, not at open
+            unsupported = unsupported or f"unknown derived function {derived.get('function')!r:.60} (known: {', '.join(FUNCTIONS)})"
         _int(derived.get("source"), f"{where}: derived source", 0, MAX_TENSORS)
-    return TensorEntry(tid, name, dtype, shape, chunks, view, derived, checksum, internal)
+    return TensorEntry(tid, name, dtype, shape, chunks, view, derived, checksum, internal, unsupported)
 
 
 def _check_references(entry: TensorEntry, tensors: list[TensorEntry]) -> None:
@@ -250,6 +269,8 @@ def _check_references(entry: TensorEntry, tensors: list[TensorEntry]) -> None:
         if sid >= len(tensors) or sid == entry.tensor_id:
             raise FormatError(f"{where}: derived source {sid} does not exist")
         source = tensors[sid]
+        if entry.derived.get("function") not in FUNCTIONS:
+            return  # its rules are unknown; reading it raises UnsupportedFeatureError
         if entry.dtype.name != "bfloat16" or source.dtype.name != "float32" or source.chunks is None or source.shape != entry.shape:
             raise FormatError(
                 f"{where}: bf16_rne needs a bfloat16 tensor derived from a stored float32 tensor of the same shape "

@@ -11,8 +11,11 @@ from ..errors import ChecksumError, FormatError, TruncatedError, UnsupportedFeat
 from .constants import (
     FOOTER_MAGIC,
     FOOTER_SIZE,
+    FRAME_CODEC,
     FRAME_HEADER_SIZE,
+    FRAME_INDEX,
     FRAME_MAGIC,
+    FRAME_TENSOR,
     KNOWN_REQUIRED_FEATURES,
     MAX_PADDING,
     PREAMBLE_MAGIC,
@@ -69,6 +72,13 @@ class Preamble:
         return cls(major, minor, required, optional)
 
 
+_UNUSED_FIELDS = {
+    FRAME_CODEC: ("tensor_id", "chunk_index"),
+    FRAME_TENSOR: ("codec_id", "chunk_index"),
+    FRAME_INDEX: ("codec_id", "tensor_id", "chunk_index"),
+}
+
+
 @dataclass(frozen=True)
 class FrameHeader:
     frame_type: int
@@ -115,6 +125,11 @@ class FrameHeader:
             raise FormatError(f"frame flags 0x{flags:02x} are reserved and must be 0", offset=offset + 5)
         if padding > MAX_PADDING:
             raise FormatError(f"frame padding {padding} exceeds the limit {MAX_PADDING}", offset=offset + 16)
+        # SPEC 4.1/4.2: a CODEC, TENSOR or INDEX frame is not coded, and the ids it does not use are 0.
+        unused = _UNUSED_FIELDS.get(ftype)
+        if unused is not None and (raw != stored or any(getattr(header, f) for f in unused)):
+            raise FormatError(f"frame of type {ftype}: raw_length must equal stored_length and "
+                              f"{', '.join(unused)} must be 0", offset=offset)
         return header
 
 

@@ -46,7 +46,10 @@ class PlannedTensor:
     def flat_bytes(self) -> torch.Tensor:
         """The C-contiguous raw bytes of ``data`` as a 1-D uint8 tensor (same device)."""
         assert self.data is not None
-        return self.data.contiguous().reshape(-1).view(torch.uint8)
+        data = self.data.contiguous()
+        # Dense in C order, but a size-1 or empty dim may keep any stride (x[3:4, 2] has stride 7),
+        # which view() would refuse: flatten with an explicit unit stride.
+        return data.as_strided((data.numel(),), (1,)).view(torch.uint8)
 
 
 @dataclass
@@ -121,6 +124,10 @@ def plan_save(
             raise LimitError(f"object nesting at {path} exceeds the limit of {MAX_TREE_DEPTH}")
         if isinstance(node, torch.Tensor):
             _check_tensor(node, path)
+            if node.is_conj() or node.is_neg():
+                # A lazy conjugate/negative view shares bytes with its source but shows other values:
+                # store the values it shows, as a tensor of its own.
+                node = node.detach().resolve_conj().resolve_neg()
             leaves.append((path, node))
             return len(leaves) - 1  # replaced by a TensorRef below
         if isinstance(node, dict):
@@ -186,7 +193,16 @@ def _finish(node: Any, leaf_ids: list[int]) -> Any:
     return [_finish(v, leaf_ids) for v in node]
 
 
+def _check_str(value: str, path: str) -> None:
+    try:
+        value.encode("utf-8")  # msgpack str must be UTF-8: a lone surrogate cannot be stored
+    except UnicodeEncodeError:
+        raise UnsupportedObjectError(f"string {value[:40]!r} at {path or '<root>'} is not valid Unicode (lone surrogate)") from None
+
+
 def _plain_scalar(value: Any, path: str) -> Any:
+    if isinstance(value, str):
+        _check_str(value, path)
     # Subclasses (numpy floats, IntEnum, str enums) are stored as their base type.
     if value is None or type(value) in (bool, int, float, str, bytes):
         return _check_int(value, path) if type(value) is int else value
@@ -211,6 +227,7 @@ def _check_metadata(metadata: Any) -> None:
             for k, v in value.items():
                 if not isinstance(k, str):
                     raise UnsupportedObjectError(f"metadata key {k!r} at {where or '<root>'} is not a str")
+                _check_str(k, f"metadata {where}")
                 check(v, f"{where}/{k}", depth + 1)
         elif isinstance(value, list):
             for i, v in enumerate(value):
@@ -222,6 +239,8 @@ def _check_metadata(metadata: Any) -> None:
             )
         elif type(value) is int:
             _check_int(value, f"metadata {where}")
+        elif type(value) is str:
+            _check_str(value, f"metadata {where}")
 
     check(metadata, "", 0)
 

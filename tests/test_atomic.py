@@ -1,0 +1,133 @@
+"""Atomic save to a path: a failed save leaves the old file untouched and no temporary file behind."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import nvckpt
+from nvckpt.pipeline import container, encode_cpu
+from conftest import assert_tree_equal
+
+OLD = {"old": torch.arange(1000, dtype=torch.float32), "step": 1}
+NEW = {"new": torch.randn(4096, 64), "more": [torch.randn(300, 300), "text"], "step": 2}
+
+
+@pytest.fixture
+def old_file(tmp_path):
+    path = tmp_path / "ckpt.nvckpt"
+    nvckpt.save(OLD, path)
+    return path, path.read_bytes()
+
+
+def assert_untouched(path, old_bytes):
+    assert path.read_bytes() == old_bytes
+    assert os.listdir(path.parent) == [path.name], "a temporary file was left behind"
+    assert_tree_equal(nvckpt.load(path), OLD)
+
+
+class Boom(Exception):
+    pass
+
+
+@pytest.mark.parametrize("after", [0, 24, 5000, 300_000])
+@pytest.mark.parametrize("exc", [Boom, OSError, KeyboardInterrupt])
+def test_failure_while_writing_keeps_old_file(old_file, monkeypatch, after, exc):
+    path, old_bytes = old_file
+    original = container.ContainerWriter._write
+    written = [0]
+
+    def failing_write(self, data):
+        if written[0] >= after:
+            raise exc("disk on fire")
+        written[0] += memoryview(data).nbytes
+        original(self, data)
+
+    monkeypatch.setattr(container.ContainerWriter, "_write", failing_write)
+    with pytest.raises(exc):
+        nvckpt.save(NEW, path, chunk_size=16 << 10)
+    monkeypatch.undo()
+    assert_untouched(path, old_bytes)
+
+
+def test_failure_in_an_encoder_keeps_old_file(old_file, monkeypatch):
+    path, old_bytes = old_file
+    original = encode_cpu.encode_chunk
+    calls = [0]
+
+    def failing_encode(pipeline, raw):
+        calls[0] += 1
+        if calls[0] == 7:
+            raise RuntimeError("encoder crashed")
+        return original(pipeline, raw)
+
+    monkeypatch.setattr(encode_cpu, "encode_chunk", failing_encode)
+    with pytest.raises(nvckpt.NvckptError, match="encoder crashed"):
+        nvckpt.save(NEW, path, chunk_size=16 << 10)
+    monkeypatch.undo()
+    assert_untouched(path, old_bytes)
+
+
+def test_failure_in_fsync_or_rename_keeps_old_file(old_file, monkeypatch):
+    path, old_bytes = old_file
+    for name in ("fsync", "replace"):
+        def fail(*args, **kwargs):
+            raise OSError(f"{name} failed")
+
+        monkeypatch.setattr(os, name, fail)
+        with pytest.raises(OSError, match=name):
+            nvckpt.save(NEW, path)
+        monkeypatch.undo()
+        assert_untouched(path, old_bytes)
+
+
+@pytest.mark.parametrize("bad", [
+    {"deep": [1, {"x": (torch.ones(3), {1, 2})}]},
+    {"w": torch.randn(1000, 100), "z": object()},
+    {"w": torch.randn(10), "big": 2**70},
+])
+def test_unsupported_object_deep_in_tree_keeps_old_file(old_file, bad):
+    path, old_bytes = old_file
+    with pytest.raises(nvckpt.UnsupportedObjectError):
+        nvckpt.save(bad, path)
+    assert_untouched(path, old_bytes)
+
+
+def test_bad_arguments_keep_old_file(old_file):
+    path, old_bytes = old_file
+    for kwargs in ({"codec": "lz4"}, {"chunk_size": 0}, {"alignment": 3}):
+        with pytest.raises(ValueError):
+            nvckpt.save(NEW, path, **kwargs)
+        assert_untouched(path, old_bytes)
+
+
+def test_successful_save_replaces(old_file):
+    path, old_bytes = old_file
+    result = nvckpt.save(NEW, path)
+    assert result.path == str(path) and result.file_bytes == path.stat().st_size
+    assert path.read_bytes() != old_bytes
+    assert os.listdir(path.parent) == [path.name]
+    assert_tree_equal(nvckpt.load(path), NEW)
+
+
+def test_failed_first_save_creates_nothing(tmp_path, monkeypatch):
+    path = tmp_path / "fresh.nvckpt"
+
+    def failing_write(self, data):
+        raise OSError("no space left on device")
+
+    monkeypatch.setattr(container.ContainerWriter, "_write", failing_write)
+    with pytest.raises(OSError):
+        nvckpt.save(NEW, path)
+    assert os.listdir(tmp_path) == []
+
+
+def test_save_into_missing_directory_or_onto_directory(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        nvckpt.save(OLD, tmp_path / "no" / "such" / "dir.nvckpt")
+    (tmp_path / "adir").mkdir()
+    with pytest.raises(IsADirectoryError):
+        nvckpt.save(OLD, tmp_path / "adir")
+    assert os.listdir(tmp_path) == ["adir"] and os.listdir(tmp_path / "adir") == []

@@ -1,0 +1,143 @@
+"""Derived tensors: bf16 weights stored as bf16_rne of their fp32 masters (zero bytes), bit-exact."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+
+import nvckpt
+from conftest import assert_tensor_equal, assert_tree_equal
+
+
+def spec_bf16_rne(master: torch.Tensor) -> torch.Tensor:
+    """bf16_rne as SPEC.md defines it, written here independently of nvckpt (numpy, uint32 arithmetic)."""
+    x = master.contiguous().view(torch.int32).numpy().view(np.uint32).astype(np.uint64)
+    nan = (x & 0x7FFFFFFF) > 0x7F800000
+    rounded = ((x + 0x7FFF + ((x >> 16) & 1)) & 0xFFFFFFFF) >> 16
+    bits = np.where(nan, (x >> 16) | 0x0040, rounded).astype(np.uint16)
+    return torch.from_numpy(bits.view(np.int16).copy()).view(torch.bfloat16).reshape(master.shape)
+
+
+def masters() -> torch.Tensor:
+    """fp32 values with every case of the rounding: ties to even, NaN payloads, inf, -0, overflow, denormals."""
+    gen = torch.Generator().manual_seed(3)
+    m = torch.randn(64, 64, generator=gen)
+    bits = m.view(torch.int32).reshape(-1)
+    special = [
+        0x3F808000,  # tie, even below: rounds down
+        0x3F818000,  # tie, odd below: rounds up
+        0x3F808001, 0x3F807FFF, 0x00000000, 0x80000000,  # just above/below a tie, +0, -0
+        0x7F800000, 0xFF800000,  # +-inf
+        0x7FC00000, 0xFFC00000, 0x7F800001, 0x7FBFFFFF, 0x7FC12345, 0xFF80FFFF,  # NaNs: quiet, signalling, payloads
+        0x7F7FFFFF, 0xFF7FFFFF,  # max finite: rounds to inf
+        0x00000001, 0x807FFFFF, 0x00008000, 0x00018000,  # denormals and denormal ties
+    ]
+    bits[: len(special)] = torch.tensor([b - (1 << 32) if b >= 1 << 31 else b for b in special], dtype=torch.int32)
+    return m
+
+
+def test_spec_rounding_agrees_with_torch_on_numbers():
+    m = masters()
+    finite = ~torch.isnan(m)
+    ours = spec_bf16_rne(m)
+    assert torch.equal(ours[finite].view(torch.int16), m.to(torch.bfloat16)[finite].view(torch.int16))
+    # the two tie cases, by hand
+    assert ours.view(torch.int16).reshape(-1)[0] == 0x3F80 and ours.view(torch.int16).reshape(-1)[1] == 0x3F82
+
+
+def save_bytes(state, **kwargs) -> bytes:
+    stream = io.BytesIO()
+    nvckpt.save(state, stream, **kwargs)
+    return stream.getvalue()
+
+
+def test_bf16_rounding_of_master_is_stored_derived():
+    m = masters()
+    w = spec_bf16_rne(m)
+    other = torch.randn(64, 64).to(torch.bfloat16)  # not the rounding of any master
+    state = {"master": {"w": m}, "model": {"w": w, "other": other}}
+    derived = save_bytes(state, derive_bf16=True, codec="raw", alignment=1)
+    plain = save_bytes(state, derive_bf16=False, codec="raw", alignment=1)
+    saved = len(plain) - len(derived)
+    print(f"derived saves {saved} bytes of {w.numel() * 2}")
+    assert w.numel() * 2 <= saved <= w.numel() * 2 + 200
+
+    with nvckpt.open(io.BytesIO(derived)) as ck:
+        entries = {e.name: e for e in ck.index.tensors}
+        assert entries["model/w"].derived == {"function": "bf16_rne", "source": entries["master/w"].tensor_id}
+        assert entries["model/w"].chunks is None
+        assert entries["model/other"].derived is None and entries["model/other"].chunks
+        assert_tensor_equal(ck.get_tensor("model/w"), w)
+        assert_tensor_equal(ck.get_slice("model/w")[3:9, ::2], w[3:9, ::2])
+        assert_tree_equal(ck.load(keys=["model/w"]), {"model/w": w})
+    assert_tree_equal(nvckpt.load(io.BytesIO(derived)), state)
+    assert_tree_equal(nvckpt.load(io.BytesIO(plain)), state)
+
+
+@pytest.mark.parametrize("change", ["one_ulp", "nan_payload", "sign_of_zero", "truncated_not_rounded", "shape"])
+def test_bf16_that_is_not_the_rounding_is_stored_as_is(change):
+    m = masters()
+    w = spec_bf16_rne(m)
+    flat = w.view(torch.int16).reshape(-1)
+    if change == "one_ulp":
+        flat[2000] += 1
+    elif change == "nan_payload":
+        flat[8] = 0x7FC1  # master 0x7FC00000 rounds to 0x7FC0
+    elif change == "sign_of_zero":
+        flat[4] = -0x8000  # master +0.0 -> bf16 -0.0
+    elif change == "truncated_not_rounded":
+        w = (m.view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16)  # round toward zero: differs on ties up
+    elif change == "shape":
+        w = w.reshape(32, 128)
+    state = {"master": m, "w": w}
+    data = save_bytes(state, derive_bf16=True)
+    with nvckpt.open(io.BytesIO(data)) as ck:
+        entry = ck.index.tensors[ck.index.paths["w"]]
+        assert entry.derived is None and entry.chunks
+    assert_tree_equal(nvckpt.load(io.BytesIO(data)), state)
+
+
+def test_derived_off_by_default_and_with_views():
+    m = torch.randn(100)
+    w = spec_bf16_rne(m)
+    state = {"m": m, "w": w, "w_again": w}
+    data = save_bytes(state)
+    with nvckpt.open(io.BytesIO(data)) as ck:
+        assert all(e.derived is None for e in ck.index.tensors)
+    data = save_bytes(state, derive_bf16=True)
+    back = nvckpt.load(io.BytesIO(data))
+    assert_tree_equal(back, state)
+    assert back["w"] is back["w_again"]
+
+
+def test_training_state_with_bf16_copies(training_state):
+    """A mixed-precision state: bf16 model weights + fp32 masters and moments."""
+    fp32 = training_state["model"]
+    rounded: dict[int, torch.Tensor] = {}  # by storage, so the tied pair stays tied in bf16 too
+    model = {k: rounded.setdefault(v.data_ptr(), spec_bf16_rne(v)) for k, v in fp32.items()}
+    state = {
+        "model": model,
+        "master": fp32,
+        "optimizer": training_state["optimizer"],
+    }
+    with_derived = save_bytes(state, derive_bf16=True)
+    without = save_bytes(state)
+    with nvckpt.open(io.BytesIO(with_derived)) as ck:
+        ndrv = sum(e.derived is not None for e in ck.index.tensors)
+    assert ndrv == len({v.data_ptr() for v in fp32.values()})  # one per distinct tensor (tied counted once)
+    assert len(with_derived) < len(without)
+    back = nvckpt.load(io.BytesIO(with_derived))
+    assert_tree_equal(back, state)
+    assert back["model"]["head.weight"] is back["model"]["embed.weight"]
+
+
+def test_transposed_master():
+    m = masters().t()  # a non-contiguous fp32 master: its C-order values are what bf16_rne applies to
+    w = spec_bf16_rne(m.contiguous())
+    data = save_bytes({"m": m, "w": w}, derive_bf16=True)
+    with nvckpt.open(io.BytesIO(data)) as ck:
+        assert ck.index.tensors[ck.index.paths["w"]].derived is not None
+    assert_tree_equal(nvckpt.load(io.BytesIO(data)), {"m": m, "w": w})

@@ -1,0 +1,139 @@
+"""nvckpt.open(): names, metadata, lazy reads, errors, threads; load(keys=...)."""
+
+from __future__ import annotations
+
+import io
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+import nvckpt
+from conftest import assert_tensor_equal, assert_tree_equal, small_training_state, tensors_of
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    state = small_training_state()
+    path = tmp_path_factory.mktemp("open") / "state.nvckpt"
+    meta = {"step": 3, "run": "tiny", "lrs": [1e-3, 5e-4], "ok": True, "none": None, "nested": {"a": {"b": 1}}}
+    nvckpt.save(state, path, metadata=meta, chunk_size=2048)
+    return path, state, meta
+
+
+def test_keys_metadata_writer(saved):
+    path, state, meta = saved
+    with nvckpt.open(path) as ck:
+        keys = ck.keys()
+        expected = [f"model/{k}" for k in state["model"]]
+        expected += [f"optimizer/state/{i}/{k}" for i, s in state["optimizer"]["state"].items() for k in s]
+        expected += ["rng"]
+        assert keys == expected
+        assert "model/head.weight" in keys and "model/embed.weight" in keys  # tied: the alias path is a key too
+        assert len(ck) == len(keys) and list(ck) == keys and "rng" in ck and "nope" not in ck
+        assert ck.metadata() == meta
+        writer = ck.writer()
+        assert writer["name"] == "nvckpt" and writer["version"] == nvckpt.__version__
+        assert writer["torch"] == torch.__version__.split("+")[0]
+        for key in keys:
+            value = state
+            for part in key.split("/"):
+                value = value[int(part)] if isinstance(value, dict) and part.isdigit() and int(part) in value else value[part]
+            assert_tensor_equal(ck.get_tensor(key), value, key)
+
+
+def test_tensor_not_found(saved):
+    path, _, _ = saved
+    with nvckpt.open(path) as ck:
+        with pytest.raises(nvckpt.TensorNotFoundError) as info:
+            ck.get_tensor("model/missing.weight")
+        assert isinstance(info.value, KeyError) and isinstance(info.value, nvckpt.NvckptError)
+        assert "model/missing.weight" in str(info.value) and str(path) in str(info.value)
+        with pytest.raises(KeyError):
+            ck.get_slice("step")  # a scalar, not a tensor
+        with pytest.raises(nvckpt.TensorNotFoundError):
+            ck.load(keys=["model/pos", "nope"])
+
+
+def test_load_keys_returns_just_those(saved):
+    path, state, _ = saved
+    wanted = ["model/pos", "optimizer/state/0/exp_avg", "model/head.weight", "model/embed.weight"]
+    got = nvckpt.load(path, keys=wanted)
+    assert list(got) == wanted
+    assert_tensor_equal(got["model/pos"], state["model"]["pos"])
+    assert_tensor_equal(got["optimizer/state/0/exp_avg"], state["optimizer"]["state"][0]["exp_avg"])
+    assert_tensor_equal(got["model/head.weight"], state["model"]["embed.weight"])
+    assert got["model/head.weight"] is got["model/embed.weight"]
+    assert nvckpt.load(path, keys=[]) == {}
+
+
+def test_full_load_round_trips(saved):
+    path, state, _ = saved
+    back = nvckpt.load(path)
+    assert_tree_equal(back, state)
+    assert back["model"]["head.weight"] is back["model"]["embed.weight"]
+
+
+def test_open_is_lazy(saved):
+    path, state, _ = saved
+    with nvckpt.open(path) as ck:
+        after_open = ck.bytes_read
+        ck.keys(), ck.metadata()
+        assert ck.bytes_read == after_open
+        entry = ck.index.tensors[ck.index.paths["model/pos"]]
+        ck.get_tensor("model/pos")
+        assert ck.bytes_read - after_open == entry.stored_bytes
+
+
+@pytest.mark.parametrize("source", ["path", "stream"])
+def test_concurrent_reads_from_threads(saved, source):
+    path, state, _ = saved
+    truth = {}
+    with nvckpt.open(path) as ck:
+        for key in ck.keys():
+            truth[key] = ck.get_tensor(key).clone()
+    target = path if source == "path" else io.BytesIO(path.read_bytes())
+    rng = random.Random(0)
+    jobs = []
+    for _ in range(400):
+        key = rng.choice(list(truth))
+        t = truth[key]
+        if t.dim() and t.shape[0] > 1 and rng.random() < 0.5:
+            a = rng.randrange(t.shape[0])
+            b = rng.randrange(a, t.shape[0] + 1)
+            jobs.append((key, slice(a, b)))
+        else:
+            jobs.append((key, None))
+
+    with nvckpt.open(target) as ck:
+        def work(job):
+            key, index = job
+            got = ck.get_tensor(key) if index is None else ck.get_slice(key)[index]
+            return key, index, got
+
+        with ThreadPoolExecutor(8) as pool:
+            for key, index, got in pool.map(work, jobs):
+                expected = truth[key] if index is None else truth[key][index]
+                assert_tensor_equal(got, expected, f"{key}[{index}]")
+
+
+def test_concurrent_loads_of_big_multichunk_tensor(tmp_path):
+    big = torch.randn(2048, 128)
+    path = tmp_path / "big.nvckpt"
+    nvckpt.save({"big": big}, path, chunk_size=16 << 10, codec="zstd")
+    with nvckpt.open(path, workers=4) as ck:
+        with ThreadPoolExecutor(6) as pool:
+            results = list(pool.map(lambda i: ck.get_slice("big")[i * 100: i * 100 + 357], range(18)))
+            wholes = list(pool.map(lambda _: ck.get_tensor("big"), range(4)))
+    for i, got in enumerate(results):
+        assert_tensor_equal(got, big[i * 100: i * 100 + 357])
+    for got in wholes:
+        assert_tensor_equal(got, big)
+
+
+def test_checkpoint_from_stream_and_tensors_list(saved):
+    path, state, _ = saved
+    with nvckpt.open(io.BytesIO(path.read_bytes())) as ck:
+        assert_tree_equal(ck.load(), state)
+    assert len(tensors_of(state)) > 10
