@@ -18,7 +18,7 @@ from .codecs import RAW, Pipeline, Zstd, portable
 from .errors import NvckptError, UnsupportedCodecError
 from .format.constants import DEFAULT_ALIGNMENT, DEFAULT_CHUNK_SIZE
 from .format.index import TensorEntry
-from .format.tree import TensorRef
+from .format.tree import resolve_refs
 from .derive import bf16_rne
 from .pipeline.container import ContainerWriter, EncodedChunk, TensorFrame
 from .pipeline.encode_cpu import encode_cpu
@@ -465,19 +465,9 @@ class Checkpoint:
         # Every entry the tree refers to (a reference to an "internal" entry is legal, SPEC 9).
         loaded = self._load({*self._reader.index.paths.values(),
                              *(e.tensor_id for e in self._reader.index.tensors if not e.internal)})
-        return _rebuild(self._reader.index.tree, loaded.__getitem__)
+        return resolve_refs(self._reader.index.tree, loaded.__getitem__)
 
 
-def _rebuild(node: Any, get: Callable[[int], torch.Tensor]) -> Any:
-    if isinstance(node, TensorRef):
-        return get(node.tensor_id)
-    if isinstance(node, dict):
-        return {k: _rebuild(v, get) for k, v in node.items()}
-    if isinstance(node, tuple):
-        return tuple(_rebuild(v, get) for v in node)
-    if isinstance(node, list):
-        return [_rebuild(v, get) for v in node]
-    return node
 
 
 def open(target: str | os.PathLike | Any, *, device: str | torch.device = "cpu", workers: int | None = None) -> Checkpoint:  # noqa: A001

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import msgpack
 
@@ -82,6 +82,19 @@ def check_tree(node: Any, num_tensors: int) -> None:
                 stack.append((v, depth + 1))
         elif not isinstance(item, (str, bytes, int, float, bool, type(None))):
             raise FormatError(f"unexpected {type(item).__name__} in the tree")
+
+
+def resolve_refs(node: Any, get: Callable[[int], Any]) -> Any:
+    """The tree with every TensorRef replaced by ``get(tensor_id)``."""
+    if isinstance(node, TensorRef):
+        return get(node.tensor_id)
+    if isinstance(node, dict):
+        return {k: resolve_refs(v, get) for k, v in node.items()}
+    if isinstance(node, tuple):
+        return tuple(resolve_refs(v, get) for v in node)
+    if isinstance(node, list):
+        return [resolve_refs(v, get) for v in node]
+    return node
 
 
 def escape(key: object) -> str:

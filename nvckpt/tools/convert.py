@@ -26,14 +26,14 @@ import re
 import time
 from contextlib import closing
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from ..errors import FormatError, NvckptError, UnsupportedFeatureError, UnsupportedObjectError
 from ..format.constants import DEFAULT_ALIGNMENT
 from ..format.index import TensorEntry
-from ..format.tree import TensorRef, check_tree, escape, pack_tree, unpack_tree
+from ..format.tree import TensorRef, check_tree, escape, pack_tree, resolve_refs, unpack_tree
 from ..pipeline.container import EncodedChunk
 from ..pipeline.reader import Reader
 from ._util import ProgressFactory, UsageError, atomic_output, check_output_folder, nest_by_name, null_bar
@@ -105,16 +105,6 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     return list(seen.values())
 
 
-def _rebuild(node: Any, get: Callable[[int], Any]) -> Any:
-    if isinstance(node, TensorRef):
-        return get(node.tensor_id)
-    if isinstance(node, dict):
-        return {k: _rebuild(v, get) for k, v in node.items()}
-    if isinstance(node, tuple):
-        return tuple(_rebuild(v, get) for v in node)
-    if isinstance(node, list):
-        return [_rebuild(v, get) for v in node]
-    return node
 
 
 # -- readers ---------------------------------------------------------------
@@ -145,7 +135,7 @@ def read_nvckpt(path: str | os.PathLike, make_bar: ProgressFactory) -> Loaded:
                     bar.update(entry.nbytes)
         finally:
             bar.close()
-        tree = _rebuild(index.tree, cache.__getitem__)
+        tree = resolve_refs(index.tree, cache.__getitem__)
         derived = any(e.derived is not None for e in index.tensors)
         return Loaded(tree, dict(index.metadata), derived)
 
@@ -210,7 +200,7 @@ def _tree_from_metadata(meta: dict[str, str], tensors: dict[str, torch.Tensor], 
     if not isinstance(names, list) or any(n not in tensors for n in names):
         raise FormatError(f"metadata {META_TREE_NAMES!r} names tensors the file does not hold", path=path)
     check_tree(tree, len(names))
-    return _rebuild(tree, lambda i: tensors[names[i]])
+    return resolve_refs(tree, lambda i: tensors[names[i]])
 
 
 def _weights_only_reason(exc: Exception) -> str:
