@@ -123,7 +123,7 @@ def parse_index(data: dict[str, Any], index_offset: int) -> Index:
     metadata = _map(data.get("metadata", {}), "index 'metadata'")
     if not all(isinstance(k, str) for k in metadata):
         raise FormatError("metadata keys must be strings")
-    _check_depth(metadata, "metadata")
+    _check_metadata(metadata)
 
     codec_list = _list(data.get("codecs"), "index 'codecs'")
     if len(codec_list) > MAX_CODECS:
@@ -163,15 +163,19 @@ def parse_index(data: dict[str, Any], index_offset: int) -> Index:
     return Index(writer, codecs, tensors, tree, metadata, (version[0], version[1]), paths)
 
 
-def _check_depth(node: Any, what: str) -> None:
-    """SPEC 8.6: metadata nests at most MAX_TREE_DEPTH deep (root container = 1)."""
+def _check_metadata(node: Any) -> None:
+    """SPEC 8.6: JSON-like values (no ext types, str keys), nested at most MAX_TREE_DEPTH deep (root = 1)."""
     stack = [(node, 1)]
     while stack:
         item, depth = stack.pop()
-        if isinstance(item, (dict, list, tuple)):
+        if isinstance(item, (dict, list)):
             if depth > MAX_TREE_DEPTH:
-                raise LimitError(f"{what} nesting exceeds the limit of {MAX_TREE_DEPTH}")
+                raise LimitError(f"metadata nesting exceeds the limit of {MAX_TREE_DEPTH}")
+            if isinstance(item, dict) and not all(isinstance(k, str) for k in item):
+                raise FormatError("metadata keys must be strings")
             stack.extend((x, depth + 1) for x in (item.values() if isinstance(item, dict) else item))
+        elif item is not None and type(item) not in (bool, int, float, str):
+            raise FormatError(f"metadata holds a {type(item).__name__}; only JSON-like values are allowed")
 
 
 def _parse_entry(tid: int, raw: dict, ncodecs: int, index_offset: int, ranges: list) -> TensorEntry:

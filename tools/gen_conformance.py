@@ -1,0 +1,1245 @@
+#!/usr/bin/env python3
+"""Generate the nvckpt conformance suite: conformance/files/*.nvckpt and conformance/manifest.json.
+
+Valid files are written by nvckpt's own writer (nvckpt.save) from objects built
+with fixed seeds, then, where a case needs something nvckpt never writes
+(an optional frame, non-shortest msgpack, an unknown codec), edited with
+conformance/craft.py.  Their expected decode (SHA-256 of every tensor's raw
+bytes, the tree, the metadata) is computed from the Python objects, not by
+reading the file back.
+
+Invalid files are valid files with exactly one thing wrong: craft.py rebuilds
+them with every checksum and offset that should stay valid recomputed.
+
+The output is deterministic: no timestamps, fixed seeds, and the writer block
+of every index is replaced by the generator's own (so the bytes do not depend
+on the Python, torch or nvckpt versions installed).  Chunk payloads coded with
+zstd depend on the libzstd version (recorded in the manifest).
+
+    python3 tools/gen_conformance.py [--out conformance] [--only ID ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import io
+import json
+import math
+import os
+import shutil
+import struct
+import sys
+import threading
+import warnings
+from typing import Any, Callable
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import msgpack  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import zstandard  # noqa: E402
+
+import nvckpt  # noqa: E402
+from conformance import craft  # noqa: E402
+from nvckpt.codecs import ByteShuffle, Pipeline, Zstd  # noqa: E402
+from nvckpt.derive import bf16_rne  # noqa: E402
+
+WRITER = {"name": "nvckpt-conformance", "version": "1"}
+SUITE_VERSION = 1
+ANS_FIXTURE = os.path.join(ROOT, "conformance", "fixtures", "ans_chunk.json")
+
+ERRORS = ("format", "truncated", "checksum", "unsupported-codec", "unsupported-feature", "limit")
+BOTH = ["random-access", "streaming"]
+STREAMING = ["streaming"]
+
+
+# --------------------------------------------------------------------------------------------
+# Expected results, from the Python objects
+# --------------------------------------------------------------------------------------------
+
+def escape(key: Any) -> str:
+    return str(key).replace("~", "~0").replace("/", "~1")
+
+
+def raw_bytes(t: torch.Tensor) -> bytes:
+    if t.numel() == 0:
+        return b""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def leaves(obj: Any, parts: tuple = ()) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(obj, torch.Tensor):
+        return [("/".join(parts), obj)]
+    out = []
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out += leaves(v, parts + (escape(k),))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            out += leaves(v, parts + (str(i),))
+    return out
+
+
+def float_json(x: float) -> dict:
+    return {"$float": struct.pack(">d", x).hex()}
+
+
+def node_json(node: Any, names: dict[int, str]) -> Any:
+    """The decode document's encoding of a tree or metadata value (conformance/README.md)."""
+    if isinstance(node, torch.Tensor):
+        return {"$tensor": names[id(node)]}
+    if isinstance(node, tuple):
+        return {"$tuple": [node_json(x, names) for x in node]}
+    if isinstance(node, dict):
+        return {"$map": [[node_json(k, names), node_json(v, names)] for k, v in node.items()]}
+    if isinstance(node, list):
+        return [node_json(x, names) for x in node]
+    if isinstance(node, float):
+        return float_json(node)
+    if isinstance(node, bytes):
+        return {"$bytes": node.hex()}
+    return node  # None, bool, int, str
+
+
+def key_string(key: Any) -> str:
+    """SPEC.md 14.1: a path segment is str() of the key (Python's), then ~ -> ~0 and / -> ~1."""
+    if isinstance(key, dict) and "$float" in key:
+        key = struct.unpack(">d", bytes.fromhex(key["$float"]))[0]
+    return escape(key)
+
+
+def keys_of(tree: Any, parts: tuple = ()) -> list[str]:
+    """The names a reader offers (keys()): every path to a tensor reference, depth first, in stored order."""
+    if isinstance(tree, dict) and "$tensor" in tree:
+        return ["/".join(parts)]
+    if isinstance(tree, dict) and "$map" in tree:
+        return [k for key, v in tree["$map"] for k in keys_of(v, parts + (key_string(key),))]
+    if isinstance(tree, dict) and "$tuple" in tree:
+        tree = tree["$tuple"]
+    if isinstance(tree, list):
+        return [k for i, v in enumerate(tree) for k in keys_of(v, parts + (str(i),))]
+    return []
+
+
+def tensor_json(dtype: str, shape: list[int], data: bytes, internal: bool = False) -> dict:
+    return {"dtype": dtype, "shape": list(shape), "nbytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+            "internal": internal}
+
+
+def expected_decode(obj: Any, metadata: dict | None, data: bytes) -> dict:
+    """What a reader must return for a file nvckpt wrote from ``obj``."""
+    nv = craft.parse(data)
+    entries = nv.index["tensors"]
+    first: dict[int, str] = {}
+    by_name: dict[str, torch.Tensor] = {}
+    for path, t in leaves(obj):
+        first.setdefault(id(t), path)
+        by_name.setdefault(path, t)
+    tensors = {}
+    for tid, e in enumerate(entries):
+        if e.get("internal"):
+            # A storage base: the elements its views address, taken from the views' storage.
+            view_id, view = next((i, v) for i, v in enumerate(entries) if v.get("view", {}).get("base") == tid)
+            t = by_name[view["name"]]
+            start = t.storage_offset() - view["view"]["offset"]
+            item = t.element_size()
+            storage = bytes(t.untyped_storage())
+            blob = storage[start * item:(start + e["shape"][0]) * item]
+            tensors[e["name"]] = tensor_json(e["dtype"], e["shape"], blob, True)
+        else:
+            t = by_name[e["name"]]
+            assert list(t.shape) == list(e["shape"]), e["name"]
+            tensors[e["name"]] = tensor_json(e["dtype"], e["shape"], raw_bytes(t))
+    return {"tensors": tensors, "tree": node_json(obj, first), "metadata": node_json(metadata or {}, {})}
+
+
+# --------------------------------------------------------------------------------------------
+# Writing files
+# --------------------------------------------------------------------------------------------
+
+def pin_writer(data: bytes) -> bytes:
+    nv = craft.parse(data)
+    nv.index["writer"] = dict(WRITER)
+    return craft.build(nv)
+
+
+def save(obj: Any, **kw: Any) -> bytes:
+    buf = io.BytesIO()
+    nvckpt.save(obj, buf, **kw)
+    return pin_writer(buf.getvalue())
+
+
+def save_through_pipe(obj: Any, **kw: Any) -> bytes:
+    """nvckpt.save onto the write end of an OS pipe (no seek, no tell), read on the other end."""
+    r, w = os.pipe()
+    chunks: list[bytes] = []
+
+    def drain() -> None:
+        with os.fdopen(r, "rb") as f:
+            while True:
+                block = f.read(65536)
+                if not block:
+                    break
+                chunks.append(block)
+
+    reader = threading.Thread(target=drain)
+    reader.start()
+    with os.fdopen(w, "wb") as f:
+        assert not f.seekable()
+        nvckpt.save(obj, f, **kw)
+    reader.join()
+    return pin_writer(b"".join(chunks))
+
+
+def randbytes(seed: int, n: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def tensor_from_bytes(data: bytes, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    with warnings.catch_warnings():  # "ComplexHalf support is experimental": storing its bytes is all we need
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape).clone()
+
+
+def smooth(n: int, seed: int) -> torch.Tensor:
+    """Compressible float32 values (a random walk rounded to 1/64)."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.cumsum(torch.randn(n, generator=g), 0) * 64).round() / 64
+
+
+# --------------------------------------------------------------------------------------------
+# msgpack with non-shortest encodings (readers MUST accept any valid encoding, SPEC.md 1)
+# --------------------------------------------------------------------------------------------
+
+def pack_wide(obj: Any) -> bytes:
+    """msgpack using the widest form of every int, str, array and map header."""
+    if obj is None:
+        return b"\xc0"
+    if obj is True:
+        return b"\xc3"
+    if obj is False:
+        return b"\xc2"
+    if isinstance(obj, int):
+        return b"\xcf" + struct.pack(">Q", obj) if obj >= 0 else b"\xd3" + struct.pack(">q", obj)
+    if isinstance(obj, float):
+        return b"\xcb" + struct.pack(">d", obj)
+    if isinstance(obj, str):
+        b = obj.encode("utf-8")
+        return b"\xdb" + struct.pack(">I", len(b)) + b
+    if isinstance(obj, bytes):
+        return b"\xc6" + struct.pack(">I", len(obj)) + obj
+    if isinstance(obj, msgpack.ExtType):
+        return b"\xc9" + struct.pack(">Ib", len(obj.data), obj.code) + obj.data
+    if isinstance(obj, list):
+        return b"\xdd" + struct.pack(">I", len(obj)) + b"".join(pack_wide(x) for x in obj)
+    if isinstance(obj, dict):
+        return b"\xdf" + struct.pack(">I", len(obj)) + b"".join(pack_wide(k) + pack_wide(v) for k, v in obj.items())
+    raise TypeError(type(obj))
+
+
+def nest(depth: int, leaf: Any, kind: str = "list") -> Any:
+    """A tree whose deepest container is at ``depth`` (root container = 1)."""
+    node = leaf
+    for _ in range(depth):
+        if kind == "list":
+            node = [node]
+        elif kind == "map":
+            node = {"k": node}
+        else:  # tuple ext
+            node = msgpack.ExtType(2, craft.pack([node]))
+    return node
+
+
+def tensor_ref(tid: int) -> msgpack.ExtType:
+    return msgpack.ExtType(1, struct.pack("<I", tid))
+
+
+# --------------------------------------------------------------------------------------------
+# The suite
+# --------------------------------------------------------------------------------------------
+
+class Suite:
+    def __init__(self, out: str, only: set[str] | None) -> None:
+        self.out = out
+        self.only = only
+        self.cases: list[dict] = []
+        self.files = os.path.join(out, "files")
+        os.makedirs(self.files, exist_ok=True)
+
+    def _write(self, cid: str, data: bytes) -> str:
+        assert cid not in {c["id"] for c in self.cases}, cid
+        name = f"{cid}.nvckpt"
+        with open(os.path.join(self.files, name), "wb") as f:
+            f.write(data)
+        return f"files/{name}"
+
+    def valid(self, cid: str, data: bytes, expected: dict, *, section: str, flags: list[str], description: str,
+              level: str = "must", readers: list[str] = BOTH, requires: list[str] | None = None) -> None:
+        if self.only and cid not in self.only:
+            return
+        expected = dict(expected, keys=keys_of(expected["tree"]))
+        self.cases.append({
+            "id": cid, "file": self._write(cid, data), "result": "valid", "level": level, "flags": flags,
+            "section": section, "description": description, "readers": readers, "requires": requires or [],
+            "codec": codec_label(data), "bytes": len(data), "expected": expected,
+        })
+
+    def invalid(self, cid: str, data: bytes, error: str, *, section: str, flags: list[str], description: str,
+                danger: str, level: str = "must", readers: list[str] = BOTH, also: list[str] | None = None,
+                codec: str | None = None) -> None:
+        assert error in ERRORS and all(a in ERRORS for a in also or [])
+        if self.only and cid not in self.only:
+            return
+        self.cases.append({
+            "id": cid, "file": self._write(cid, data), "result": "invalid", "level": level, "flags": flags,
+            "section": section, "description": description, "danger": danger, "readers": readers,
+            "requires": [], "codec": codec or codec_label(data), "bytes": len(data), "error": error,
+            "also_accepted": also or [],
+        })
+
+
+def codec_label(data: bytes) -> str:
+    """The most demanding codec a file's chunks use: how the report groups cases."""
+    try:
+        nv = craft.parse(data)
+        codecs = nv.index["codecs"]
+        used = {c[3] for e in nv.index["tensors"] if isinstance(e, dict) for c in e.get("chunks", [])
+                if isinstance(c, list) and len(c) == 5}
+        names = ["+".join(s["name"] for s in codecs[i]) for i in used if isinstance(i, int) and i < len(codecs)]
+    except Exception:
+        return "none"
+    known = {"nvcomp-ans", "byteshuffle+zstd", "zstd", "raw", "byteshuffle+zstd"}
+    if "nvcomp-ans" in names:
+        return "nvcomp-ans"
+    if any(n not in known for n in names):
+        return "unknown-codec"
+    for label in ("byteshuffle+zstd", "zstd", "raw"):
+        if label in names:
+            return label
+    return "none"
+
+
+# --------------------------------------------------------------------------------------------
+# Valid cases
+# --------------------------------------------------------------------------------------------
+
+DTYPE_SHAPES = {16: (2, 3), 8: (3, 2), 4: (3, 4), 2: (4, 5), 1: (5, 6)}
+
+
+def gen_valid(s: Suite) -> dict[str, tuple[Any, dict | None, bytes]]:
+    """Writes the valid cases; returns some (object, metadata, bytes) for the invalid ones to start from."""
+    from nvckpt.dtypes import DTYPES, TORCH_DTYPES
+
+    bases: dict[str, tuple[Any, dict | None, bytes]] = {}
+
+    def case(cid: str, obj: Any, *, metadata: dict | None = None, section: str, flags: list[str], description: str,
+             level: str = "must", pipe: bool = False, **kw: Any) -> bytes:
+        data = (save_through_pipe if pipe else save)(obj, metadata=metadata, **kw)
+        s.valid(cid, data, expected_decode(obj, metadata, data), section=section, flags=flags,
+                description=description, level=level)
+        bases[cid] = (obj, metadata, data)
+        return data
+
+    # Every dtype, random bytes (every bit pattern is a value; bool holds 0/1).
+    for i, name in enumerate(DTYPES):
+        item = DTYPES[name].itemsize
+        shape = DTYPE_SHAPES[item]
+        n = math.prod(shape) * item
+        blob = randbytes(100 + i, n)
+        if name == "bool":
+            blob = bytes(b & 1 for b in blob)
+        t = tensor_from_bytes(blob, TORCH_DTYPES[name], shape)
+        case(f"valid-dtype-{name}", {"t": t}, section="10", flags=["dtype", name],
+             description=f"one {name} tensor of shape {list(shape)}, random bit patterns", chunk_size=n // 2 or 1)
+
+    g = torch.Generator().manual_seed(1)
+    case("valid-zero-dim", {"f": torch.tensor(1.5), "i": torch.tensor(-7, dtype=torch.int64),
+                            "b": torch.tensor(True), "h": torch.tensor(0.25, dtype=torch.float16)},
+         section="8.3", flags=["0-d"], description="0-d tensors (shape []), one element each")
+    case("valid-empty", {"a": torch.empty(0), "b": torch.empty(0, 5, dtype=torch.int32),
+                         "c": torch.empty(3, 0, 2, dtype=torch.float16), "d": torch.ones(2)},
+         section="8.4", flags=["empty"], description="tensors with a zero dimension: empty chunk tables")
+    case("valid-multichunk", {"w": torch.randn(64, 16, generator=g), "x": torch.arange(1000, dtype=torch.int16)},
+         section="12.1", flags=["multi-chunk"], description="4 KiB tensors cut into 16 chunks of whole rows",
+         chunk_size=256, codec="raw")
+    case("valid-row-split", {"w": torch.randn(3, 300, generator=g)}, section="12.1", flags=["multi-chunk", "row-split"],
+         description="rows of 1200 bytes larger than the 256-byte target chunk: each row split in element-aligned pieces",
+         chunk_size=256, codec="raw")
+    case("valid-codec-raw", {"w": smooth(512, 2).reshape(16, 32)}, section="11.3", flags=["codec-raw"],
+         description="raw codec", codec="raw", chunk_size=512)
+    case("valid-codec-zstd", {"w": smooth(2048, 3).reshape(64, 32), "ids": torch.arange(3000, dtype=torch.int64) % 17},
+         section="11.4", flags=["codec-zstd"], description="zstd codec (frames with content size)", codec="zstd",
+         chunk_size=2048, zstd_level=3)
+    case("valid-codec-byteshuffle-zstd", {"w": smooth(2048, 4).reshape(64, 32),
+                                          "h": smooth(1024, 5).to(torch.float16), "d": smooth(256, 6).double()},
+         section="11.5", flags=["codec-byteshuffle", "codec-zstd"],
+         description="byteshuffle(elementsize = itemsize) then zstd", codec="portable", chunk_size=2048)
+    case("valid-byteshuffle-elementsize-2-of-float32", {"w": smooth(1024, 7)}, section="11.5",
+         flags=["codec-byteshuffle", "codec-zstd"], description="byteshuffle with elementsize 2 on float32 data",
+         codec=Pipeline((ByteShuffle(2), Zstd(5))), chunk_size=1024)
+
+    # Derived bf16: the source has ties, NaNs with payloads, infinities, values that round to infinity.
+    special = torch.tensor([0x3F808000, 0x3F818000, 0x3F80FFFF, 0x7FC00001, 0xFF812345, 0x7F800000, 0xFF800000,
+                            0x7F7FFFFF, 0x00000001, 0x80000000, 0x00000000, 0x7F808000], dtype=torch.int64)
+    src = torch.cat([special.to(torch.int32).view(torch.float32), torch.randn(36, generator=g)]).reshape(6, 8)
+    case("valid-derived-bf16", {"master": src, "half": bf16_rne(src), "other": torch.randn(3, generator=g)},
+         section="14.2", flags=["derived", "bf16_rne"],
+         description="a bfloat16 tensor stored as bf16_rne of its float32 master (ties, NaN payloads, overflow to inf)",
+         derive_bf16=True, codec="raw")
+
+    flat = torch.arange(40, dtype=torch.float32) * 0.5
+    case("valid-views", {"a": flat[0:12].view(3, 4), "b": flat[10:30:2], "c": flat[8:20].view(4, 3).t(),
+                         "d": flat[5:6].expand(4, 3), "e": flat[0:40]},
+         section="14.3", flags=["view", "shared-storage", "zero-stride", "overlap"],
+         description="five views of one storage (strided, transposed, zero-stride, overlapping) sharing one internal base")
+    w = torch.randn(4, 4, generator=g)
+    case("valid-tied", {"embed": w, "head": w, "nested": [w, {"again": w}]}, section="14.1", flags=["tied"],
+         description="one tensor reached by four paths: one entry, four tree references")
+    tree = {
+        "tensors": [torch.ones(2), (torch.zeros(1, dtype=torch.int8), "tuple-str")],
+        1: {None: None, True: False, 2.5: "float key", -3: [1, -1, 2**64 - 1, -(2**63)]},
+        "floats": [0.0, -0.0, 1e-300, float("inf"), float("-inf"), float("nan"), 3.141592653589793],
+        "bytes": b"\x00\xff binary",
+        "str": "text with \"quotes\" and \\ and \n",
+        "empty": [[], {}, ()],
+        "bools": (True, False, None),
+        "key types": {None: torch.ones(1), True: torch.ones(2), 2.5: torch.ones(3), 1e-05: torch.ones(4),
+                      -7: torch.ones(5), 1e16: torch.ones(6), float("-inf"): torch.ones(7), "~/": torch.ones(8)},
+    }
+    case("valid-tree", tree, section="9", flags=["tree", "scalars", "strings", "tuples", "int-keys", "bytes"],
+         description="a nested tree with every node type: int/bool/nil/float keys (names from Python's str() of "
+                     "each key: None, True, 2.5, 1e-05, -7, 1e+16, -inf), tuples, bytes, big ints, nan/inf")
+    case("valid-metadata", {"t": torch.ones(1)}, metadata={"run": "conformance", "step": 1234, "lr": 3e-4,
+                                                          "tags": ["a", "b"], "config": {"layers": [1, 2, {"x": None}],
+                                                                                         "ok": True}},
+         section="8.6", flags=["metadata"], description="nested user metadata")
+    case("valid-unicode-names", {"ünïcødé": torch.ones(2), "日本語": {"キー": torch.zeros(1)}, "a/b": torch.ones(1),
+                                 "~tilde": torch.ones(1), "": torch.ones(1), "emoji 🎉": torch.ones(1)},
+         section="14.1", flags=["unicode", "names", "escaping"],
+         description="tensor names with non-ASCII keys, '/', '~' (escaped ~1, ~0) and an empty key")
+    case("valid-root-tensor", torch.arange(6, dtype=torch.int32).reshape(2, 3), section="14.1", flags=["root-tensor"],
+         description="the saved object is itself a tensor: its name is the empty string")
+    case("valid-empty-state", {"epoch": 3, "note": "no tensors"}, section="8.1", flags=["no-tensors"],
+         description="no tensors at all: empty codec and tensor tables")
+    case("valid-alignment-1", {"w": smooth(300, 8), "i": torch.arange(77, dtype=torch.int8)}, section="12.3",
+         flags=["alignment"], description="alignment 1 (no padding anywhere)", alignment=1, chunk_size=200, codec="raw")
+    case("valid-alignment-64k", {"w": tensor_from_bytes(randbytes(9, 65536), torch.uint8, (65536,))},
+         section="12.3", flags=["alignment", "padding"],
+         description="alignment 65536: a 64 KiB raw chunk whose payload is padded to a 64 KiB boundary",
+         alignment=65536, codec="raw", chunk_size=65536)
+    case("valid-no-tensor-checksums", {"w": smooth(64, 10)}, section="13", flags=["no-tensor-checksum"],
+         description="tensor checksums left out (they are optional)", tensor_checksums=False)
+    pipe_obj = {"w": smooth(600, 11).reshape(20, 30), "step": 9}
+    case("valid-pipe", pipe_obj, section="6", flags=["pipe", "streaming-write"],
+         description="written by nvckpt.save to an OS pipe (no seek, no tell)", pipe=True, chunk_size=512)
+    assert bases["valid-pipe"][2] == save(pipe_obj, chunk_size=512), "a pipe and a file must get the same bytes"
+    case("valid-base", {"w": smooth(32, 12).reshape(8, 4), "i": torch.arange(5, dtype=torch.int64),
+                        "v": [flat[2:10].view(2, 4), flat[4:12]], "m": w, "b": bf16_rne(w), "step": 3},
+         metadata={"k": "v"}, section="8", flags=["base"], codec="raw", chunk_size=32, derive_bf16=True,
+         description="the file most invalid cases are made from: multi-chunk, views, derived, scalars, metadata")
+    bases["zstd-base"] = (None, None, save({"z": smooth(256, 13)}, codec="zstd", chunk_size=1024))
+    bases["shuffle-base"] = (None, None, save({"z": smooth(256, 14)}, codec="portable", chunk_size=1024))
+
+    gen_crafted_valid(s, bases)
+    return bases
+
+
+def gen_crafted_valid(s: Suite, bases: dict) -> None:
+    obj, meta, data = bases["valid-base"]
+    exp = expected_decode(obj, meta, data)
+
+    # Optional feature bit, optional extension frames (types 128, 200, 255), a higher minor version with unknown keys.
+    nv = craft.parse(data)
+    nv.preamble.optional_features = 0x80000001
+    s.valid("valid-optional-feature-bit", craft.build(nv), exp, section="3", flags=["optional-feature"],
+            description="optional_features bits 0 and 31 set: readers ignore unknown optional bits")
+    nv = craft.parse(data)
+    for pos, ftype in ((1, 128), (4, 200), (len(nv.frames) - 1, 255)):
+        nv.frames.insert(pos, craft.Frame(ftype, b"an optional extension frame payload", codec_id=7, tensor_id=3,
+                                          chunk_index=9, padding_length=5 if ftype == 200 else 0))
+    s.valid("valid-optional-frames", craft.build(nv), exp, section="4.2", flags=["optional-frame"],
+            description="frames of types 128, 200 and 255 between the others: readers skip them")
+    nv = craft.parse(data)
+    nv.preamble.version_minor = 7
+    nv.index["version"] = [1, 7]
+    nv.index["future_key"] = {"anything": [1, 2]}
+    nv.index["writer"]["future"] = "x"
+    nv.index["tensors"][0]["future_entry_key"] = 1
+    craft.sync_tensor_frames(nv)
+    s.valid("valid-minor-version", craft.build(nv), exp, section="19", flags=["minor-version", "unknown-keys"],
+            description="version 1.7 with unknown keys in the index, writer and a tensor entry: readers accept and ignore")
+
+    nv = craft.parse(data)
+    nv.index["version"] = [1, 3]
+    s.valid("valid-index-minor-differs", craft.build(nv), exp, section="8.1", flags=["minor-version"],
+            description="the index says version [1, 3], the preamble 1.0: a reader must not reject a differing minor")
+    nv = craft.parse(data)
+    del nv.index["writer"]
+    s.valid("valid-no-writer-map", craft.build(nv), exp, section="8.1", flags=["writer"], level="may",
+            description="the index has no 'writer' map (writers must write it; a reader may treat it as empty)")
+
+    nv = craft.parse(data)
+    vid = nv.tensor_id("v/1")
+    nv.index["tensors"][vid]["shape"] = [0]
+    nv.index["tensors"][vid]["view"]["offset"] = 1000
+    nv.index["tensors"][vid].pop("checksum", None)
+    craft.sync_tensor_frames(nv)
+    exp_ev = copy.deepcopy(exp)
+    exp_ev["tensors"]["v/1"] = tensor_json(exp_ev["tensors"]["v/1"]["dtype"], [0], b"")
+    s.valid("valid-empty-view-offset-past-base", craft.build(nv), exp_ev, section="8.5", flags=["view", "empty"],
+            description="an empty view (shape [0]) whose offset 1000 is past the end of its base: it addresses no element")
+
+    # Frames in another order than nvckpt writes them (4.3 rule 6): interleaved tensors, chunks out of order.
+    nv = craft.parse(data)
+    index = nv.frames[-1]
+    codecs = [f for f in nv.frames if f.frame_type == craft.CODEC]
+    tensors = [f for f in nv.frames if f.frame_type == craft.TENSOR]
+    chunks = [f for f in nv.frames if f.frame_type == craft.CHUNK]
+    chunks.sort(key=lambda f: (-f.chunk_index, f.tensor_id))  # interleaved across tensors, descending chunk index
+    nv.frames = codecs + list(reversed(tensors)) + chunks + [index]
+    s.valid("valid-frame-order", craft.build(nv), exp, section="4.3", flags=["frame-order", "interleaved"],
+            description="all CODEC frames, TENSOR frames in reverse id order, then CHUNK frames of all tensors "
+                        "interleaved with descending chunk index: allowed by rule 6")
+
+    # Maximum padding (2^20 zero bytes) before a small chunk payload.
+    nv = craft.parse(data)
+    nv.chunk_frame(0, 1).padding_length = 1 << 20
+    s.valid("valid-padding-max", craft.build(nv), exp, section="12.3", flags=["padding", "max-padding"],
+            description="padding_length = 2^20 (the maximum) before a small chunk payload")
+
+    # Non-shortest msgpack everywhere in the index, and float32 in the tree.
+    nv = craft.parse(data)
+    nv.index_frame().payload = pack_wide(nv.index)
+    s.valid("valid-msgpack-wide", craft.build(nv, fix_index=False), exp, section="1",
+            flags=["msgpack", "non-shortest"],
+            description="every int, str, array and map of the index in its widest msgpack form")
+    nv = craft.parse(data)
+    nv.index["tree"]["lr"] = 0.0  # placeholder: a float64 we then rewrite as float32
+    payload = craft.pack(nv.index)
+    f64 = b"\xa2lr\xcb" + struct.pack(">d", 0.0)
+    assert payload.count(f64) == 1
+    nv.index_frame().payload = payload.replace(f64, b"\xa2lr\xca" + struct.pack(">f", 0.15625))
+    exp32 = copy.deepcopy(exp)
+    exp32["tree"]["$map"].append(["lr", float_json(0.15625)])
+    s.valid("valid-msgpack-float32", craft.build(nv, fix_index=False), exp32, section="1", flags=["msgpack", "float32"],
+            description="a float 32 in the tree (writers write float 64; readers must accept float 32)")
+
+    # zstd: several frames, a skippable frame, no content size in the frame header.
+    obj_z = {"z": smooth(256, 13)}
+    raw = raw_bytes(obj_z["z"])
+    _, _, zdata = bases["zstd-base"]
+    nv = craft.parse(zdata)
+    f = nv.chunk_frame(0, 0)
+    skippable = struct.pack("<II", 0x184D2A50, 6) + b"ignore"
+    f.payload = (zstandard.ZstdCompressor(level=3, write_content_size=False).compress(raw[:300]) + skippable
+                 + zstandard.ZstdCompressor(level=3).compress(raw[300:]))
+    s.valid("valid-zstd-multiframe", craft.build(nv), expected_decode(obj_z, None, zdata), section="11.4",
+            flags=["codec-zstd", "zstd-frames", "zstd-skippable", "zstd-no-content-size"],
+            description="one chunk = two zstd frames (the first without Frame_Content_Size) with a skippable frame between")
+
+    # A chunk whose codec this reader does not know: the file opens, the other tensors load.
+    nv = craft.parse(data)
+    nv.index["codecs"].append([{"name": "x-future-codec", "configuration": {"param": 1}}])
+    new_id = len(nv.index["codecs"]) - 1
+    nv.frames.insert(0, craft.Frame(craft.CODEC, craft.pack(nv.index["codecs"][-1]), codec_id=new_id))
+    tid = nv.tensor_id("i")
+    nv.chunk_frame(tid, 0).codec_id = new_id
+    exp_u = copy.deepcopy(exp)
+    exp_u["tensors"]["i"] = {k: v for k, v in exp_u["tensors"]["i"].items() if k not in ("nbytes", "sha256")} | {
+        "error": "unsupported-codec"}
+    s.valid("valid-unknown-codec", craft.build(nv), exp_u, section="11.8", flags=["unknown-codec"],
+            description="tensor 'i' uses an unregistered codec: reading it is UnsupportedCodecError, every other "
+                        "tensor loads, the file opens")
+
+    # Unknown dtype and unknown derived function: UnsupportedFeatureError for that tensor only.
+    nv = craft.parse(data)
+    nv.index["tensors"].append({"name": "future", "dtype": "float7_e3m3", "shape": [3],
+                                "chunks": [], "internal": False})
+    entry = nv.index["tensors"][-1]
+    payload = b"\x01\x02\x03"
+    nv.frames.insert(len(nv.frames) - 1, craft.Frame(craft.TENSOR, craft.tensor_payload(entry | {"chunks": [0]}),
+                                                     tensor_id=len(nv.index["tensors"]) - 1))
+    raw_id = next(i for i, p in enumerate(nv.index["codecs"]) if p[0]["name"] == "raw")
+    nv.frames.insert(len(nv.frames) - 1, craft.Frame(craft.CHUNK, payload, codec_id=raw_id,
+                                                     tensor_id=len(nv.index["tensors"]) - 1, raw_length=3))
+    entry["chunks"] = [[0, 3, 3, raw_id, 0]]  # offset and checksum filled in by build()
+    nv.index["tree"]["future"] = tensor_ref(len(nv.index["tensors"]) - 1)
+    exp_d = copy.deepcopy(exp)
+    exp_d["tensors"]["future"] = {"dtype": "float7_e3m3", "shape": [3], "internal": False, "error": "unsupported-feature"}
+    exp_d["tree"]["$map"].append(["future", {"$tensor": "future"}])
+    s.valid("valid-unknown-dtype", craft.build(nv), exp_d, section="10", flags=["unknown-dtype"], level="should",
+            description="a tensor with a dtype name this version does not define: UnsupportedFeatureError when it "
+                        "is read, the file opens and the other tensors load")
+    nv = craft.parse(data)
+    src = nv.tensor_id("m")
+    nv.index["tensors"].append({"name": "future-derived", "dtype": "bfloat16", "shape": nv.index["tensors"][src]["shape"],
+                                "derived": {"function": "future_fn", "source": src}})
+    nv.frames.insert(len(nv.frames) - 1, craft.Frame(craft.TENSOR, craft.tensor_payload(nv.index["tensors"][-1]),
+                                                     tensor_id=len(nv.index["tensors"]) - 1))
+    nv.index["tree"]["future-derived"] = tensor_ref(len(nv.index["tensors"]) - 1)
+    exp_f = copy.deepcopy(exp)
+    exp_f["tensors"]["future-derived"] = {"dtype": "bfloat16", "shape": nv.index["tensors"][src]["shape"],
+                                          "internal": False, "error": "unsupported-feature"}
+    exp_f["tree"]["$map"].append(["future-derived", {"$tensor": "future-derived"}])
+    s.valid("valid-unknown-derived-function", craft.build(nv), exp_f, section="8.5", flags=["unknown-derived"],
+            level="should",
+            description="a derived tensor with an unknown function name: UnsupportedFeatureError when it is read only")
+
+    # Maximum tree depth (64) and maximum rank (64) are still valid.
+    nv = craft.parse(data)
+    nv.index["tree"] = nest(63, tensor_ref(0))  # root list at depth 1, innermost list at depth 63, the ref inside
+    nv.index["tree"] = [nv.index["tree"]] + [tensor_ref(i) for i in range(1, len(nv.index["tensors"]))
+                                             if not nv.index["tensors"][i].get("internal")]
+    exp_deep = copy.deepcopy(exp)
+    names = [e["name"] for e in nv.index["tensors"] if not e.get("internal")]
+    node: Any = {"$tensor": names[0]}
+    for _ in range(63):
+        node = [node]
+    exp_deep["tree"] = [node] + [{"$tensor": n} for n in names[1:]]
+    s.valid("valid-tree-depth-64", craft.build(nv), exp_deep, section="9", flags=["depth", "limit"],
+            description="a tree nested exactly 64 deep (root container = depth 1): the limit, still valid")
+    r64 = torch.arange(6, dtype=torch.int16).reshape([2, 3] + [1] * 62)
+    data64 = save({"r": r64}, codec="raw")
+    s.valid("valid-rank-64", data64, expected_decode({"r": r64}, None, data64), section="8.3", flags=["rank", "limit"],
+            description="a tensor of rank 64 (the limit)")
+
+    # nvcomp-ans: genuine ANS bytes from nvCOMP (fixture produced on a GPU), see conformance/README.md.
+    if os.path.exists(ANS_FIXTURE):
+        gen_ans(s, bases)
+
+
+def gen_ans(s: Suite, bases: dict) -> None:
+    with open(ANS_FIXTURE) as f:
+        fx = json.load(f)
+    raw = bytes.fromhex(fx["raw_hex"])
+    stored = bytes.fromhex(fx["stored_hex"])
+    assert hashlib.sha256(raw).hexdigest() == fx["raw_sha256"] and craft.xxh3(stored) == fx["stored_xxh3"], ANS_FIXTURE
+    obj = {"ans": tensor_from_bytes(raw, getattr(torch, fx["dtype"]), tuple(fx["shape"])),
+           "plain": torch.arange(8, dtype=torch.int32)}
+    data = save(obj, codec="raw")
+    exp = expected_decode(obj, None, data)
+    nv = craft.parse(data)
+    pipeline = [{"name": "nvcomp-ans", "configuration": {"data_type": fx["data_type"],
+                                                          "nvcomp_version": fx["nvcomp_version"], "bitstream": "raw"}}]
+    nv.index["codecs"].append(pipeline)
+    cid = len(nv.index["codecs"]) - 1
+    nv.frames.insert(0, craft.Frame(craft.CODEC, craft.pack(pipeline), codec_id=cid))
+    tid = nv.tensor_id("ans")
+    chunk = nv.chunk_frame(tid, 0)
+    chunk.payload = stored
+    chunk.codec_id = cid
+    nv.index["writer"]["nvcomp"] = fx["nvcomp_version"]
+    exp["tensors"]["ans"]["requires"] = ["nvcomp"]  # without nvCOMP: UnsupportedCodecError for this tensor
+    s.valid("valid-codec-nvcomp-ans", craft.build(nv), exp, section="11.6", flags=["codec-nvcomp-ans"],
+            requires=["nvcomp"],
+            description=f"a chunk coded by nvCOMP {fx['nvcomp_version']} ANS (RAW bitstream) on a GPU; readers "
+                        "without nvCOMP must report UnsupportedCodecError for 'ans' and still load 'plain'")
+    # The same bytes labelled with an nvCOMP version whose ANS bitstream 6.x cannot read.
+    nv = craft.parse(craft.build(nv))
+    nv.index["codecs"][cid][0]["configuration"]["nvcomp_version"] = "5.1.0"
+    nv.frames[0].payload = craft.pack(nv.index["codecs"][cid])
+    exp_old = copy.deepcopy(exp)
+    exp_old["tensors"]["ans"] = {k: v for k, v in exp_old["tensors"]["ans"].items() if k not in ("nbytes", "sha256")} | {
+        "error": "unsupported-codec"}
+    s.valid("valid-nvcomp-ans-old-bitstream", craft.build(nv), exp_old, section="11.6",
+            flags=["codec-nvcomp-ans", "nvcomp-version"],
+            description="an nvcomp-ans chunk recorded as written by nvCOMP 5.1.0: no reader, with or without a GPU, "
+                        "may decode it (the 6.0 bitstream changed); UnsupportedCodecError for 'ans' only")
+
+
+# --------------------------------------------------------------------------------------------
+# Invalid cases
+# --------------------------------------------------------------------------------------------
+
+def gen_invalid(s: Suite, bases: dict) -> None:
+    _, _, base = bases["valid-base"]
+
+    def edit(fn: Callable[[craft.NvFile], Any], src: bytes = base, **build_kw: Any) -> bytes:
+        nv = craft.parse(src)
+        out = fn(nv)
+        if isinstance(out, dict):
+            build_kw = {**build_kw, **out}
+        return craft.build(nv, **build_kw)
+
+    def index_edit(fn: Callable[[dict], Any], src: bytes = base, sync: bool = False) -> bytes:
+        """Change the decoded index (and re-pack it): chunk tables are left exactly as fn made them."""
+        nv = craft.parse(src)
+        fn(nv.index)
+        if sync:  # TENSOR frames change size: chunk offsets move, and the index follows them
+            craft.sync_tensor_frames(nv)
+            return craft.build(nv)
+        nv.index_frame().payload = craft.pack(nv.index)
+        return craft.build(nv, fix_index=False)
+
+    def raw_index(payload: bytes, src: bytes = base) -> bytes:
+        nv = craft.parse(src)
+        nv.index_frame().payload = payload
+        return craft.build(nv, fix_index=False)
+
+    inv = s.invalid
+    nv0 = craft.parse(base)
+    T = {e["name"]: i for i, e in enumerate(nv0.index["tensors"])}
+
+    # -- truncation at every structure boundary -----------------------------------------------
+    for off, what in craft.structure_boundaries(base):
+        inv(f"truncated-at-{off:05d}", base[:off], "truncated", section="5", flags=["truncated"],
+            description=f"the valid base file cut at byte {off} of {len(base)}: {what}",
+            danger="a writer killed mid-save or a partial copy; a reader that trusts offsets reads past the end",
+            codec="raw")
+
+    # -- magic numbers ----------------------------------------------------------------------------
+    inv("bad-preamble-magic", b"\x89NVCKPX\n" + base[8:], "format", section="3", flags=["magic"],
+        description="preamble magic ends in 'X' instead of 'T'",
+        danger="not an nvckpt file (or a text-mode copy); parsing it would interpret foreign bytes")
+    inv("bad-preamble-magic-crlf", base[:7] + b"\r\n" + base[8:], "format", section="3",
+        flags=["magic", "line-ending"], description="the magic's \\n became \\r\\n (a text-mode transfer), shifting every byte",
+        danger="a line-ending conversion corrupts every binary field; the magic catches it first")
+    inv("bad-index-frame-magic", edit(lambda nv: setattr(nv.index_frame(), "magic", b"NVCX")), "format", section="5",
+        flags=["magic", "frame"], description="the INDEX frame header's magic is 'NVCX'",
+        danger="the footer points at something that is not a frame header")
+    inv("bad-chunk-frame-magic", edit(lambda nv: setattr(nv.chunk_frame(0, 1), "magic", b"NVCX")), "format",
+        section="4.1", flags=["magic", "frame"], readers=STREAMING,
+        description="a CHUNK frame header's magic is 'NVCX' (only a streaming reader reads it)",
+        danger="a streaming reader that does not check the magic walks into garbage lengths")
+    inv("bad-footer-magic", base[:-8] + b"NVCKEND\r", "truncated", section="5", flags=["magic", "footer"],
+        description="the end magic is 'NVCKEND\\r': the file does not end with a footer",
+        danger="a truncated or appended-to file; the footer's offsets cannot be trusted")
+
+    # -- versions and feature bits ------------------------------------------------------------
+    def pre(field: str, value: int) -> Callable:
+        return lambda nv: setattr(nv.preamble, field, value)
+
+    inv("unknown-required-feature-bit0", edit(pre("required_features", 1)), "unsupported-feature", section="3",
+        flags=["required-feature"], description="required_features bit 0 set (version 1.0 defines none)",
+        danger="the file needs a feature this reader lacks: reading on would misinterpret the bytes")
+    inv("unknown-required-feature-bit31", edit(pre("required_features", 1 << 31)), "unsupported-feature", section="3",
+        flags=["required-feature"], description="required_features bit 31 set",
+        danger="as above; a reader must not mask the bit as signed")
+    inv("unknown-major-version-2", edit(pre("version_major", 2)), "unsupported-feature", section="3",
+        flags=["version"], description="version_major = 2", danger="a future incompatible layout")
+    inv("unknown-major-version-0", edit(pre("version_major", 0)), "unsupported-feature", section="3",
+        flags=["version"], description="version_major = 0", danger="not a version-1 file")
+    inv("preamble-reserved-nonzero", edit(pre("reserved", 1)), "format", section="3", flags=["reserved"],
+        description="the preamble's reserved field is 1", danger="reserved fields must stay free for future versions")
+    inv("index-major-version-mismatch", index_edit(lambda ix: ix.__setitem__("version", [2, 0])), "format",
+        section="8.1", flags=["version"], description="the index says version [2, 0], the preamble 1.0",
+        danger="preamble and index disagree on the major version: one of them is damaged or spliced from another file")
+
+    # -- frame header fields (INDEX frame: random-access readers read it) --------------------------
+    def frame_set(sel: Callable, **fields: Any) -> Callable:
+        def fn(nv: craft.NvFile) -> None:
+            f = sel(nv)
+            for k, v in fields.items():
+                setattr(f, k, v)
+        return fn
+
+    idx = lambda nv: nv.index_frame()  # noqa: E731
+    inv("index-frame-flags-nonzero", edit(frame_set(idx, flags=1)), "format", section="4.1", flags=["reserved", "frame"],
+        description="the INDEX frame's reserved flags byte is 1", danger="reserved bits must stay free")
+    inv("index-frame-raw-length-differs", edit(frame_set(idx, raw_length=5)), "format", section="4.1",
+        flags=["frame", "lengths"], description="the INDEX frame's raw_length differs from its stored_length",
+        danger="a non-CHUNK frame is not coded; a mismatch means a damaged header")
+    inv("index-frame-wrong-type", edit(frame_set(idx, frame_type=craft.CODEC)), "format", section="5",
+        flags=["frame"], description="the frame the footer points at is a CODEC frame (type 1), not the INDEX",
+        danger="the footer points at the wrong frame: an index parsed from it would be garbage")
+    inv("index-frame-tensor-id-nonzero", edit(frame_set(idx, tensor_id=1)), "format", section="4.2",
+        flags=["frame", "reserved"], description="the INDEX frame's tensor_id is 1 (must be 0)",
+        danger="fields that must be 0 are how damage is noticed")
+    inv("index-frame-padding-over-limit", edit(frame_set(idx, padding_length=(1 << 20) + 1)), "format", section="4.1",
+        flags=["padding", "limit"], also=["limit"], description="the INDEX frame's padding_length is 2^20 + 1",
+        danger="padding beyond the limit lets a header skip arbitrary amounts of data")
+    inv("index-frame-padding-nonzero", edit(frame_set(idx, padding_length=8, padding=b"\0\0\0\x01\0\0\0\0")), "format",
+        section="4.1", flags=["padding"], level="should", description="the INDEX frame's 8 padding bytes are not all zero",
+        danger="non-zero padding is damage, or data hidden where no checksum covers it")
+    inv("chunk-frame-padding-nonzero", edit(frame_set(lambda nv: nv.chunk_frame(0, 0), padding_length=4,
+                                                      padding=b"\0\x07\0\0")), "format", section="4.1",
+        flags=["padding"], readers=STREAMING, description="a CHUNK frame's padding bytes are not zero",
+        danger="bytes that no checksum covers")
+    for ftype, err in ((0, "format"), (5, "unsupported-feature"), (127, "unsupported-feature")):
+        inv(f"frame-type-{ftype}", edit(lambda nv, t=ftype: nv.frames.insert(2, craft.Frame(t, b"payload"))), err,
+            section="4.2", flags=["frame-type"], readers=STREAMING,
+            description=f"a frame of type {ftype} between the others ({'invalid' if ftype == 0 else 'unknown required'})",
+            danger="a required frame this reader does not understand: skipping it could silently lose data")
+
+    # -- checksums, each in turn -------------------------------------------------------------------
+    def flip_payload(sel: Callable, at: int = 0) -> Callable:
+        def fn(nv: craft.NvFile) -> dict:
+            f = sel(nv)
+            b = bytearray(f.payload)
+            b[at] ^= 0x01
+            f.payload_checksum = craft.xxh3(f.payload)  # the header keeps the old checksum
+            f.payload = bytes(b)
+            return {"fix_index": False}
+        return fn
+
+    inv("checksum-chunk", edit(flip_payload(lambda nv: nv.chunk_frame(T["w"], 1), 3)), "checksum", section="13",
+        flags=["checksum", "chunk"], description="one bit of a chunk's stored bytes flipped (tensor 'w', chunk 1)",
+        danger="damaged data would be decoded and returned as if it were the tensor")
+    inv("checksum-index", edit(lambda nv: [flip_payload(idx, 20)(nv), None][1], fix_footer=False, fix_index=False),
+        "checksum", section="5", flags=["checksum", "index"],
+        description="one bit of the index payload flipped; footer and INDEX header keep the old checksum",
+        danger="a damaged index can point anywhere")
+    inv("checksum-index-frame-header", edit(frame_set(idx, header_checksum=0x12345678)), "checksum", section="4.1",
+        flags=["checksum", "frame-header"], also=["format"],
+        description="the INDEX frame's header_checksum is wrong",
+        danger="a damaged header gives wrong lengths and offsets")
+    inv("checksum-chunk-frame-header", edit(frame_set(lambda nv: nv.chunk_frame(0, 0), header_checksum=0x12345678)),
+        "checksum", section="4.1", flags=["checksum", "frame-header"], readers=STREAMING,
+        description="a CHUNK frame's header_checksum is wrong (only a streaming reader reads that header)",
+        danger="a streaming reader would trust damaged lengths")
+    inv("checksum-tensor-frame-payload", edit(flip_payload(lambda nv: nv.tensor_frame(0), 2)), "checksum",
+        section="15.2", flags=["checksum", "tensor-frame"], readers=STREAMING,
+        description="one bit of a TENSOR frame's payload flipped",
+        danger="a streaming or recovering reader would take a damaged name, dtype or shape")
+    inv("checksum-codec-frame-payload", edit(flip_payload(lambda nv: next(f for f in nv.frames if f.frame_type == 1), 2)),
+        "checksum", section="15.2", flags=["checksum", "codec-frame"], readers=STREAMING,
+        description="one bit of a CODEC frame's payload flipped",
+        danger="a streaming reader would decode chunks with the wrong codec")
+
+    def footer_set(**fields: Any) -> Callable:
+        def fn(nv: craft.NvFile) -> dict:
+            craft_data = craft.build(nv)  # lay out, then damage the footer only
+            nv.__dict__.update(craft.parse(craft_data).__dict__)
+            for k, v in fields.items():
+                setattr(nv.footer, k, v(nv.footer) if callable(v) else v)
+            return {"fix_footer": False}
+        return fn
+
+    inv("checksum-footer", edit(footer_set(footer_checksum=0xDEADBEEF)), "checksum", section="5",
+        flags=["checksum", "footer"], description="the footer_checksum is wrong",
+        danger="a damaged footer points at the wrong place")
+    inv("checksum-tensor", index_edit(lambda ix: ix["tensors"][T["i"]].__setitem__("checksum", 12345), sync=True),
+        "checksum", section="13", level="should", flags=["checksum", "tensor"],
+        description="tensor 'i' has a tensor checksum that does not match its decoded bytes",
+        danger="a decoder bug or damaged data that the chunk checksums could not see")
+    inv("footer-reserved-nonzero", edit(footer_set(reserved=1)), "format", section="5", flags=["reserved", "footer"],
+        description="the footer's reserved field is 1 (footer checksum recomputed)",
+        danger="reserved fields must stay free for future versions")
+
+    # -- footer and index offsets --------------------------------------------------------------------
+    size = len(base)
+    inv("footer-index-offset-past-end", edit(footer_set(index_offset=size + 100)), "format", section="5",
+        flags=["offsets"], description="the footer's index_offset is beyond the end of the file",
+        danger="a read past the end of the file")
+    inv("footer-index-offset-in-preamble", edit(footer_set(index_offset=8)), "format", section="5", flags=["offsets"],
+        description="the footer's index_offset is 8, inside the preamble", danger="the index would be read from the preamble")
+    inv("footer-index-offset-overflow", edit(footer_set(index_offset=(1 << 64) - 16)), "format", section="5",
+        flags=["offsets", "overflow"], description="index_offset = 2^64 - 16: index_offset + 48 + index_length wraps in u64",
+        danger="a reader that adds in 64 bits without checking wraps around to a small, 'valid' offset")
+    inv("footer-index-at-chunk-frame", edit(footer_set(index_offset=lambda ft: craft.parse(base).chunk_frame(0, 0).offset)),
+        "format", section="5", flags=["offsets"], description="the footer points at a CHUNK frame instead of the INDEX frame",
+        danger="the index would be parsed from chunk data")
+    inv("footer-index-length-differs", edit(footer_set(index_length=lambda ft: ft.index_length - 1)), "format",
+        section="5", flags=["lengths"], description="the footer's index_length is one less than the INDEX frame's stored_length",
+        danger="footer and frame disagree: one is damaged")
+    inv("index-length-over-limit", edit(footer_set(index_length=(1 << 30) + 1)), "limit", section="16",
+        flags=["limit", "index"], also=["format"], description="index_length = 2^30 + 1 (MAX_INDEX_LENGTH is 2^30)",
+        danger="a reader would allocate or read a gigabyte before checking anything")
+
+    # -- chunk tables: offsets, lengths, overlap, overflow -----------------------------------------------
+    def chunk_set(name: str, i: int, field: int, value: Any) -> Callable:
+        def fn(ix: dict) -> None:
+            c = ix["tensors"][T[name]]["chunks"][i]
+            c[field] = value(c) if callable(value) else value
+        return fn
+
+    index_off = nv0.index_frame().offset
+    inv("chunk-offset-past-index", index_edit(chunk_set("w", 0, 0, index_off - 2)), "format", section="8.4",
+        flags=["offsets"], description="a chunk range runs past the start of the INDEX frame",
+        danger="chunk bytes would be read from the index or beyond the file")
+    inv("chunk-offset-past-end", index_edit(chunk_set("w", 0, 0, size + 4096)), "format", section="8.4",
+        flags=["offsets"], description="a chunk offset beyond the end of the file", danger="a read past the end of the file")
+    inv("chunk-offset-in-preamble", index_edit(chunk_set("w", 0, 0, 4)), "format", section="8.4", flags=["offsets"],
+        description="a chunk offset of 4 (below 24 + 48)", danger="the preamble would be decoded as tensor data")
+    inv("chunk-offset-overflow", index_edit(chunk_set("w", 0, 0, (1 << 64) - 8)), "format", section="20",
+        flags=["offsets", "overflow"], description="chunk offset 2^64 - 8: offset + stored_length wraps in u64",
+        danger="a wrapped end offset passes a naive range check")
+    def overlap(ix: dict) -> None:
+        c0, c1 = ix["tensors"][T["w"]]["chunks"][:2]
+        c1[0] = c0[0] + c0[1] - 1
+    inv("chunks-overlap", index_edit(overlap), "format", section="8.4",
+        flags=["overlap"], description="chunk 1 of 'w' starts one byte before chunk 0 ends",
+        danger="overlapping ranges let a small file decode to a large one and spread one bad byte over several tensors")
+
+    def same_range(ix: dict) -> None:
+        ix["tensors"][T["i"]]["chunks"][0][0] = ix["tensors"][T["w"]]["chunks"][0][0]
+    inv("chunks-same-range-two-tensors", index_edit(same_range), "format", section="8.4", flags=["overlap"],
+        description="two tensors' chunks point at the same stored bytes", danger="as above")
+    inv("chunk-stored-length-zero", index_edit(chunk_set("w", 0, 1, 0)), "format", section="8.4", flags=["lengths"],
+        description="a chunk with stored_length 0", danger="zero-length chunks break the one-frame-per-chunk rule")
+    inv("chunk-raw-length-zero", index_edit(lambda ix: ix["tensors"][T["i"]].__setitem__(
+        "chunks", ix["tensors"][T["i"]]["chunks"] + [[1 << 40, 1, 0, 0, 0]])), "format", section="8.4",
+        flags=["lengths"], description="an extra chunk with raw_length 0", danger="lengths that add nothing hide data")
+    inv("chunk-raw-length-sum-mismatch", index_edit(chunk_set("i", 0, 2, lambda c: c[2] - 8)), "format", section="8.4",
+        flags=["lengths"], description="the chunks' raw lengths add up to 8 bytes less than shape x itemsize",
+        danger="the tensor would be returned with uninitialized or missing bytes")
+    inv("chunk-raw-length-not-itemsize-multiple", index_edit(chunk_set("w", 0, 2, lambda c: c[2] + 2)),
+        "format", section="8.4", flags=["lengths"], description="a float32 chunk's raw_length is not a multiple of 4",
+        danger="elements would be split across chunks")
+    inv("chunk-codec-id-out-of-range", index_edit(chunk_set("w", 0, 3, 99)), "format", section="8.4", flags=["codec-id"],
+        description="a chunk uses codec id 99; the codec table has fewer entries", danger="an out-of-bounds table lookup")
+    inv("raw-chunk-lengths-differ", edit(lambda nv: [setattr(nv.chunk_frame(T["i"], 0), "raw_length", 48),
+                                                     nv.index["tensors"][T["i"]].__setitem__("shape", [6])]),
+        "format", section="11.3", flags=["lengths", "codec-raw"],
+        description="a raw-coded chunk claims raw_length 48 for 40 stored bytes (shape adjusted to match)",
+        danger="a raw 'decoder' that copies raw_length bytes reads past the payload")
+
+    big = (1 << 24) + 4
+
+    def chunk_limit(ix: dict) -> None:
+        e = ix["tensors"][T["i"]]
+        e["shape"] = [big // 8]
+        e["chunks"][0][2] = big
+    inv("chunk-raw-length-over-limit", index_edit(chunk_limit), "limit", section="16", flags=["limit", "lengths"],
+        also=["format"], description="a chunk with raw_length 2^24 + 4 (MAX_CHUNK_LENGTH is 2^24); shape matches",
+        danger="a decoder would be asked to allocate beyond the per-chunk bound")
+    inv("chunk-stored-length-over-limit", index_edit(chunk_set("w", 0, 1, big)), "limit", section="16",
+        flags=["limit", "lengths"], also=["format"], description="a chunk with stored_length 2^24 + 4",
+        danger="a reader would read 16 MiB for one chunk, past the file")
+
+    # -- decompression bombs and lying zstd ------------------------------------------------------------
+    _, _, zbase = bases["zstd-base"]
+
+    def zstd_payload(payload: bytes, src: bytes = zbase) -> bytes:
+        nv = craft.parse(src)
+        nv.chunk_frame(0, 0).payload = payload
+        return craft.build(nv)
+
+    zraw = craft.parse(zbase).index["tensors"][0]["chunks"][0][2]
+    bomb = zstandard.ZstdCompressor(level=19).compress(bytes(256 << 20))
+    inv("zstd-bomb-declared", zstd_payload(bomb), "format", section="11.7", flags=["decompression-bomb", "codec-zstd"],
+        description=f"a {len(bomb)}-byte zstd frame that declares and holds 256 MiB of zeros, for a {zraw}-byte chunk",
+        danger="a decoder that trusts Frame_Content_Size (or decodes to the end) allocates 256 MiB from a tiny file")
+    bomb_nosize = zstandard.ZstdCompressor(level=19, write_content_size=False).compress(bytes(64 << 20))
+    inv("zstd-bomb-undeclared", zstd_payload(bomb_nosize), "format", section="11.7",
+        flags=["decompression-bomb", "codec-zstd"],
+        description="a zstd frame without content size that decodes to 64 MiB, for a 1 KiB chunk",
+        danger="a streaming decoder must stop at raw_length, not at the end of the frame")
+    zr = bytes(raw_bytes(smooth(256, 13)))
+    inv("zstd-decodes-short", zstd_payload(zstandard.ZstdCompressor(level=3).compress(zr[:-4])), "format",
+        section="11.7", flags=["lengths", "codec-zstd"], description="the zstd data decodes to 4 bytes less than raw_length",
+        danger="the tensor would be returned with uninitialized bytes")
+    inv("zstd-lies-content-size", zstd_payload(_zstd_with_content_size(zr, zraw * 2)), "format", section="11.7", flags=["lengths", "codec-zstd"],
+        description="a zstd frame whose Frame_Content_Size says twice raw_length",
+        danger="an allocation sized from the frame header instead of raw_length")
+    inv("zstd-garbage", zstd_payload(b"\x28\xb5\x2f\xfd" + bytes(range(60))), "format", section="11.4",
+        flags=["codec-zstd", "corrupt"], description="a chunk payload that is not valid zstd data (checksums match)",
+        danger="the decoder sees malformed input: it must fail cleanly")
+    inv("zstd-trailing-garbage", zstd_payload(zstandard.ZstdCompressor(level=3).compress(zr) + b"junk"), "format",
+        section="11.4", flags=["codec-zstd", "corrupt"], description="four bytes that are not a zstd frame after the last frame",
+        danger="data outside any frame is damage")
+    inv("zstd-needs-dictionary", zstd_payload(_zstd_with_dict_id(zr)), "format", section="11.4",
+        flags=["codec-zstd", "dictionary"], description="a zstd frame whose header names Dictionary_ID 0x1234",
+        danger="frames must not need a dictionary: the reader has none")
+
+    _, _, sbase = bases["shuffle-base"]
+
+    def codec_edit(pipeline: list, src: bytes = sbase) -> bytes:
+        nv = craft.parse(src)
+        nv.index["codecs"][0] = pipeline
+        next(f for f in nv.frames if f.frame_type == craft.CODEC and f.codec_id == 0).payload = craft.pack(pipeline)
+        return craft.build(nv)
+
+    z = {"name": "zstd", "configuration": {"level": 1}}
+    inv("codec-byteshuffle-elementsize-17", codec_edit([{"name": "byteshuffle", "configuration": {"elementsize": 17}}, z]),
+        "format", section="11.5", flags=["codec-byteshuffle"], description="byteshuffle elementsize 17 (allowed: 1..16)",
+        danger="a configuration outside the defined range")
+    inv("codec-byteshuffle-length-not-multiple", codec_edit([{"name": "byteshuffle", "configuration": {"elementsize": 3}}, z]),
+        "format", section="11.5", flags=["codec-byteshuffle"],
+        description="byteshuffle elementsize 3 on a 1024-byte chunk (not a multiple of 3)",
+        danger="an unshuffle that ignores the remainder drops or invents bytes")
+    inv("codec-filter-after-coder", codec_edit([z, {"name": "byteshuffle", "configuration": {"elementsize": 4}}]),
+        "format", section="11.1", flags=["codec-pipeline"], description="pipeline [zstd, byteshuffle]: a filter after the coder",
+        danger="an invalid pipeline order")
+    inv("codec-empty-pipeline", codec_edit([]), "format", section="11.1", flags=["codec-pipeline"],
+        description="an empty codec pipeline", danger="no coder at all")
+    inv("codec-step-extra-key", codec_edit([{"name": "byteshuffle", "configuration": {"elementsize": 4}, "x": 1}, z]),
+        "format", section="11.1", flags=["codec-pipeline"], description="a codec step with a key other than name/configuration",
+        danger="a changed codec must get a new name, not a new key")
+    inv("codec-zstd-level-not-int", codec_edit([{"name": "byteshuffle", "configuration": {"elementsize": 4}},
+                                                {"name": "zstd", "configuration": {"level": "fast"}}]),
+        "format", section="11.2", flags=["codec-zstd", "codec-pipeline"], description="zstd level is the string 'fast'",
+        danger="a configuration of the wrong type")
+    ans = {"data_type": "<f4", "nvcomp_version": "6.0.0", "bitstream": "raw"}
+    for cid_, change, what in (("codec-nvcomp-ans-bitstream-not-raw", {"bitstream": "chunked"}, "bitstream 'chunked'"),
+                               ("codec-nvcomp-ans-unknown-data-type", {"data_type": "<i8"}, "data_type '<i8'"),
+                               ("codec-nvcomp-ans-missing-version", {"nvcomp_version": None}, "no nvcomp_version")):
+        config = {k: v for k, v in (ans | change).items() if v is not None}
+        inv(cid_, codec_edit([{"name": "nvcomp-ans", "configuration": config}]), "format", section="11.6",
+            flags=["codec-nvcomp-ans", "codec-pipeline"], description=f"an nvcomp-ans codec with {what}",
+            danger="nvCOMP would be handed a stream of another format or an unknown element type")
+    inv("codec-raw-with-configuration", codec_edit([{"name": "raw", "configuration": {"level": 3}}]), "format",
+        section="11.1", flags=["codec-pipeline", "codec-raw"], description="raw with a configuration key",
+        danger="configurations have exactly the defined keys")
+
+    # -- index structure ------------------------------------------------------------------------------
+    inv("index-not-msgpack", raw_index(b"\xc1" * 16), "format", section="8", flags=["msgpack"],
+        description="the index payload starts with 0xc1 (never used in msgpack)", danger="garbage instead of an index")
+    inv("index-trailing-bytes", raw_index(craft.parse(base).index_frame().payload + b"\xc0"), "format", section="1",
+        flags=["msgpack"], description="one msgpack nil after the index map", danger="extra data no one reads")
+    inv("index-not-a-map", raw_index(craft.pack([1, 2, 3])), "format", section="8.1", flags=["msgpack"],
+        description="the index is an array", danger="wrong type at the top")
+    inv("index-missing-tree", index_edit(lambda ix: ix.pop("tree")), "format", section="8.1", flags=["index"],
+        description="the index has no 'tree' key", danger="a required key is missing")
+    inv("index-wrong-format-name", index_edit(lambda ix: ix.__setitem__("format", "safetensors")), "format",
+        section="8.1", flags=["index"], description="index 'format' is 'safetensors'", danger="a foreign index")
+    inv("index-tensors-not-array", index_edit(lambda ix: ix.__setitem__("tensors", {"a": 1})), "format", section="8.1",
+        flags=["index"], description="index 'tensors' is a map", danger="wrong type")
+    payload = craft.parse(base).index_frame().payload
+    assert payload[0] == 0x87  # fixmap of 7
+    dup = b"\x88" + payload[1:] + craft.pack("format") + craft.pack("nvckpt")
+    inv("index-duplicate-key", raw_index(dup), "format", section="1", level="should", flags=["msgpack", "duplicate-key"],
+        description="the index map has the key 'format' twice", danger="two readers could take different values")
+
+    def entry_set(name: str, key: str, value: Any) -> Callable:
+        return lambda ix: ix["tensors"][T[name]].__setitem__(key, value)
+
+    def entry_del(name: str, key: str) -> Callable:
+        return lambda ix: ix["tensors"][T[name]].pop(key)
+
+    inv("entry-duplicate-name", index_edit(entry_set("i", "name", "w"), sync=True), "format", section="8.3",
+        flags=["duplicate-name"], description="two tensor entries are both named 'w'",
+        danger="get_tensor('w') would return either tensor")
+    inv("entry-both-chunks-and-view", index_edit(lambda ix: ix["tensors"][T["i"]].__setitem__(
+        "view", {"base": T["v/0@base"], "offset": 0, "stride": [1]})), "format", section="8.3", flags=["entry-kind"],
+        description="an entry with both 'chunks' and 'view'", danger="two readers could build different tensors")
+    inv("entry-no-kind", index_edit(entry_del("i", "chunks"), sync=True), "format", section="8.3", flags=["entry-kind"],
+        description="an entry with none of 'chunks', 'view', 'derived'", danger="a tensor with no data")
+    inv("entry-shape-negative", index_edit(entry_set("i", "shape", [-5]), sync=True), "format", section="8.3",
+        flags=["shape"], description="shape [-5]", danger="negative sizes wrap to huge unsigned ones")
+    inv("entry-dim-over-2p63", index_edit(entry_set("i", "shape", [1 << 63]), sync=True), "format", section="8.3",
+        flags=["shape", "overflow"], also=["limit"], description="a dimension of 2^63",
+        danger="beyond the signed 64-bit range every implementation can hold")
+    inv("entry-shape-product-overflow", index_edit(lambda ix: ix["tensors"][T["i"]].update(
+        shape=[1 << 32, 1 << 32, 2], chunks=[]), sync=True), "format", section="8.3",
+        flags=["shape", "overflow"], also=["limit"], description="shape [2^32, 2^32, 2] int64: the element count overflows 64 bits",
+        danger="a wrapped numel * itemsize (here 0 in u64) passes size checks and under-allocates")
+    inv("entry-shape-overflow-with-zero-dim", index_edit(lambda ix: ix["tensors"][T["i"]].update(
+        shape=[0, 1 << 62, 8], chunks=[]), sync=True), "format", section="8.3",
+        flags=["shape", "overflow"], also=["limit"],
+        description="shape [0, 2^62, 8] int64: empty, but the product of its non-zero dimensions times itemsize exceeds 2^63-1",
+        danger="slicing off the zero dimension gives a tensor whose size overflows")
+    inv("entry-rank-65", index_edit(lambda ix: ix["tensors"][T["i"]].update(shape=[5] + [1] * 64), sync=True),
+        "limit", section="16", flags=["rank", "limit"], also=["format"], description="a tensor of rank 65",
+        danger="rank beyond what implementations can hold on the stack")
+    inv("entry-name-too-long", index_edit(entry_set("i", "name", "n" * 4097), sync=True), "limit", section="16",
+        flags=["name", "limit"], also=["format"], description="a tensor name of 4097 bytes", danger="unbounded names")
+    inv("entry-name-not-str", index_edit(entry_set("i", "name", b"i"), sync=True), "format", section="8.3",
+        flags=["name"], description="a tensor name stored as msgpack bin", danger="names are UTF-8 strings")
+    utf8 = craft.parse(base).index_frame().payload
+    assert utf8.count(b"\xa4name\xa1i") == 1
+    inv("entry-name-invalid-utf8", raw_index(utf8.replace(b"\xa4name\xa1i", b"\xa4name\xa1\xff")), "format",
+        section="1", flags=["name", "utf-8"], description="a tensor name whose msgpack str holds the byte 0xff (not UTF-8)",
+        danger="invalid UTF-8 names break every tool that prints, compares or uses them as paths")
+    inv("entry-internal-not-bool", index_edit(entry_set("i", "internal", 1), sync=True), "format", section="8.3",
+        flags=["entry"], description="'internal': 1 instead of a bool", danger="wrong type")
+
+    # -- views and derived entries ---------------------------------------------------------------------
+    view = "v/0"
+    inv("view-out-of-range", index_edit(lambda ix: ix["tensors"][T[view]]["view"].__setitem__("offset", 1000)),
+        "format", section="8.5", flags=["view"], description="a view whose last element is past the end of its base",
+        danger="an as_strided view out of range reads other memory")
+    inv("view-stride-overflow", index_edit(lambda ix: ix["tensors"][T[view]]["view"].__setitem__("stride", [1 << 63, 1])),
+        "format", section="20", flags=["view", "overflow"],
+        description="a view stride of 2^63 on a dimension of 2: the bound check wraps to 0 in u64",
+        danger="a wrapped bound passes the range check")
+    inv("view-base-self", index_edit(lambda ix: ix["tensors"][T[view]]["view"].__setitem__("base", T[view])),
+        "format", section="8.5", flags=["view", "self-reference"], description="a view whose base is itself",
+        danger="endless recursion when the view is built")
+    inv("view-base-missing", index_edit(lambda ix: ix["tensors"][T[view]]["view"].__setitem__("base", 99)),
+        "format", section="8.5", flags=["view", "dangling"], description="a view whose base id does not exist",
+        danger="an out-of-bounds table lookup")
+    inv("view-base-is-view", index_edit(lambda ix: ix["tensors"][T[view]]["view"].__setitem__("base", T["v/1"])),
+        "format", section="8.5", flags=["view"], description="a view whose base is another view",
+        danger="chains of views (possibly cycles) instead of one data tensor")
+    inv("view-base-2d", index_edit(lambda ix: ix["tensors"][T[view]]["view"].__setitem__("base", T["w"])),
+        "format", section="8.5", flags=["view"], description="a view whose base is a 2-D data tensor",
+        danger="bases are 1-D storage")
+    inv("view-stride-rank-mismatch", index_edit(lambda ix: ix["tensors"][T[view]]["view"].__setitem__("stride", [4])),
+        "format", section="8.5", flags=["view"], description="a rank-2 view with one stride",
+        danger="an index computed from missing strides")
+    inv("view-dtype-differs", index_edit(lambda ix: ix["tensors"][T[view]].__setitem__("dtype", "int32"), sync=True),
+        "format", section="8.5", flags=["view"], description="an int32 view of a float32 base",
+        danger="views share the base's dtype; reinterpretation is not a view")
+    der = "b"
+    inv("derived-self", index_edit(lambda ix: ix["tensors"][T[der]]["derived"].__setitem__("source", T[der]), sync=True),
+        "format", section="8.5", flags=["derived", "self-reference"], description="a derived tensor whose source is itself",
+        danger="endless recursion")
+    inv("derived-source-missing", index_edit(lambda ix: ix["tensors"][T[der]]["derived"].__setitem__("source", 99),
+                                             sync=True),
+        "format", section="8.5", flags=["derived", "dangling"], description="a derived tensor whose source does not exist",
+        danger="an out-of-bounds table lookup")
+    inv("derived-source-not-float32", index_edit(lambda ix: ix["tensors"][T[der]]["derived"].__setitem__("source", T["i"]),
+                                                 sync=True),
+        "format", section="8.5", flags=["derived"], description="bf16_rne of an int64 tensor",
+        danger="the function is defined on float32 bits only")
+    inv("derived-source-is-derived-shape", index_edit(lambda ix: ix["tensors"][T[der]].__setitem__("shape", [16]),
+                                                      sync=True),
+        "format", section="8.5", flags=["derived"], description="a derived tensor whose shape differs from its source's",
+        danger="a size mismatch between source and result")
+    inv("derived-dtype-not-bf16", index_edit(lambda ix: ix["tensors"][T[der]].__setitem__("dtype", "float16"), sync=True),
+        "format", section="8.5", flags=["derived"], description="a bf16_rne entry with dtype float16",
+        danger="the bytes would be read as the wrong type")
+
+    # -- the tree ---------------------------------------------------------------------------------------
+    def tree_set(node: Any) -> Callable:
+        return lambda ix: ix.__setitem__("tree", node)
+
+    inv("tree-depth-65", index_edit(tree_set(nest(65, tensor_ref(0)))), "limit", section="9", flags=["depth", "limit"],
+        also=["format"], description="a tree of nested arrays 65 deep (root = depth 1)",
+        danger="recursive parsers exhaust their stack")
+    inv("tree-depth-65-maps", index_edit(tree_set(nest(65, 1, "map"))), "limit", section="9", flags=["depth", "limit"],
+        also=["format"], description="a tree of nested maps 65 deep", danger="as above")
+    inv("tree-depth-65-tuples", index_edit(tree_set(nest(65, 1, "tuple"))), "limit", section="9",
+        flags=["depth", "limit", "tuples"], also=["format"],
+        description="65 tuples nested inside each other's ext data", danger="recursion through ext payloads")
+    inv("tree-depth-100000", raw_index(_deep_index(craft.parse(base).index, 100_000)), "limit", section="20",
+        flags=["depth", "limit", "stack"], also=["format"], description="arrays nested 100000 deep (a stack bomb)",
+        danger="a recursive parser crashes with a stack overflow")
+    inv("metadata-depth-65", index_edit(lambda ix: ix.__setitem__("metadata", {"m": nest(64, 1)})), "limit",
+        section="8.6", flags=["depth", "limit", "metadata"], also=["format"],
+        description="metadata nested 65 deep", danger="as for the tree")
+    inv("metadata-ext-type", index_edit(lambda ix: ix.__setitem__("metadata", {"m": tensor_ref(0)})), "format",
+        section="8.6", level="should", flags=["metadata", "ext"],
+        description="a tensor reference (ext 1) inside the metadata", danger="metadata is JSON-like: no ext types")
+    inv("metadata-nested-int-key", index_edit(lambda ix: ix.__setitem__("metadata", {"m": {1: "x"}})), "format",
+        section="8.6", level="should", flags=["metadata"], description="a nested metadata map with an int key",
+        danger="metadata maps have str keys (JSON objects)")
+    inv("tree-ref-missing", index_edit(tree_set({"x": tensor_ref(99)})), "format", section="9", flags=["tree", "dangling"],
+        description="a tensor reference to id 99", danger="an out-of-bounds table lookup")
+    inv("tree-ref-5-bytes", index_edit(tree_set({"x": msgpack.ExtType(1, b"\0\0\0\0\0")})), "format", section="9",
+        flags=["tree"], description="a tensor reference ext with 5 data bytes", danger="a malformed reference")
+    inv("tree-unknown-ext", index_edit(tree_set({"x": msgpack.ExtType(3, b"\x01")})), "format", section="9",
+        flags=["tree", "ext"], description="ext type 3 in the tree", danger="types this version does not define")
+    inv("tree-timestamp-ext", raw_index(_index_with_raw_tree(craft.parse(base).index, b"\x81\xa1x\xd6\xff\0\0\0\0")), "format", section="9",
+        flags=["tree", "ext"], description="msgpack's timestamp ext (-1) in the tree", danger="as above")
+    inv("tree-tuple-not-array", index_edit(tree_set({"x": msgpack.ExtType(2, craft.pack({"a": 1}))})), "format",
+        section="9", flags=["tree", "tuples"], description="a tuple ext whose data is a map", danger="malformed tuple")
+    inv("tree-tuple-trailing", index_edit(tree_set({"x": msgpack.ExtType(2, craft.pack([1]) + b"\xc0")})), "format",
+        section="9", flags=["tree", "tuples"], description="a tuple ext with bytes after its array",
+        danger="data outside the array")
+    inv("tree-key-array", raw_index(_index_with_raw_tree(craft.parse(base).index, b"\x81\x91\x01\x02")), "format",
+        section="9", flags=["tree"], description="a tree map whose key is an array", danger="keys must be scalars")
+
+    # -- bool values ----------------------------------------------------------------------------------------
+    bool_obj = {"b": torch.tensor([True, False, True])}
+    bdata = save(bool_obj, codec="raw", tensor_checksums=False)
+    inv("bool-byte-2", edit(lambda nv: setattr(nv.chunk_frame(0, 0), "payload", b"\x01\x02\x00"), bdata), "format",
+        section="10", level="should", flags=["dtype", "bool"], description="a bool tensor holding the byte 0x02",
+        danger="a bool that is neither true nor false is undefined behaviour in C++ and Rust")
+
+
+def _zstd_with_content_size(data: bytes, declared: int) -> bytes:
+    """A zstd frame of ``data`` whose header declares ``declared`` bytes (8-byte Frame_Content_Size)."""
+    frame = bytearray(zstandard.ZstdCompressor(level=3, write_checksum=False).compress(data))
+    params = zstandard.get_frame_parameters(bytes(frame))
+    fhd = frame[4]
+    fcs_flag, single = fhd >> 6, (fhd >> 5) & 1
+    did_len = (0, 1, 2, 4)[fhd & 3]
+    pos = 5 + (0 if single else 1) + did_len
+    size_len = {0: 1 if single else 0, 1: 2, 2: 4, 3: 8}[fcs_flag]
+    assert params.content_size == len(data) and size_len
+    new_fhd = (fhd & 0x3F) | (3 << 6)
+    return bytes(frame[:4]) + bytes([new_fhd]) + bytes(frame[5:pos]) + struct.pack("<Q", declared) + bytes(frame[pos + size_len:])
+
+
+def _zstd_with_dict_id(data: bytes) -> bytes:
+    """A zstd frame (raw-content dictionary) whose header carries Dictionary_ID 0x1234."""
+    frame = bytearray(zstandard.ZstdCompressor(level=3, write_dict_id=False).compress(data))
+    fhd = frame[4]
+    assert fhd & 3 == 0
+    single = (fhd >> 5) & 1
+    pos = 5 + (0 if single else 1)
+    return bytes(frame[:4]) + bytes([fhd | 2]) + bytes(frame[5:pos]) + struct.pack("<H", 0x1234) + bytes(frame[pos:])
+
+
+def _deep_index(index: dict, depth: int) -> bytes:
+    return _index_with_raw_tree(index, b"\x91" * depth + b"\xc0")
+
+
+def _index_with_raw_tree(index: dict, tree: bytes) -> bytes:
+    """The index with its 'tree' value replaced by raw msgpack bytes (which msgpack libraries cannot build)."""
+    rest = {k: v for k, v in index.items() if k != "tree"}
+    out = bytes([0x80 | (len(rest) + 1)])
+    for k, v in rest.items():
+        out += craft.pack(k) + craft.pack(v)
+    return out + craft.pack("tree") + tree
+
+
+# --------------------------------------------------------------------------------------------
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def readme_tables(cases: list[dict]) -> dict[str, str]:
+    """The case tables of conformance/README.md, one line per file."""
+    valid = ["| id | level | SPEC | exercises |", "|---|---|---|---|"]
+    invalid = ["| id | level | readers | error | SPEC | what is wrong | why it is dangerous |",
+               "|---|---|---|---|---|---|---|"]
+    for c in cases:
+        if c["result"] == "valid":
+            valid.append(f"| `{c['id']}` | {c['level']} | {c['section']} | {_cell(c['description'])} |")
+        else:
+            err = " or ".join([c["error"]] + c["also_accepted"])
+            readers = "both" if len(c["readers"]) == 2 else c["readers"][0]
+            invalid.append(f"| `{c['id']}` | {c['level']} | {readers} | {err} | {c['section']} | "
+                           f"{_cell(c['description'])} | {_cell(c['danger'])} |")
+    total = sum(c["bytes"] for c in cases)
+    nvalid = sum(c["result"] == "valid" for c in cases)
+    levels = {lv: sum(c["level"] == lv for c in cases) for lv in ("must", "should", "may")}
+    summary = (f"Suite: **{len(cases)} cases ({nvalid} valid, {len(cases) - nvalid} invalid; "
+               f"{levels['must']} must, {levels['should']} should, {levels['may']} may), {total:,} bytes** of files, "
+               "of which two megabytes are the zero padding of `valid-padding-max` and "
+               "`index-frame-padding-over-limit` (git stores runs of zeros in a few bytes).")
+    return {"valid-cases": "\n".join(valid), "invalid-cases": "\n".join(invalid), "summary": summary}
+
+
+def replace_block(text: str, key: str, body: str) -> str:
+    begin, end = f"<!-- {key}:begin -->", f"<!-- {key}:end -->"
+    i, j = text.index(begin) + len(begin), text.index(end)
+    return text[:i] + "\n" + body + "\n" + text[j:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.path.join(ROOT, "conformance"))
+    ap.add_argument("--only", nargs="*", help="generate only these case ids (the manifest then lists only them)")
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    files = os.path.join(args.out, "files")
+    if not args.only and os.path.isdir(files):
+        shutil.rmtree(files)
+    s = Suite(args.out, set(args.only) if args.only else None)
+    bases = gen_valid(s)
+    gen_invalid(s, bases)
+    manifest = {
+        "suite": "nvckpt conformance", "suite_version": SUITE_VERSION, "format_version": [1, 0],
+        "generator": {"tool": "tools/gen_conformance.py", "writer": WRITER, "zstd": ".".join(map(str, zstandard.ZSTD_VERSION))},
+        "errors": list(ERRORS),
+        "cases": s.cases,
+    }
+    with open(os.path.join(args.out, "manifest.json"), "w") as f:
+        json.dump(manifest, f, indent=1, ensure_ascii=False, sort_keys=False)
+        f.write("\n")
+    readme = os.path.join(args.out, "README.md")
+    if not args.only and os.path.exists(readme):
+        with open(readme) as f:
+            text = f.read()
+        for key, body in readme_tables(s.cases).items():
+            text = replace_block(text, key, body)
+        with open(readme, "w") as f:
+            f.write(text)
+    total = sum(c["bytes"] for c in s.cases)
+    nvalid = sum(c["result"] == "valid" for c in s.cases)
+    print(f"{len(s.cases)} cases ({nvalid} valid, {len(s.cases) - nvalid} invalid), {total} bytes of files")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
