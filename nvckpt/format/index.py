@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
-
 from .. import dtypes
 from ..codecs import Pipeline, pipeline_from_json
 from ..derive import FUNCTIONS
@@ -25,7 +23,7 @@ from .constants import (
     PREAMBLE_SIZE,
     VERSION_MAJOR,
 )
-from .tree import TensorRef, _ext_hook, check_tree, leaf_paths
+from .tree import TensorRef, check_tree, leaf_paths, unpackb
 
 _U64 = (1 << 64) - 1
 
@@ -100,7 +98,7 @@ def _list(value: Any, what: str) -> list:
 
 def unpack_index(payload: bytes) -> dict[str, Any]:
     try:
-        data = msgpack.unpackb(payload, ext_hook=_ext_hook, raw=False, strict_map_key=False, use_list=True)
+        data = unpackb(payload)
     except NvckptError:
         raise
     except RecursionError:

@@ -52,9 +52,28 @@ def _ext_hook(code: int, data: bytes) -> Any:
     raise FormatError(f"unknown ext type {code} in the tree")
 
 
+def unique_map(pairs: list[tuple[Any, Any]]) -> dict:
+    """msgpack object_pairs_hook: a map may not hold a key twice (SPEC 9).
+
+    Also catches keys that Python merges (1, 1.0, True), which would
+    otherwise drop an entry silently."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise FormatError(f"a msgpack map holds the key {dup!r:.80} twice")
+    return out
+
+
+def unpackb(data: bytes) -> Any:
+    """msgpack as the index and tree use it: str keys or scalars, our ext types, unique keys."""
+    return msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False, use_list=True,
+                           object_pairs_hook=unique_map)
+
+
 def unpack_tree(data: bytes) -> Any:
     try:
-        return msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False, use_list=True)
+        return unpackb(data)
     except (FormatError, LimitError):
         raise
     except RecursionError:

@@ -220,7 +220,7 @@ class Reader:
             source = self.tensor(self.index.tensors[entry.derived["source"]], cache, verify=verify)
             result = bf16_rne(source)
         else:
-            raw = self.raw_range(entry, 0, entry.nbytes)
+            raw = self._checked_bools(entry, self.raw_range(entry, 0, entry.nbytes))
             if verify and entry.checksum is not None and xxh3(raw.numpy()) != entry.checksum:
                 raise ChecksumError("tensor checksum does not match its decoded bytes", path=self.path, tensor=entry.name)
             result = raw.view(dtype).reshape(entry.shape) if entry.nbytes else torch.empty(entry.shape, dtype=dtype)
@@ -238,7 +238,14 @@ class Reader:
         shape = (stop - first,) + entry.shape[1:]
         if row_bytes == 0 or stop <= first:
             return torch.empty(shape, dtype=dtype)
-        return self.raw_range(entry, first * row_bytes, stop * row_bytes).view(dtype).reshape(shape)
+        raw = self._checked_bools(entry, self.raw_range(entry, first * row_bytes, stop * row_bytes))
+        return raw.view(dtype).reshape(shape)
+
+    def _checked_bools(self, entry: TensorEntry, raw: torch.Tensor) -> torch.Tensor:
+        # SPEC 10: a bool byte is 0 or 1; anything else is undefined behaviour in torch's kernels.
+        if entry.dtype.name == "bool" and bool((raw > 1).any()):
+            raise FormatError("bool tensor holds a byte other than 0 and 1", path=self.path, tensor=entry.name)
+        return raw
 
 
 def scan_frames(source: Source, start: int = PREAMBLE_SIZE) -> Iterator[tuple[int, FrameHeader]]:
