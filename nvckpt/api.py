@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import platform
 import secrets
@@ -275,8 +276,16 @@ def async_save(obj: Any, target: str | os.PathLike | Any, **options: Any) -> Sav
     if unknown:
         raise TypeError(f"async_save() got unexpected options {sorted(unknown)}")
     start = time.perf_counter()
-    job = _SaveJob(obj, target, **{**_SAVE_DEFAULTS, **options})
-    job.snapshot()
+    # No garbage-collection pass while the caller waits: in a large process (torch,
+    # a model, its optimizer) one full pass can take longer than the whole snapshot.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        job = _SaveJob(obj, target, **{**_SAVE_DEFAULTS, **options})
+        job.snapshot()
+    finally:
+        if collecting:
+            gc.enable()
     future = SaveFuture()
     future.set_running_or_notify_cancel()
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from .. import dtypes
-from ..derive import BF16_RNE, is_bf16_rne_of
+from ..derive import BF16_RNE, bf16_rne, is_bf16_rne_of
 from ..errors import LimitError, UnsupportedObjectError
 from ..format.constants import (
     DEFAULT_CHUNK_SIZE,
@@ -324,17 +324,42 @@ def _check_alias_names(leaves, members, names_seen, leaf_ids) -> None:
 
 
 def _find_derived(tensors: list[PlannedTensor]) -> None:
-    """Store a bf16 tensor as derived when it is exactly bf16_rne of a stored fp32 one."""
-    sources: dict[tuple, list[PlannedTensor]] = {}
-    for t in tensors:
-        if t.data is not None and t.entry["dtype"] == "float32" and not t.entry.get("internal"):
-            sources.setdefault((tuple(t.entry["shape"]), t.data.device), []).append(t)
-    for t in tensors:
-        if t.data is None or t.entry["dtype"] != "bfloat16" or t.data.numel() == 0 or t.entry.get("internal"):
-            continue
-        for src in sources.get((tuple(t.entry["shape"]), t.data.device), []):
+    """Store a bf16 tensor as derived when it is exactly bf16_rne of a stored fp32 one.
+
+    Candidates are first matched on the rounding of their first 64 elements
+    (computed for all tensors of a device at once), so a state with hundreds
+    of same-shaped tensors (biases, norms, Adam moments) costs one full
+    comparison per bf16 tensor instead of one per same-shaped pair."""
+    sources = [t for t in tensors
+               if t.data is not None and t.entry["dtype"] == "float32" and not t.entry.get("internal")]
+    candidates = [t for t in tensors if t.data is not None and t.entry["dtype"] == "bfloat16"
+                  and t.data.numel() > 0 and not t.entry.get("internal")]
+    if not sources or not candidates:
+        return
+    index: dict[tuple, list[PlannedTensor]] = {}
+    for t, head in zip(sources, _heads(sources, rne=True)):
+        index.setdefault((tuple(t.entry["shape"]), t.data.device, head), []).append(t)
+    for t, head in zip(candidates, _heads(candidates, rne=False)):
+        for src in index.get((tuple(t.entry["shape"]), t.data.device, head), []):
             if is_bf16_rne_of(t.data, src.data):  # verified bit for bit before use
                 t.entry["derived"] = {"function": BF16_RNE, "source": src.tensor_id}
                 t.data = None
                 t.chunks = []
                 break
+
+
+def _heads(tensors: list[PlannedTensor], *, rne: bool) -> list[bytes]:
+    """The bf16 bits of each tensor's first 64 elements (rounded from fp32 with ``rne``): one host copy per device."""
+    out: list[bytes] = [b""] * len(tensors)
+    by_device: dict[Any, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.data.device, []).append(i)
+    for idx in by_device.values():
+        parts = [tensors[i].data.reshape(-1)[:64] for i in idx]
+        flat = torch.cat(parts)
+        bits = (bf16_rne(flat) if rne else flat).view(torch.int16).cpu().numpy()
+        at = 0
+        for i, part in zip(idx, parts):
+            out[i] = bits[at: at + part.numel()].tobytes()
+            at += part.numel()
+    return out

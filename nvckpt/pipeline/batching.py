@@ -1,0 +1,217 @@
+"""Scheduling of the GPU engines, kept apart from CUDA so that CI tests it on CPU.
+
+* ``plan_batches``: which chunks share one batched nvCOMP call (same codec,
+  similar size, bounded output memory);
+* ``copy_groups``: which chunks of an encoded batch share one device-to-host
+  copy into a pinned slot;
+* ``plan_read_spans``: which chunks a loader reads with one aligned read;
+* ``SlotPool``: a fixed set of host buffers handed out and returned, the
+  bound on the pinned memory of a save or a load.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Iterable, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class ChunkJob:
+    """One chunk to encode: bytes [start, start + length) of a tensor's raw bytes."""
+
+    tensor_id: int
+    chunk_index: int
+    start: int
+    length: int
+    key: Hashable  # chunks of one key can share a batched call (the codec pipeline)
+
+
+@dataclass
+class Batch:
+    """Chunks of one key encoded by one call; every chunk gets ``capacity`` output bytes."""
+
+    key: Hashable
+    jobs: list[ChunkJob] = field(default_factory=list)
+    capacity: int = 0
+
+    @property
+    def raw_bytes(self) -> int:
+        return sum(j.length for j in self.jobs)
+
+    @property
+    def out_bytes(self) -> int:
+        return self.capacity * len(self.jobs)
+
+
+def size_class(length: int) -> int:
+    """Chunks of one class differ by less than 4x in size, which bounds the output space a
+    small chunk wastes in a batch (nvCOMP gives every entry the bound of the largest),
+    while a tensor's tail chunk still usually shares the batch of other tails (each
+    batched call has a fixed cost of ~0.4 ms)."""
+    return max(0, length - 1).bit_length() // 2
+
+
+def plan_batches(
+    jobs: Iterable[ChunkJob],
+    capacity: Callable[[Hashable, int], int],
+    *,
+    batch_bytes: int,
+    max_chunks: int,
+) -> list[Batch]:
+    """Cut chunks into batches of one key and one size class, in first-come order.
+
+    A batch closes when one more chunk would push its output (chunks x
+    capacity of the largest) past ``batch_bytes`` or its count past
+    ``max_chunks``.  Open batches are flushed at the end in the order they
+    were opened, so a tensor's full-size chunks stay together in file order
+    while its small tail joins the other small chunks of its codec.
+    """
+    if batch_bytes <= 0 or max_chunks <= 0:
+        raise ValueError("batch_bytes and max_chunks must be positive")
+    open_batches: dict[tuple[Hashable, int], Batch] = {}
+    opened: list[Batch] = []  # every batch, in the order it was opened
+    closed: list[Batch] = []
+    for job in jobs:
+        if job.length <= 0:
+            raise ValueError(f"chunk {job.chunk_index} of tensor {job.tensor_id} is empty")
+        cap = capacity(job.key, job.length)
+        if cap < job.length:
+            raise ValueError(f"capacity {cap} of a {job.length}-byte chunk is smaller than the chunk")
+        if cap > batch_bytes:
+            raise ValueError(f"a {job.length}-byte chunk needs {cap} output bytes, more than a batch of {batch_bytes}")
+        group = (job.key, size_class(job.length))
+        batch = open_batches.get(group)
+        if batch is not None:
+            grown = max(batch.capacity, cap)
+            if (len(batch.jobs) + 1) * grown > batch_bytes or len(batch.jobs) >= max_chunks:
+                closed.append(batch)
+                batch = None
+        if batch is None:
+            batch = open_batches[group] = Batch(job.key)
+            opened.append(batch)
+        batch.jobs.append(job)
+        batch.capacity = max(batch.capacity, cap)
+    still_open = {id(b) for b in open_batches.values()}
+    closed.extend(b for b in opened if id(b) in still_open)
+    return closed
+
+
+def first_use_order(batches: Sequence[Batch]) -> list[int]:
+    """Tensor ids in the order their first chunk is written."""
+    seen: dict[int, None] = {}
+    for b in batches:
+        for j in b.jobs:
+            seen.setdefault(j.tensor_id, None)
+    return list(seen)
+
+
+def copy_groups(capacity: int, lengths: Sequence[int], slot_bytes: int) -> list[tuple[int, int]]:
+    """Runs [first, stop) of a batch's chunks that one copy moves into one slot.
+
+    Chunk i of the batch sits at i * capacity in device memory and lands at
+    (i - first) * capacity in the slot; ``lengths[i]`` bytes of it are used.
+    """
+    if not lengths:
+        return []
+    groups: list[tuple[int, int]] = []
+    first = 0
+    for i, n in enumerate(lengths):
+        if n > capacity or n > slot_bytes:
+            raise ValueError(f"chunk {i} of {n} bytes does not fit a capacity of {capacity} / slot of {slot_bytes}")
+        if i > first and (i - first) * capacity + n > slot_bytes:
+            groups.append((first, i))
+            first = i
+    groups.append((first, len(lengths)))
+    return groups
+
+
+@dataclass
+class ReadSpan:
+    """One aligned read [start, start + length) covering the stored bytes of ``items``."""
+
+    start: int
+    length: int
+    items: list[Any]  # objects with .offset and .stored_length, in file order
+
+
+def plan_read_spans(items: Sequence[Any], *, span_bytes: int, align: int, max_gap: int) -> list[ReadSpan]:
+    """Group chunks (sorted by file offset) into reads of at most ``span_bytes`` aligned bytes.
+
+    A read starts at an ``align``-aligned offset and has an aligned length
+    (as O_DIRECT needs); consecutive chunks share a read while the bytes
+    between them are at most ``max_gap`` and the read stays within
+    ``span_bytes``.  A chunk larger than ``span_bytes`` gets a read of its own.
+    """
+    spans: list[ReadSpan] = []
+    cur: ReadSpan | None = None
+    prev_end = 0
+    for it in items:
+        lo = it.offset - it.offset % align
+        hi = -(-(it.offset + it.stored_length) // align) * align
+        if cur is not None and it.offset >= prev_end and it.offset - prev_end <= max_gap and hi - cur.start <= span_bytes:
+            cur.length = max(cur.length, hi - cur.start)
+            cur.items.append(it)
+        else:
+            if cur is not None and it.offset < prev_end:
+                raise ValueError("chunks overlap or are not sorted by offset")
+            cur = ReadSpan(lo, hi - lo, [it])
+            spans.append(cur)
+        prev_end = it.offset + it.stored_length
+    return spans
+
+
+class SlotPool:
+    """``count`` host buffers of ``size`` bytes: take() one, give() it back (thread-safe).
+
+    ``lazy``: a buffer is allocated when first needed, not up front (pinning
+    memory costs ~0.4 s per GB, and the first reads need only a few)."""
+
+    def __init__(self, count: int, size: int, allocate: Callable[[int], torch.Tensor], *, lazy: bool = False) -> None:
+        if count < 1 or size < 1:
+            raise ValueError("a SlotPool needs at least one slot of at least one byte")
+        self.size = size
+        self.count = count
+        self._allocate = allocate
+        self.slots = [] if lazy else [allocate(size) for _ in range(count)]
+        self._free = list(range(len(self.slots)))
+        self._cond = threading.Condition()
+
+    @property
+    def free(self) -> int:
+        with self._cond:
+            return len(self._free) + self.count - len(self.slots)
+
+    def take(self, wait: bool = False, timeout: float | None = None) -> int | None:
+        """A free slot's number, or None when none is free (or none came within ``timeout``)."""
+        with self._cond:
+            if not self._free and len(self.slots) < self.count:
+                self.slots.append(self._allocate(self.size))
+                return len(self.slots) - 1
+            if wait:
+                self._cond.wait_for(lambda: bool(self._free), timeout)
+            return self._free.pop() if self._free else None
+
+    def give(self, slot: int) -> None:
+        with self._cond:
+            if slot in self._free:
+                raise RuntimeError(f"slot {slot} returned twice")
+            self._free.append(slot)
+            self._cond.notify()
+
+
+def aligned_host_buffer(size: int, *, pin: bool, align: int = 4096) -> torch.Tensor:
+    """A 1-D uint8 host tensor of ``size`` bytes whose address is a multiple of ``align``
+    (pinned with ``pin``: page-locked for fast, asynchronous copies to and from a GPU)."""
+    buf = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+    if buf.data_ptr() % align == 0:
+        return buf
+    buf = torch.empty(size + align, dtype=torch.uint8, pin_memory=pin)
+    skip = -buf.data_ptr() % align
+    return buf[skip: skip + size]
+
+
+__all__ = ["ChunkJob", "Batch", "size_class", "plan_batches", "first_use_order", "copy_groups", "ReadSpan",
+           "plan_read_spans", "SlotPool", "aligned_host_buffer"]

@@ -1,0 +1,232 @@
+"""The GPU engines on a CUDA device with nvCOMP: save and load bit-exact, async snapshots, engine independence.
+
+Skipped without CUDA or without nvCOMP (``pip install 'nvckpt[gpu]'``).
+The scheduling they share with the CPU is tested in test_pipeline.py, in CI.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+pytest.importorskip("nvidia.nvcomp", reason="needs nvCOMP (pip install nvidia-nvcomp-cu12)")
+
+import nvckpt  # noqa: E402
+from conftest import TinyTransformer, assert_tree_equal, tensors_of  # noqa: E402
+from nvckpt import dtypes  # noqa: E402
+from nvckpt.errors import ChecksumError, UnsupportedCodecError  # noqa: E402
+from nvckpt.pipeline import decode_gpu, encode_gpu  # noqa: E402
+from nvckpt.pipeline import nvcomp_backend as nb  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+DEV = torch.device("cuda", 0)
+KiB = 1 << 10
+
+
+def sample(name: str, n: int) -> torch.Tensor:
+    """n elements of dtype ``name`` on the GPU, with some structure (so coders have something to do)."""
+    dt = dtypes.TORCH_DTYPES[name]
+    k = dtypes.DTYPES[name].itemsize
+    g = torch.Generator(device=DEV).manual_seed(len(name) * 7 + n)
+    try:
+        if name == "bool":
+            return torch.rand(n, device=DEV, generator=g) > 0.7
+        if name.startswith(("int", "uint")):
+            return torch.randint(0, 100, (n,), device=DEV, generator=g).to(dt)
+        if name.startswith("complex"):
+            return torch.randn(n, device=DEV, generator=g, dtype=torch.complex64).to(dt)
+        return torch.randn(n, device=DEV, generator=g).to(dt)
+    except (RuntimeError, TypeError):  # no conversion kernel for this dtype: structured bytes
+        return torch.randint(0, 16, (n * k,), device=DEV, generator=g, dtype=torch.uint8).view(dt)
+
+
+def every_dtype_state() -> dict:
+    state = {}
+    for name in dtypes.TORCH_DTYPES:
+        t = sample(name, 12_288)
+        state[name] = t.reshape(-1, 64) if t.numel() % 64 == 0 else t
+    state["scalar"] = torch.tensor(3.5, device=DEV)
+    state["empty"] = torch.empty(0, 7, device=DEV, dtype=torch.bfloat16)
+    state["step_on_cpu"] = torch.tensor(11.0)  # AdamW keeps its step counts on the CPU
+    state["transposed"] = torch.randn(96, 40, device=DEV).t()  # not contiguous
+    return state
+
+
+def codecs_in(path) -> set[str]:
+    with nvckpt.open(path) as ck:
+        return {s.name for p in ck.index.codecs for s in p.steps}
+
+
+@pytest.mark.parametrize("codec", ["auto", "portable", "raw"])
+def test_every_dtype_roundtrips_on_the_gpu(tmp_path, codec):
+    state = every_dtype_state()
+    path = tmp_path / f"{codec}.nvckpt"
+    result = nvckpt.save(state, path, codec=codec, chunk_size=16 * KiB)
+    assert result.engine == ("cpu" if codec == "raw" else "gpu")
+    used = codecs_in(path)
+    if codec == "auto":
+        assert "nvcomp-ans" in used
+        with nvckpt.open(path) as ck:
+            assert ck.writer()["nvcomp"] == nb.nvcomp_version()
+    if codec == "portable":
+        assert "nvcomp-ans" not in used and {"zstd", "byteshuffle"} <= used
+    loaded = nvckpt.load(path, device="cuda")
+    for t in tensors_of(loaded):
+        assert t.device.type == "cuda"
+    assert_tree_equal(loaded, state)
+    if codec != "auto":  # engine independence: the CPU reads what the GPU wrote
+        assert_tree_equal(nvckpt.load(path, device="cpu"), state)
+
+
+def test_gpu_files_are_deterministic(tmp_path):
+    state = every_dtype_state()
+    nvckpt.save(state, tmp_path / "a", chunk_size=16 * KiB)
+    nvckpt.save(state, tmp_path / "b", chunk_size=16 * KiB)
+    assert (tmp_path / "a").read_bytes() == (tmp_path / "b").read_bytes()
+
+
+def test_multi_chunk_tensors_and_batches(tmp_path, monkeypatch):
+    monkeypatch.setattr(encode_gpu, "BATCH_BYTES", 1 << 20)  # many batches, several in flight
+    monkeypatch.setattr(encode_gpu, "SLOT_BYTES", 2 << 20)
+    monkeypatch.setattr(encode_gpu, "PINNED_SLOTS", 2)
+    monkeypatch.setattr(decode_gpu, "READ_SPAN_BYTES", 1 << 20)
+    monkeypatch.setattr(decode_gpu, "DECODE_BATCH_BYTES", 3 << 20)
+    state = {f"w{i}": torch.randn(1000 + i, 512, device=DEV).to(torch.bfloat16 if i % 2 else torch.float32) for i in range(6)}
+    path = tmp_path / "m.nvckpt"
+    nvckpt.save(state, path, chunk_size=256 * KiB)
+    assert encode_gpu.last_stats["batches"] > 6 and encode_gpu.last_stats["raw_chunks"] == 0
+    assert_tree_equal(nvckpt.load(path, device="cuda"), state)
+    assert decode_gpu.last_stats["spans"] > 4 and decode_gpu.last_stats["decoded_bytes_gpu"] > 0
+
+
+def test_views_tied_and_derived_on_the_gpu(tmp_path):
+    torch.manual_seed(0)
+    model = TinyTransformer().to(DEV)
+    master = {k: v.detach().float() for k, v in model.state_dict().items()}
+    weights = {k: v.to(torch.bfloat16) for k, v in master.items()}
+    base = torch.randn(64, 64, device=DEV)
+    state = {"weights": weights, "master": master, "views": [base[2:5], base[:, 7], base], "tied": [base, base]}
+    path = tmp_path / "d.nvckpt"
+    nvckpt.save(state, path, derive_bf16=True)
+    with nvckpt.open(path) as ck:
+        derived = [e for e in ck.index.tensors if e.derived is not None]
+        assert len(derived) == len(weights)
+        assert any(e.view is not None for e in ck.index.tensors)
+    loaded = nvckpt.load(path, device="cuda")
+    assert_tree_equal(loaded, state)
+    assert loaded["tied"][0].data_ptr() == loaded["tied"][1].data_ptr()
+
+
+def test_gpu_portable_file_loads_on_cpu_and_cpu_file_loads_on_gpu(tmp_path):
+    state = {"w": torch.randn(2000, 300, device=DEV).to(torch.bfloat16), "f": torch.randn(512, 512, device=DEV),
+             "i": torch.randint(0, 50, (40_000,), device=DEV, dtype=torch.int32)}
+    gpu_file = tmp_path / "gpu.nvckpt"
+    nvckpt.save(state, gpu_file, codec="portable", chunk_size=64 * KiB)
+    assert_tree_equal(nvckpt.load(gpu_file, device="cpu"), state)
+    cpu_state = {k: v.cpu() for k, v in state.items()}
+    cpu_file = tmp_path / "cpu.nvckpt"
+    assert nvckpt.save(cpu_state, cpu_file, chunk_size=64 * KiB).engine == "cpu"
+    loaded = nvckpt.load(cpu_file, device="cuda")
+    assert decode_gpu.last_stats["cpu_decoded_chunks"] > 0  # zstd: libzstd in the reader threads
+    assert_tree_equal(loaded, state)
+
+
+def test_nvcomp_zstd_decodes_libzstd_frames_when_asked(tmp_path, monkeypatch):
+    monkeypatch.setattr(decode_gpu, "GPU_ZSTD", True)
+    state = {"w": torch.randn(2000, 300).to(torch.bfloat16), "i": torch.randint(0, 50, (40_000,), dtype=torch.int32)}
+    path = tmp_path / "cpu.nvckpt"
+    nvckpt.save(state, path, chunk_size=64 * KiB)
+    loaded = nvckpt.load(path, device="cuda")
+    assert decode_gpu.last_stats["decoded_bytes_gpu"] > 0 and decode_gpu.last_stats["cpu_decoded_chunks"] == 0
+    assert_tree_equal(loaded, {k: v.to(DEV) for k, v in state.items()})
+
+
+def test_get_slice_on_cuda_reads_only_its_chunks(tmp_path):
+    w = torch.randn(4000, 256, device=DEV)
+    path = tmp_path / "s.nvckpt"
+    nvckpt.save({"w": w, "other": torch.randn(100, device=DEV)}, path, chunk_size=16 * KiB)
+    with nvckpt.open(path, device="cuda") as ck:
+        before = ck.bytes_read
+        part = ck.get_slice("w")[1000:1017]
+        assert part.device.type == "cuda" and torch.equal(part, w[1000:1017])
+        assert ck.bytes_read - before < ck.index.tensors[ck.index.paths["w"]].stored_bytes / 10
+        assert torch.equal(ck.get_slice("w")[5], w[5])
+        assert torch.equal(ck.get_slice("w")[[3, 900, 1]], w[[3, 900, 1]])
+        assert torch.equal(ck.get_slice("w")[10:20, 3:9], w[10:20, 3:9])
+        assert torch.equal(ck.get_tensor("other"), nvckpt.load(path, device="cuda")["other"])
+
+
+def test_corrupt_chunk_is_caught_before_decoding(tmp_path, monkeypatch):
+    path = tmp_path / "c.nvckpt"
+    nvckpt.save({"w": torch.randn(1000, 256, device=DEV)}, path, chunk_size=16 * KiB)
+    with nvckpt.open(path) as ck:
+        c = ck.index.tensors[0].chunks[3]
+    data = bytearray(path.read_bytes())
+    data[c.offset + 10] ^= 0x01
+    path.write_bytes(bytes(data))
+    calls = []
+    real = nb.GpuCodec.decode
+    monkeypatch.setattr(nb.GpuCodec, "decode", lambda self, p, o: calls.append(len(p)) or real(self, p, o))
+    with pytest.raises(ChecksumError) as info:
+        nvckpt.load(path, device="cuda")
+    assert info.value.tensor == "w" and info.value.chunk == 3
+    assert calls == []  # the read with the bad chunk never reached nvCOMP
+
+
+def test_ans_file_on_cpu_fails_for_ans_tensors_only(tmp_path):
+    noise = torch.randint(0, 256, (100_000,), device=DEV, dtype=torch.uint8)  # does not shrink: stored raw
+    w = torch.randn(300, 300, device=DEV)
+    path = tmp_path / "a.nvckpt"
+    nvckpt.save({"w": w, "noise": noise}, path)
+    with nvckpt.open(path, device="cpu") as ck:
+        assert torch.equal(ck.get_tensor("noise"), noise.cpu())
+        with pytest.raises(UnsupportedCodecError, match="nvcomp-ans"):
+            ck.get_tensor("w")
+
+
+def big_gpu_state() -> dict:
+    g = torch.Generator(device=DEV).manual_seed(3)
+    return {f"layer{i}": {"w": torch.randn(2048, 4096, device=DEV, generator=g).to(torch.bfloat16),
+                          "m": torch.randn(2048, 4096, device=DEV, generator=g)} for i in range(4)}
+
+
+@pytest.mark.parametrize("room", ["device", "host"])
+def test_async_save_holds_the_values_at_call_time(tmp_path, monkeypatch, room):
+    if room == "host":
+        monkeypatch.setattr(encode_gpu, "SNAPSHOT_RESERVE", 1 << 60)  # no room on the device: host copy
+    state = big_gpu_state()
+    expected = {k: {n: t.clone() for n, t in v.items()} for k, v in state.items()}
+    torch.cuda.synchronize()
+    future = nvckpt.async_save(state, tmp_path / "a.nvckpt")
+    with torch.no_grad():  # the next training step changes everything in place, at once
+        for v in state.values():
+            for t in v.values():
+                t.mul_(-3).add_(1)
+    assert encode_gpu.last_snapshot == {str(DEV): room}
+    result = future.result(timeout=120)
+    assert result.engine == "gpu"
+    assert_tree_equal(nvckpt.load(tmp_path / "a.nvckpt", device="cuda"), expected)
+    if room == "device":
+        assert future.blocked_seconds < 1.0, future.blocked_seconds
+
+
+def test_cancelled_gpu_async_save_keeps_old_file(tmp_path, monkeypatch):
+    from concurrent.futures import CancelledError
+
+    path = tmp_path / "k.nvckpt"
+    nvckpt.save({"old": torch.arange(10)}, path)
+    old = path.read_bytes()
+    monkeypatch.setattr(encode_gpu, "BATCH_BYTES", 8 << 20)
+    future = nvckpt.async_save(big_gpu_state(), path, chunk_size=256 * KiB)
+    future.cancel()
+    try:
+        future.result(timeout=120)
+    except CancelledError:
+        assert path.read_bytes() == old
+    else:  # it had already reached its rename: then it must be complete
+        assert nvckpt.load(path)["layer0"]["w"].dtype == torch.bfloat16
+    assert sorted(os.listdir(tmp_path)) == ["k.nvckpt"]

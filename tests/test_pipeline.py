@@ -1,0 +1,459 @@
+"""The save and load pipelines on CPU: scheduling, bounded buffers, backpressure and error paths.
+
+The GPU engines (nvckpt.pipeline.encode_gpu / decode_gpu) run here with the CPU
+codecs (HostDevice / HostDecoder): the same planners, slot pools, threads and
+ordering as on a GPU, only the batched calls differ.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import threading
+import time
+from concurrent.futures import CancelledError
+
+import pytest
+import torch
+
+import nvckpt
+from conftest import assert_tensor_equal, assert_tree_equal, small_training_state
+from nvckpt.api import cpu_pipeline_chooser, write_plan, writer_info
+from nvckpt.errors import ChecksumError, NvckptError
+from nvckpt.pipeline import decode_gpu, encode_gpu
+from nvckpt.pipeline.batching import (
+    ChunkJob,
+    SlotPool,
+    copy_groups,
+    first_use_order,
+    plan_batches,
+    plan_read_spans,
+    size_class,
+)
+from nvckpt.pipeline.container import EncodedChunk, TensorFrame
+from nvckpt.pipeline.plan import plan_save
+from nvckpt.pipeline.reader import Reader
+from nvckpt.pipeline.sink import FileSink
+
+KiB = 1 << 10
+
+
+# -- planners -----------------------------------------------------------------------------------
+
+def cap_of(key, n):
+    return n + n // 16 + 32
+
+
+def jobs_of(sizes_by_tensor, key_of=lambda tid: "k"):
+    jobs = []
+    for tid, sizes in enumerate(sizes_by_tensor):
+        start = 0
+        for i, n in enumerate(sizes):
+            jobs.append(ChunkJob(tid, i, start, n, key_of(tid)))
+            start += n
+    return jobs
+
+
+def test_plan_batches_bounds_and_covers_every_chunk():
+    sizes = [[4096] * 7 + [700], [30], [4096] * 3, [12, 12], [2000] * 5 + [100]]
+    jobs = jobs_of(sizes, key_of=lambda tid: "a" if tid % 2 else "b")
+    batches = plan_batches(jobs, cap_of, batch_bytes=3 * cap_of(None, 4096), max_chunks=4)
+    got = [j for b in batches for j in b.jobs]
+    assert sorted(got, key=lambda j: (j.tensor_id, j.chunk_index)) == jobs  # each chunk exactly once
+    for b in batches:
+        assert len({j.key for j in b.jobs}) == 1 and b.key == b.jobs[0].key
+        assert len({size_class(j.length) for j in b.jobs}) == 1
+        assert b.capacity == max(cap_of(None, j.length) for j in b.jobs)
+        assert b.out_bytes <= 3 * cap_of(None, 4096) and len(b.jobs) <= 4
+    # A tensor's full-size chunks keep their order in the file.
+    first = [(j.tensor_id, j.chunk_index) for b in batches for j in b.jobs if j.tensor_id == 0 and j.length == 4096]
+    assert first == [(0, i) for i in range(7)]
+    assert first_use_order(batches)[0] == 0 and sorted(first_use_order(batches)) == list(range(len(sizes)))
+
+
+def test_plan_batches_rejects_a_chunk_larger_than_a_batch():
+    with pytest.raises(ValueError, match="more than a batch"):
+        plan_batches(jobs_of([[5000]]), cap_of, batch_bytes=4096, max_chunks=8)
+
+
+def test_copy_groups_fit_slots_and_cover_the_batch():
+    cap, slot = 1000, 2500
+    lengths = [900, 10, 1000, 999, 1, 700, 1000]
+    groups = copy_groups(cap, lengths, slot)
+    assert groups[0][0] == 0 and groups[-1][1] == len(lengths)
+    assert all(a[1] == b[0] for a, b in zip(groups, groups[1:]))
+    for first, stop in groups:
+        assert (stop - 1 - first) * cap + lengths[stop - 1] <= slot
+    assert copy_groups(cap, [], slot) == []
+    with pytest.raises(ValueError):
+        copy_groups(cap, [1001], slot)
+
+
+class _Chunk:
+    def __init__(self, offset, stored_length):
+        self.offset, self.stored_length = offset, stored_length
+
+
+def test_plan_read_spans_aligned_bounded_and_complete():
+    items = [_Chunk(100, 5000), _Chunk(5148, 4096), _Chunk(12288, 9000), _Chunk(300_000, 10), _Chunk(300_058, 70_000)]
+    spans = plan_read_spans(items, span_bytes=32 * KiB, align=4096, max_gap=64 * KiB)
+    assert [it for s in spans for it in s.items] == items
+    for s in spans:
+        assert s.start % 4096 == 0 and s.length % 4096 == 0
+        for it in s.items:
+            assert s.start <= it.offset and it.offset + it.stored_length <= s.start + s.length
+        assert s.length <= 32 * KiB or len(s.items) == 1
+    assert len(spans[0].items) == 3  # adjacent chunks share one read
+    assert spans[1].items == [items[3]]  # too far from the previous read, then the big one alone
+    with pytest.raises(ValueError):
+        plan_read_spans([_Chunk(100, 50), _Chunk(120, 10)], span_bytes=4096, align=512, max_gap=0)
+
+
+def test_slot_pool():
+    made = []
+    pool = SlotPool(2, 64, lambda n: made.append(n) or torch.empty(n, dtype=torch.uint8))
+    assert made == [64, 64] and pool.free == 2
+    a, b = pool.take(), pool.take()
+    assert {a, b} == {0, 1} and pool.take() is None and pool.take(wait=True, timeout=0.01) is None
+    threading.Timer(0.05, pool.give, (a,)).start()
+    assert pool.take(wait=True, timeout=5) == a
+    pool.give(a)
+    with pytest.raises(RuntimeError):
+        pool.give(a)
+
+
+# -- the GPU engine's pipeline with the CPU codecs ------------------------------------------------
+
+def mixed_state():
+    torch.manual_seed(1)
+    state = small_training_state()
+    big = torch.randn(300, 1000)
+    state["big"] = big
+    state["half"] = torch.randn(257, 33).to(torch.bfloat16)
+    state["ints"] = torch.randint(0, 1 << 30, (5000,))
+    state["bytes"] = torch.randint(0, 3, (10_000,), dtype=torch.uint8)
+    state["flags"] = torch.rand(999) > 0.5
+    state["tied"] = [big, big]
+    state["view"] = state["ints"][10:20]
+    state["empty"] = torch.empty(0, 3)
+    state["zero_d"] = torch.tensor(2.5)
+    return state
+
+
+SMALL = dict(batch_bytes=300 * KiB, slot_bytes=200 * KiB, pinned_slots=2, piece_bytes=50 * KiB)
+
+
+def host_save(state, codec="auto", chunk_size=64 * KiB, **kw):
+    plan = plan_save(state, chunk_size=chunk_size)
+    items = encode_gpu.encode_batches(plan, cpu_pipeline_chooser(codec, 1), encode_gpu.HostDevice(), **{**SMALL, **kw})
+    buf = io.BytesIO()
+    write_plan(buf, items, plan, alignment=4096, info=writer_info())
+    return buf
+
+
+@pytest.mark.parametrize("codec", ["auto", "raw"])
+def test_gpu_pipeline_with_cpu_codecs_roundtrips(codec):
+    state = mixed_state()
+    buf = host_save(state, codec)
+    stats = dict(encode_gpu.last_stats)
+    assert stats["chunks"] > 20 and stats["batches"] > 3
+    buf.seek(0)
+    assert_tree_equal(nvckpt.load(buf), state)
+    buf.seek(0)
+    with nvckpt.open(buf) as ck:  # every tensor carries its checksum, as on the CPU engine
+        assert all(e.checksum is not None for e in ck.index.tensors if e.chunks is not None)
+
+
+def test_gpu_pipeline_bounds_its_host_slots():
+    """A writer that keeps every payload (never releases) gets an error, not more memory."""
+    made = []
+
+    class Counting(encode_gpu.HostDevice):
+        def host_buffer(self, size):
+            made.append(size)
+            return super().host_buffer(size)
+
+    state = {"w": torch.randn(200, 1000)}
+    plan = plan_save(state, chunk_size=64 * KiB)
+    items = encode_gpu.encode_batches(plan, cpu_pipeline_chooser("auto", 1), Counting(), tensor_checksums=False, **SMALL)
+    held = []
+    with pytest.raises(NvckptError, match="pinned slot"):
+        for item in items:
+            held.append(item)  # no release()
+    assert made == [SMALL["slot_bytes"]] * SMALL["pinned_slots"]
+    chunks = [i for i in held if isinstance(i, EncodedChunk)]
+    assert 0 < len(chunks) < len(plan.tensors[0].chunks)
+
+
+def test_gpu_pipeline_items_are_in_a_valid_order_and_closing_stops_it():
+    state = mixed_state()
+    plan = plan_save(state, chunk_size=64 * KiB)
+    items = encode_gpu.encode_batches(plan, cpu_pipeline_chooser("auto", 1), encode_gpu.HostDevice(), **SMALL)
+    announced = set()
+    for n, item in enumerate(items):
+        if isinstance(item, TensorFrame):
+            announced.add(item.tensor_id)
+        else:
+            assert item.tensor_id in announced
+            item.release()
+        if n == 40:
+            break
+    items.close()  # what a cancelled save does: threads stop, nothing raises
+    assert not [t for t in threading.enumerate() if t.name == "nvckpt-tensor-checksums"]
+
+
+def write_file(tmp_path, state, **kw):
+    path = tmp_path / "f.nvckpt"
+    nvckpt.save(state, path, chunk_size=32 * KiB, **kw)
+    return path
+
+
+def small_reads(monkeypatch):
+    monkeypatch.setattr(decode_gpu, "READ_SPAN_BYTES", 64 * KiB)
+    monkeypatch.setattr(decode_gpu, "DECODE_BATCH_BYTES", 200 * KiB)
+    monkeypatch.setattr(decode_gpu, "READ_BUFFERS", 3)
+    monkeypatch.setattr(decode_gpu, "PIECE_BYTES", 16 * KiB)
+
+
+@pytest.mark.parametrize("codec", ["auto", "zstd", "raw"])
+def test_gpu_loader_with_cpu_codecs(tmp_path, monkeypatch, codec):
+    small_reads(monkeypatch)
+    state = mixed_state()
+    path = write_file(tmp_path, state, codec=codec)
+    with _closing(Reader(path)) as r:
+        entries = [e for e in r.index.tensors if e.chunks is not None]
+        loaded = decode_gpu.decode_entries(r, entries, decode_gpu.HostDecoder())
+        for e in entries:
+            assert_tensor_equal(loaded[e.tensor_id], r.tensor(e), e.name)
+        assert decode_gpu.last_stats["spans"] > 3
+        rows = decode_gpu.decode_rows(r, r.entry("big"), 37, 211, decode_gpu.HostDecoder())
+        assert torch.equal(rows, state["big"][37:211])
+
+
+class _closing:
+    def __init__(self, r):
+        self.r = r
+
+    def __enter__(self):
+        return self.r
+
+    def __exit__(self, *exc):
+        self.r.close()
+
+
+def test_gpu_loader_reads_only_the_rows_asked_for(tmp_path, monkeypatch):
+    small_reads(monkeypatch)
+    w = torch.randn(1000, 256)
+    path = write_file(tmp_path, {"w": w})
+    with _closing(Reader(path)) as r:
+        e = r.entry("w")
+        before = r.source.bytes_read
+        rows = decode_gpu.decode_rows(r, e, 500, 517, decode_gpu.HostDecoder())
+        assert torch.equal(rows, w[500:517])
+        assert r.source.bytes_read - before < e.stored_bytes / 4
+
+
+def corrupt_one_chunk(path, tensor="w", chunk=3):
+    with _closing(Reader(path)) as r:
+        c = r.entry(tensor).chunks[chunk]
+    data = bytearray(path.read_bytes())
+    data[c.offset + c.stored_length // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+    return c
+
+
+def test_gpu_loader_checks_chunks_before_decoding(tmp_path, monkeypatch):
+    small_reads(monkeypatch)
+    path = write_file(tmp_path, {"w": torch.randn(1000, 256)}, codec="zstd")  # the HostDecoder's "device" codec
+    bad = corrupt_one_chunk(path, chunk=20)  # late enough that earlier decode rounds ran
+    seen = []
+    real = decode_gpu.HostDecoder.decode
+
+    def spy(self, key, payloads, outs):
+        seen.extend(bytes(p.numpy()) for p in payloads)
+        return real(self, key, payloads, outs)
+
+    monkeypatch.setattr(decode_gpu.HostDecoder, "decode", spy)
+    with _closing(Reader(path)) as r:
+        with pytest.raises(ChecksumError) as info:
+            decode_gpu.decode_entries(r, [r.entry("w")], decode_gpu.HostDecoder())
+    assert info.value.tensor == "w" and info.value.chunk == 20 and info.value.offset == bad.offset
+    corrupted = path.read_bytes()[bad.offset: bad.offset + bad.stored_length]
+    assert seen and corrupted not in seen  # other chunks were decoded, the bad one never
+
+
+def test_gpu_loader_verifies_whole_tensors(tmp_path, monkeypatch):
+    """A decoder that returns wrong bytes (nvCOMP has no checksum of its own) is caught."""
+    small_reads(monkeypatch)
+    path = write_file(tmp_path, {"w": torch.randn(1000, 256)}, codec="zstd")
+    real = decode_gpu.HostDecoder.decode
+
+    def wrong(self, key, payloads, outs):
+        real(self, key, payloads, outs)
+        outs[0][5] ^= 1
+
+    monkeypatch.setattr(decode_gpu.HostDecoder, "decode", wrong)
+    with _closing(Reader(path)) as r:
+        with pytest.raises(ChecksumError, match="tensor checksum"):
+            decode_gpu.decode_entries(r, [r.entry("w")], decode_gpu.HostDecoder())
+
+
+# -- FileSink -------------------------------------------------------------------------------------
+
+def test_file_sink_backpressure_bounds_memory(tmp_path, monkeypatch):
+    """A slow disk makes the writer wait: never more than ``blocks`` staging blocks exist."""
+    made = []
+    state = {"in_flight": 0, "max": 0}
+    lock = threading.Lock()
+    real = os.pwrite
+
+    def slow_pwrite(fd, data, offset):
+        with lock:
+            state["in_flight"] += 1
+            state["max"] = max(state["max"], state["in_flight"])
+        time.sleep(0.01)
+        try:
+            return real(fd, data, offset)
+        finally:
+            with lock:
+                state["in_flight"] -= 1
+
+    monkeypatch.setattr(os, "pwrite", slow_pwrite)
+    sink = FileSink(str(tmp_path / "s"), direct=False, block_size=4096, blocks=2, io_threads=1,
+                    allocate=lambda n: made.append(n) or bytearray(n))
+    payload = os.urandom(4096 * 20 + 123)
+    start = time.perf_counter()
+    for i in range(0, len(payload), 1000):
+        sink.write(payload[i: i + 1000])
+    submitted = time.perf_counter() - start
+    sink.close()
+    assert made == [4096, 4096]
+    assert submitted >= 0.01 * 18  # the producer waited for the disk
+    assert state["max"] == 1
+    assert (tmp_path / "s").read_bytes() == payload
+
+
+def test_file_sink_parallel_writes_land_in_order(tmp_path):
+    payload = os.urandom((1 << 20) * 5 + 77)
+    sink = FileSink(str(tmp_path / "p"), direct=True, block_size=1 << 18, blocks=6, io_threads=4)
+    for i in range(0, len(payload), 100_000):
+        sink.write(payload[i: i + 100_000])
+    sink.close()
+    assert (tmp_path / "p").read_bytes() == payload
+
+
+@pytest.fixture
+def old_file(tmp_path):
+    path = tmp_path / "ckpt.nvckpt"
+    old = {"old": torch.arange(1000, dtype=torch.float32)}
+    nvckpt.save(old, path)
+    return path, path.read_bytes(), old
+
+
+def assert_untouched(path, old_bytes, old):
+    assert path.read_bytes() == old_bytes
+    assert os.listdir(path.parent) == [path.name], "a temporary file was left behind"
+    assert_tree_equal(nvckpt.load(path), old)
+
+
+def test_full_disk_fails_the_save_and_keeps_the_old_file(old_file, monkeypatch):
+    path, old_bytes, old = old_file
+    real = os.pwrite
+    written = [0]
+
+    def full(fd, data, offset):
+        if written[0] > 0:  # the first block fits, the second does not
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written[0] += len(data)
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(OSError) as info:
+        nvckpt.save({"new": torch.zeros(6_000_000)}, path, codec="raw")  # 24 MB: two blocks
+    assert info.value.errno == errno.ENOSPC and "No space" in str(info.value)
+    monkeypatch.undo()
+    assert_untouched(path, old_bytes, old)
+
+
+def refuse_o_direct(monkeypatch):
+    real = os.open
+
+    def no_direct(path, flags, *args, **kw):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(path, flags, *args, **kw)
+
+    monkeypatch.setattr(os, "open", no_direct)
+
+
+@pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT on this platform")
+def test_without_o_direct_saves_and_loads_use_plain_io(tmp_path, monkeypatch):
+    refuse_o_direct(monkeypatch)
+    sink = FileSink(str(tmp_path / "probe"), direct=True)
+    assert not sink.direct
+    sink.close()
+    small_reads(monkeypatch)
+    state = {"w": torch.randn(300, 300), "i": torch.arange(10)}
+    path = write_file(tmp_path, state)
+    assert_tree_equal(nvckpt.load(path), state)
+    with _closing(Reader(path)) as r:
+        loaded = decode_gpu.decode_entries(r, [r.entry("w")], decode_gpu.HostDecoder())
+        assert torch.equal(loaded[r.entry("w").tensor_id], state["w"])
+        assert decode_gpu.last_stats["direct_reads"] == 0
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm") or not os.access("/dev/shm", os.W_OK), reason="no writable /dev/shm")
+def test_o_direct_falls_back_where_the_filesystem_refuses_it(tmp_path):
+    import tempfile
+
+    state = {"w": torch.randn(300, 300), "i": torch.arange(10)}
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
+        sink = FileSink(os.path.join(d, "probe"), direct=True)
+        sink.write(b"x" * 10)
+        sink.close()
+        with open(os.path.join(d, "probe"), "rb") as f:
+            assert f.read() == b"x" * 10
+        path = os.path.join(d, "ck.nvckpt")
+        nvckpt.save(state, path)
+        assert_tree_equal(nvckpt.load(path), state)
+
+
+# -- async_save -----------------------------------------------------------------------------------
+
+def test_cancelled_async_save_keeps_the_old_file(old_file, monkeypatch):
+    from nvckpt.pipeline import encode_cpu
+
+    path, old_bytes, old = old_file
+    started = threading.Event()
+    real = encode_cpu.encode_chunk
+
+    def slow(pipeline, raw):
+        started.set()
+        time.sleep(0.005)
+        return real(pipeline, raw)
+
+    monkeypatch.setattr(encode_cpu, "encode_chunk", slow)  # ~1000 chunks: seconds unless cancelled
+    future = nvckpt.async_save({"new": torch.randn(1000, 1000)}, path, chunk_size=4 * KiB)
+    assert started.wait(10)
+    assert future.cancel()
+    with pytest.raises(CancelledError):
+        future.result(timeout=60)
+    monkeypatch.undo()
+    assert_untouched(path, old_bytes, old)
+
+
+def test_async_save_holds_the_values_at_call_time(tmp_path):
+    state = small_training_state()
+    expected = {"model": {k: v.clone() for k, v in state["model"].items()}}
+    ref = {"model": state["model"], "step": torch.tensor(7)}
+    future = nvckpt.async_save(ref, tmp_path / "a.nvckpt")
+    with torch.no_grad():  # the caller goes on training at once
+        for v in state["model"].values():
+            v.add_(1.0)
+        ref["step"].add_(1)
+    result = future.result(timeout=60)
+    assert future.blocked_seconds >= 0 and result.file_bytes > 0
+    loaded = nvckpt.load(tmp_path / "a.nvckpt")
+    assert_tree_equal(loaded["model"], expected["model"])
+    assert int(loaded["step"]) == 7
