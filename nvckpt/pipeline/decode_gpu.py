@@ -48,7 +48,7 @@ from ..format.index import Chunk, TensorEntry
 from ..format.structs import xxh3
 from . import nvcomp_backend as nb
 from .batching import SlotPool, aligned_host_buffer, plan_read_spans
-from .reader import Reader, check_supported
+from .reader import Reader, check_bools, check_supported
 
 MiB = 1 << 20
 READ_SPAN_BYTES = 32 * MiB
@@ -453,6 +453,7 @@ def decode_entries(reader: Reader, entries: Sequence[TensorEntry], dev: Any, *,
     for t in targets:
         e = t.entry
         dtype = dtypes.to_torch(e.dtype.name)
+        check_bools(e, t.dest, reader.path)
         out[e.tensor_id] = t.dest.view(dtype).reshape(e.shape) if e.nbytes else torch.empty(e.shape, dtype=dtype, device=dev.device)
     return out
 
@@ -472,7 +473,7 @@ def decode_rows(reader: Reader, entry: TensorEntry, first: int, stop: int, dev: 
     end = entry.chunks[idx[-1]].raw_start + entry.chunks[idx[-1]].raw_length
     target = _Target(entry, dev.dest(end - base), base, idx, False)
     _decode(reader, [target], dev)
-    return target.dest[lo - base: hi - base].view(dtype).reshape(shape)
+    return check_bools(entry, target.dest[lo - base: hi - base], reader.path).view(dtype).reshape(shape)
 
 
 def _decode(reader: Reader, targets: list[_Target], dev: Any) -> None:

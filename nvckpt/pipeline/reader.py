@@ -112,6 +112,13 @@ def check_supported(entry: TensorEntry, path: str) -> None:
         raise UnsupportedFeatureError(entry.unsupported, path=path, tensor=entry.name)
 
 
+def check_bools(entry: TensorEntry, raw: torch.Tensor, path: str) -> torch.Tensor:
+    """SPEC 10: a bool byte is 0 or 1; anything else is undefined behaviour in torch's kernels."""
+    if entry.dtype.name == "bool" and bool((raw > 1).any()):
+        raise FormatError("bool tensor holds a byte other than 0 and 1", path=path, tensor=entry.name)
+    return raw
+
+
 class Reader:
     def __init__(self, target: Any, *, workers: int | None = None) -> None:
         self.source = Source(target)
@@ -220,7 +227,7 @@ class Reader:
             source = self.tensor(self.index.tensors[entry.derived["source"]], cache, verify=verify)
             result = bf16_rne(source)
         else:
-            raw = self._checked_bools(entry, self.raw_range(entry, 0, entry.nbytes))
+            raw = check_bools(entry, self.raw_range(entry, 0, entry.nbytes), self.path)
             if verify and entry.checksum is not None and xxh3(raw.numpy()) != entry.checksum:
                 raise ChecksumError("tensor checksum does not match its decoded bytes", path=self.path, tensor=entry.name)
             result = raw.view(dtype).reshape(entry.shape) if entry.nbytes else torch.empty(entry.shape, dtype=dtype)
@@ -238,14 +245,8 @@ class Reader:
         shape = (stop - first,) + entry.shape[1:]
         if row_bytes == 0 or stop <= first:
             return torch.empty(shape, dtype=dtype)
-        raw = self._checked_bools(entry, self.raw_range(entry, first * row_bytes, stop * row_bytes))
+        raw = check_bools(entry, self.raw_range(entry, first * row_bytes, stop * row_bytes), self.path)
         return raw.view(dtype).reshape(shape)
-
-    def _checked_bools(self, entry: TensorEntry, raw: torch.Tensor) -> torch.Tensor:
-        # SPEC 10: a bool byte is 0 or 1; anything else is undefined behaviour in torch's kernels.
-        if entry.dtype.name == "bool" and bool((raw > 1).any()):
-            raise FormatError("bool tensor holds a byte other than 0 and 1", path=self.path, tensor=entry.name)
-        return raw
 
 
 def scan_frames(source: Source, start: int = PREAMBLE_SIZE) -> Iterator[tuple[int, FrameHeader]]:
