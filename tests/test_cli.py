@@ -548,3 +548,11 @@ def test_verify_and_convert_ans_on_gpu(capsys, tmp_path):
     assert_tree_equal(nvckpt.load(portable_path), state)
     with nvckpt.open(portable_path) as ck:
         assert all(step.name != "nvcomp-ans" for p in ck.index.codecs for step in p.steps)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without CUDA gets")
+def test_bench_gpu_without_cuda_is_one_clear_line(capsys, tmp_path):
+    code, out, err = run(capsys, "bench", "--gpu", "--out", str(tmp_path / "out"))
+    assert code == EXIT_UNSUPPORTED
+    assert err.count("\n") == 1 and "needs a CUDA GPU" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
