@@ -21,7 +21,7 @@ from .format.constants import DEFAULT_ALIGNMENT, DEFAULT_CHUNK_SIZE
 from .format.index import TensorEntry
 from .format.tree import resolve_refs
 from .derive import bf16_rne
-from .pipeline.container import ContainerWriter, EncodedChunk, TensorFrame
+from .pipeline.container import ContainerWriter, EncodedChunk, TensorFrame, check_alignment
 from .pipeline.encode_cpu import encode_cpu
 from .pipeline.plan import PlannedTensor, SavePlan, plan_save
 from .pipeline.reader import Reader, check_supported
@@ -90,10 +90,16 @@ def writer_info(extra: dict[str, Any] | None = None) -> dict[str, Any]:
 
 def write_plan(stream: Any, items: Iterable[TensorFrame | EncodedChunk], plan: SavePlan, *,
                alignment: int, info: dict[str, Any]) -> int:
-    writer = ContainerWriter(stream, plan, alignment=alignment)
-    for item in items:
-        writer.write(item)
-    return writer.finish(info)
+    try:
+        writer = ContainerWriter(stream, plan, alignment=alignment)
+        for item in items:
+            writer.write(item)
+        return writer.finish(info)
+    finally:
+        # Stop the engine now, also on an error: its threads and buffers must not live on in the traceback.
+        close = getattr(items, "close", None)
+        if close is not None:
+            close()
 
 
 class _AtomicFile:
@@ -145,8 +151,7 @@ class _SaveJob:
                  chunk_size: int | None, alignment: int, zstd_level: int, derive_bf16: bool,
                  tensor_checksums: bool, engine: str, workers: int | None, direct_io: bool) -> None:
         _check_save_args(codec, engine)
-        if type(alignment) is not int or not 1 <= alignment <= (1 << 20) or alignment & (alignment - 1):
-            raise ValueError(f"alignment must be a power of two in 1..{1 << 20}, got {alignment!r}")
+        check_alignment(alignment)  # before any work, as every argument
         if type(zstd_level) is not int or not -7 <= zstd_level <= 22:
             raise ValueError(f"zstd_level must be an integer in -7..22, got {zstd_level!r}")
         self.start = time.perf_counter()
@@ -200,13 +205,15 @@ class _SaveJob:
 
 
 def _cancellable(items: Iterator, cancel: threading.Event) -> Iterator:
-    for item in items:
-        if cancel.is_set():
-            close = getattr(items, "close", None)
-            if close is not None:
-                close()  # lets the engine release its buffers
-            raise CancelledError("async save cancelled; the file at the target path was not changed")
-        yield item
+    try:
+        for item in items:
+            if cancel.is_set():
+                raise CancelledError("async save cancelled; the file at the target path was not changed")
+            yield item
+    finally:
+        close = getattr(items, "close", None)
+        if close is not None:
+            close()  # lets the engine release its buffers
 
 
 _SAVE_DEFAULTS = dict(codec="auto", metadata=None, chunk_size=None, alignment=DEFAULT_ALIGNMENT,
@@ -323,7 +330,9 @@ class TensorSlice:
         if not isinstance(index, tuple):
             index = (index,)
         entry, ck = self._entry, self._ck
-        if not entry.shape or not index or entry.chunks is None or not isinstance(index[0], (slice, int, list, torch.Tensor)):
+        # A bool is an int to Python but a mask to torch (x[True] adds a dim): torch's own rules, on the whole tensor.
+        if (not entry.shape or not index or entry.chunks is None or isinstance(index[0], bool)
+                or not isinstance(index[0], (slice, int, list, torch.Tensor))):
             return ck._load([entry.tensor_id])[entry.tensor_id][index]
         first, rest = index[0], index[1:]
         n = entry.shape[0]
@@ -475,8 +484,6 @@ class Checkpoint:
         loaded = self._load({*self._reader.index.paths.values(),
                              *(e.tensor_id for e in self._reader.index.tensors if not e.internal)})
         return resolve_refs(self._reader.index.tree, loaded.__getitem__)
-
-
 
 
 def open(target: str | os.PathLike | Any, *, device: str | torch.device = "cpu", workers: int | None = None) -> Checkpoint:  # noqa: A001

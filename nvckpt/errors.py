@@ -20,6 +20,21 @@ __all__ = [
 ]
 
 
+def located_message(reason: str, *, path: str | None = None, tensor: str | None = None,
+                    chunk: int | None = None, offset: int | None = None) -> str:
+    """``reason`` preceded by where it happened: "file, tensor 'x', chunk 3, offset 4096: reason"."""
+    where = []
+    if path is not None:
+        where.append(path)
+    if tensor is not None:
+        where.append(f"tensor {tensor!r}")
+    if chunk is not None:
+        where.append(f"chunk {chunk}")
+    if offset is not None:
+        where.append(f"offset {offset}")
+    return f"{', '.join(where)}: {reason}" if where else reason
+
+
 class NvckptError(Exception):
     """Base class of every nvckpt error."""
 
@@ -40,16 +55,7 @@ class NvckptError(Exception):
         super().__init__(self._compose())
 
     def _compose(self) -> str:
-        where = []
-        if self.path is not None:
-            where.append(self.path)
-        if self.tensor is not None:
-            where.append(f"tensor {self.tensor!r}")
-        if self.chunk is not None:
-            where.append(f"chunk {self.chunk}")
-        if self.offset is not None:
-            where.append(f"offset {self.offset}")
-        return f"{', '.join(where)}: {self.reason}" if where else self.reason
+        return located_message(self.reason, path=self.path, tensor=self.tensor, chunk=self.chunk, offset=self.offset)
 
     def located(self, **where: object) -> "NvckptError":
         """Fill in location fields that are still unknown, and return self."""

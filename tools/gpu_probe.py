@@ -366,7 +366,7 @@ def thr(label, codec, chunk, r, data, dev, reps=5):
     del b
     dst = torch.empty_like(data)
     outs = chunks_of(dst, chunk, codec.itemsize)
-    dms, dall = ev_time(lambda: codec.decode(pays, outs), codec.stream, reps=reps)
+    dms, dall = ev_time(lambda pays=pays: codec.decode(pays, outs), codec.stream, reps=reps)  # bound now: del'd below
     r[label] = {"chunks": len(chunks), "ratio": round(data.numel() / sum(sz), 4),
                 "encode_GBps": round(data.numel() / ms / 1e6, 1), "decode_GBps": round(data.numel() / dms / 1e6, 1),
                 "encode_ms": [round(x, 2) for x in all_ms], "decode_ms": [round(x, 2) for x in dall],

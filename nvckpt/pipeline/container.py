@@ -52,11 +52,15 @@ class EncodedChunk(NamedTuple):
 _ZEROS = bytes(MAX_ALIGNMENT)
 
 
+def check_alignment(alignment: object) -> None:
+    if type(alignment) is not int or not 1 <= alignment <= MAX_ALIGNMENT or alignment & (alignment - 1):
+        raise ValueError(f"alignment must be a power of two in 1..{MAX_ALIGNMENT}, got {alignment!r}")
+
+
 class ContainerWriter:
     def __init__(self, stream: Any, plan: SavePlan, *, alignment: int = DEFAULT_ALIGNMENT,
                  optional_features: int = 0) -> None:
-        if not isinstance(alignment, int) or alignment < 1 or alignment > MAX_ALIGNMENT or alignment & (alignment - 1):
-            raise ValueError(f"alignment must be a power of two in 1..{MAX_ALIGNMENT}, got {alignment!r}")
+        check_alignment(alignment)
         self.stream = stream
         self.plan = plan
         self.alignment = alignment

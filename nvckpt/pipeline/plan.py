@@ -120,7 +120,7 @@ def plan_save(
 
     def walk(node: Any, parts: tuple[str, ...], depth: int) -> Any:
         path = "/".join(parts)
-        if depth > MAX_TREE_DEPTH:
+        if depth > MAX_TREE_DEPTH and isinstance(node, (dict, list, tuple)):  # SPEC 9: containers count, not leaves
             raise LimitError(f"object nesting at {path} exceeds the limit of {MAX_TREE_DEPTH}")
         if isinstance(node, torch.Tensor):
             _check_tensor(node, path)
@@ -135,8 +135,8 @@ def plan_save(
             for k, v in node.items():
                 if not isinstance(k, _KEY_TYPES):
                     raise UnsupportedObjectError(f"dict key {k!r} at {path or '<root>'} has type {type(k).__qualname__}; keys must be str, int, float, bool or None")
-                key = _plain_scalar(k, path)
-                out[key] = walk(v, parts + (escape(k),), depth + 1)
+                key = _plain_scalar(k, path)  # the name is made of the key as stored (an int enum is its int)
+                out[key] = walk(v, parts + (escape(key),), depth + 1)
             return _Dict(out)
         if isinstance(node, (list, tuple)):
             items = [walk(v, parts + (str(i),), depth + 1) for i, v in enumerate(node)]
@@ -221,7 +221,7 @@ def _check_metadata(metadata: Any) -> None:
         raise UnsupportedObjectError(f"metadata must be a dict with str keys, got {type(metadata).__qualname__}")
 
     def check(value: Any, where: str, depth: int) -> None:
-        if depth > MAX_TREE_DEPTH:
+        if depth > MAX_TREE_DEPTH and isinstance(value, (dict, list)):  # SPEC 8.6: containers count, not leaves
             raise LimitError(f"metadata nesting at {where} exceeds {MAX_TREE_DEPTH}")
         if isinstance(value, dict):
             for k, v in value.items():
@@ -242,7 +242,7 @@ def _check_metadata(metadata: Any) -> None:
         elif type(value) is str:
             _check_str(value, f"metadata {where}")
 
-    check(metadata, "", 0)
+    check(metadata, "", 1)  # the metadata map itself is level 1, as the reader counts
 
 
 def _view_key(t: torch.Tensor) -> tuple:

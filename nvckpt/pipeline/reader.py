@@ -50,6 +50,8 @@ class Source:
         self.bytes_read = 0
 
     def pread(self, offset: int, length: int) -> bytes:
+        if self._fd is None and self._file is None:
+            raise ValueError(f"{self.name}: read from a closed checkpoint")
         if offset < 0 or length < 0 or offset + length > self.size:
             raise TruncatedError(f"read of {length} bytes at {offset} runs past the end of the file ({self.size} bytes)", path=self.name, offset=offset)
         if self._fd is not None:
@@ -72,9 +74,11 @@ class Source:
         return data
 
     def close(self) -> None:
+        """Close a file this Source opened; a caller's file object is only let go of."""
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+        self._file = None
 
 
 def locate_index(source: Source) -> tuple[Preamble, Index]:
@@ -214,21 +218,21 @@ class Reader:
         return out
 
     # -- tensors -----------------------------------------------------------
-    def tensor(self, entry: TensorEntry, cache: dict[int, torch.Tensor] | None = None, *, verify: bool = True) -> torch.Tensor:
+    def tensor(self, entry: TensorEntry, cache: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         """Load one whole tensor on the CPU.  ``cache`` shares bases between views."""
         if cache is not None and entry.tensor_id in cache:
             return cache[entry.tensor_id]
         check_supported(entry, self.path)
         dtype = dtypes.to_torch(entry.dtype.name)
         if entry.view is not None:
-            base = self.tensor(self.index.tensors[entry.view["base"]], cache, verify=verify)
+            base = self.tensor(self.index.tensors[entry.view["base"]], cache)
             result = base.as_strided(entry.shape, entry.view["stride"], entry.view["offset"])
         elif entry.derived is not None:
-            source = self.tensor(self.index.tensors[entry.derived["source"]], cache, verify=verify)
+            source = self.tensor(self.index.tensors[entry.derived["source"]], cache)
             result = bf16_rne(source)
         else:
             raw = check_bools(entry, self.raw_range(entry, 0, entry.nbytes), self.path)
-            if verify and entry.checksum is not None and xxh3(raw.numpy()) != entry.checksum:
+            if entry.checksum is not None and xxh3(raw.numpy()) != entry.checksum:
                 raise ChecksumError("tensor checksum does not match its decoded bytes", path=self.path, tensor=entry.name)
             result = raw.view(dtype).reshape(entry.shape) if entry.nbytes else torch.empty(entry.shape, dtype=dtype)
         if cache is not None:

@@ -52,22 +52,6 @@ def best_of(repeat: int, fn: Callable[[], Any]) -> tuple[float, Any]:
     return best, result
 
 
-def distinct_bytes(obj: Any) -> int:
-    """Bytes of the distinct storages' tensors in a tree (a tied tensor counts once)."""
-    seen: dict[tuple, int] = {}
-    stack = [obj]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, torch.Tensor):
-            key = (node.untyped_storage().data_ptr(), node.storage_offset(), tuple(node.shape), node.dtype) if node.numel() else (id(node),)
-            seen[key] = node.nbytes
-        elif isinstance(node, dict):
-            stack.extend(node.values())
-        elif isinstance(node, (list, tuple)):
-            stack.extend(node)
-    return sum(seen.values())
-
-
 def first_difference(a: Any, b: Any, path: str = "") -> str | None:
     """The path of the first place where two trees differ (types, shapes, dtypes, bits), or None."""
     where = path or "<root>"
@@ -162,4 +146,4 @@ def bench(obj: Any, *, repeat: int = 3, codec: str = "auto", directory: str | No
         return rows
 
 
-__all__ = ["bench", "Measurement", "best_of", "first_difference", "distinct_bytes", "measure_nvckpt", "measure_torch"]
+__all__ = ["bench", "Measurement", "best_of", "first_difference", "measure_nvckpt", "measure_torch"]

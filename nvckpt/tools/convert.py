@@ -48,7 +48,6 @@ META_TREE = "nvckpt.tree"  # base64 of the msgpack tree (as in the index), tenso
 META_TREE_NAMES = "nvckpt.tree_names"  # ...this JSON list of safetensors tensor names
 
 
-
 def format_of(path: str | os.PathLike, explicit: str | None = None) -> str:
     if explicit is not None:
         if explicit not in FORMATS:
@@ -103,8 +102,6 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
         elif isinstance(node, (list, tuple)):
             stack.extend(node)
     return list(seen.values())
-
-
 
 
 # -- readers ---------------------------------------------------------------

@@ -41,9 +41,9 @@ from ..format.constants import (
     MAX_TENSOR_BYTES,
     PREAMBLE_SIZE,
 )
-from ..format.index import Index, parse_index, unpack_index
+from ..format.index import Index, _int, parse_index, unpack_index
 from ..format.structs import FrameHeader, Preamble, xxh3
-from ..format.tree import TensorRef, escape
+from ..format.tree import TensorRef, escape, resolve_refs
 from ..pipeline.container import ContainerWriter, EncodedChunk, TensorFrame
 from ..pipeline.plan import PlannedTensor, SavePlan
 from ..pipeline.reader import Reader, Source, scan_frames
@@ -52,7 +52,6 @@ from ._util import ProgressFactory, UsageError, atomic_output, check_output_fold
 #: Metadata keys a recovered file carries.
 RECOVERED_FROM = "nvckpt.recovered_from"
 LOST = "nvckpt.lost"
-
 
 
 @dataclass
@@ -118,12 +117,6 @@ class _Tensor:
     @property
     def is_data(self) -> bool:
         return self.view is None and self.derived is None
-
-
-def _int(value: Any, what: str, lo: int = 0, hi: int = (1 << 64) - 1) -> int:
-    if type(value) is not int or not lo <= value <= hi:
-        raise FormatError(f"{what} must be an integer in {lo}..{hi}, got {value!r:.80}")
-    return value
 
 
 def _parse_tensor_frame(tid: int, offset: int, described: Any) -> _Tensor:
@@ -376,18 +369,6 @@ def _entry(t: _Tensor, new_id: dict[int, int]) -> dict[str, Any]:
     return entry
 
 
-def _remap(node: Any, new_id: dict[int, int]) -> Any:
-    if isinstance(node, TensorRef):
-        return TensorRef(new_id[node.tensor_id])
-    if isinstance(node, dict):
-        return {k: _remap(v, new_id) for k, v in node.items()}
-    if isinstance(node, tuple):
-        return tuple(_remap(v, new_id) for v in node)
-    if isinstance(node, list):
-        return [_remap(v, new_id) for v in node]
-    return node
-
-
 def recover(src: str | os.PathLike, dst: str | os.PathLike, *, progress: ProgressFactory | None = None) -> RecoveryReport:
     """Write every complete tensor of ``src`` (truncated or damaged) to a new valid file ``dst``."""
     from ..api import writer_info
@@ -424,7 +405,7 @@ def recover(src: str | os.PathLike, dst: str | os.PathLike, *, progress: Progres
         index = walk.index
         if index is not None and not why and len(kept) == len(index.tensors) and all(
                 t.tensor_id == e.tensor_id and t.name == e.name for t, e in zip(kept, index.tensors)):
-            tree = _remap(index.tree, new_id)
+            tree = resolve_refs(index.tree, lambda tid: TensorRef(new_id[tid]))
             report.tree_kept = True
         else:
             tree = nest_by_name([(t.name, TensorRef(new_id[t.tensor_id])) for t in named])

@@ -22,7 +22,7 @@ import msgpack
 import xxhash
 
 from ..codecs import pipeline_from_json
-from ..errors import ChecksumError, FormatError, LimitError, NvckptError, UnsupportedCodecError
+from ..errors import ChecksumError, FormatError, LimitError, NvckptError, UnsupportedCodecError, located_message
 from ..format.constants import (
     FOOTER_SIZE,
     FRAME_CHUNK,
@@ -52,14 +52,7 @@ class Problem:
         return cls(exc.reason, exc.tensor, exc.chunk, exc.offset)
 
     def __str__(self) -> str:
-        where = []
-        if self.tensor is not None:
-            where.append(f"tensor {self.tensor!r}")
-        if self.chunk is not None:
-            where.append(f"chunk {self.chunk}")
-        if self.offset is not None:
-            where.append(f"offset {self.offset}")
-        return f"{', '.join(where)}: {self.message}" if where else self.message
+        return located_message(self.message, tensor=self.tensor, chunk=self.chunk, offset=self.offset)
 
     def to_json(self) -> dict[str, Any]:
         return {"message": self.message, "tensor": self.tensor, "chunk": self.chunk, "offset": self.offset}

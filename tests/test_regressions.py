@@ -1,0 +1,121 @@
+"""Bugs found in review: each test failed before its fix."""
+
+from __future__ import annotations
+
+import enum
+import io
+import threading
+
+import pytest
+import torch
+
+import nvckpt
+from conftest import assert_tensor_equal
+
+
+def _nested_dicts(levels: int) -> dict:
+    """``levels`` dicts, each inside the one before (the outermost is level 1)."""
+    root: dict = {}
+    node = root
+    for _ in range(levels - 1):
+        node["a"] = {}
+        node = node["a"]
+    return root
+
+
+def test_metadata_nested_65_deep_is_refused_by_save():
+    # The reader rejects metadata nested deeper than 64 (SPEC 8.6, the map itself is level 1);
+    # save used to count from 0 and write a file that then could not be opened.
+    with pytest.raises(nvckpt.LimitError):
+        nvckpt.save({"w": torch.ones(2)}, io.BytesIO(), metadata=_nested_dicts(65))
+    stream = io.BytesIO()
+    nvckpt.save({"w": torch.ones(2)}, stream, metadata=_nested_dicts(64))
+    stream.seek(0)
+    with nvckpt.open(stream) as ck:
+        assert ck.metadata() == _nested_dicts(64)
+
+
+def test_tree_of_64_containers_with_leaves_inside_saves_and_loads():
+    # SPEC 9 counts containers (the root is depth 1): 64 nested lists are legal, whatever leaf
+    # the innermost holds.  save used to count the leaf as a level and refuse the tree.
+    for leaf in (7, torch.arange(3)):
+        obj: object = leaf
+        for _ in range(64):
+            obj = [obj]
+        stream = io.BytesIO()
+        nvckpt.save(obj, stream)
+        stream.seek(0)
+        back = nvckpt.load(stream)
+        for _ in range(64):
+            assert isinstance(back, list) and len(back) == 1
+            back = back[0]
+        if isinstance(leaf, torch.Tensor):
+            assert_tensor_equal(back, leaf)
+        else:
+            assert back == leaf
+    with pytest.raises(nvckpt.LimitError):
+        nvckpt.save([obj], io.BytesIO())  # 65 containers
+
+
+def test_tensor_name_is_the_path_of_the_key_as_stored():
+    # A key that is a subclass (an int-valued enum) is stored as its base type, so its path is
+    # str() of the stored key; the entry used to be named after str() of the enum ("Key.A").
+    class Key(int, enum.Enum):
+        A = 1
+
+    stream = io.BytesIO()
+    nvckpt.save({Key.A: torch.ones(2)}, stream)
+    stream.seek(0)
+    with nvckpt.open(stream) as ck:
+        assert ck.keys() == ["1"]
+        assert [e.name for e in ck.index.tensors] == ["1"]
+
+
+def test_reading_a_closed_checkpoint_is_a_clear_error(tmp_path):
+    path = tmp_path / "c.nvckpt"
+    nvckpt.save({"w": torch.ones(2)}, path)
+    ck = nvckpt.open(path)
+    ck.close()
+    # Used to be AttributeError: 'NoneType' object has no attribute 'seek'.
+    with pytest.raises(ValueError, match="closed"):
+        ck.get_tensor("w")
+
+
+def test_get_slice_with_a_bool_index_follows_torch():
+    # A Python bool is an int, but torch reads x[True] as a mask that adds a dimension;
+    # get_slice used to return row 1 instead.
+    w = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+    stream = io.BytesIO()
+    nvckpt.save({"w": w}, stream)
+    stream.seek(0)
+    with nvckpt.open(stream) as ck:
+        s = ck.get_slice("w")
+        for index in (True, False, (True, 1)):
+            assert_tensor_equal(s[index], w[index], repr(index))
+
+
+class _DiskFull(io.RawIOBase):
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.written = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        n = memoryview(data).nbytes
+        if self.written + n > self.limit:
+            raise OSError(28, "No space left on device")
+        self.written += n
+        return n
+
+
+def test_a_failed_save_stops_the_encoder_threads():
+    # The engine's generator used to stay suspended (threads and buffers alive) for as long as
+    # the exception's traceback was kept: a failed async_save's future keeps it indefinitely.
+    state = {f"w{i}": torch.randn(256, 256, generator=torch.Generator().manual_seed(i)) for i in range(8)}
+    with pytest.raises(OSError) as caught:
+        nvckpt.save(state, _DiskFull(200_000), workers=2)
+    assert caught.value.__traceback__ is not None  # the traceback is still held here
+    alive = [t.name for t in threading.enumerate() if t.name.startswith("nvckpt-encode")]
+    assert alive == []
