@@ -117,6 +117,10 @@ class _AtomicFile:
                 break
             except FileExistsError:
                 continue
+            except BaseException:
+                if os.path.exists(self.tmp):  # created, then the sink failed to start
+                    os.unlink(self.tmp)
+                raise
         else:
             raise FileExistsError(f"could not create a temporary file beside {path}")
 

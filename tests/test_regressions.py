@@ -119,3 +119,46 @@ def test_a_failed_save_stops_the_encoder_threads():
     assert caught.value.__traceback__ is not None  # the traceback is still held here
     alive = [t.name for t in threading.enumerate() if t.name.startswith("nvckpt-encode")]
     assert alive == []
+
+
+def test_gpu_loader_reads_the_file_the_checkpoint_opened(tmp_path):
+    """An atomic save over an open checkpoint's path must not change what the GPU loader's reads see."""
+    from nvckpt.pipeline.decode_gpu import _Files
+    from nvckpt.pipeline.reader import Reader
+    from nvckpt.format.structs import xxh3
+
+    path = tmp_path / "ck.nvckpt"
+    nvckpt.save({"a": torch.arange(100000.0)}, path, codec="raw")
+    reader = Reader(path)
+    try:
+        nvckpt.save({"a": torch.arange(100000.0) + 1}, path, codec="raw")  # replaces the file
+        files = _Files(reader, True)
+        try:
+            chunk = reader.index.tensors[0].chunks[0]
+            head = chunk.offset % 4096
+            buf = torch.empty(1 << 20, dtype=torch.uint8)
+            view = files.read(chunk.offset - head, 1 << 19, head + chunk.stored_length, buf)
+            assert xxh3(view[head: head + chunk.stored_length]) == chunk.checksum
+        finally:
+            files.close()
+    finally:
+        reader.close()
+
+
+def test_a_sink_that_cannot_start_leaves_no_fd_and_no_temporary_file(tmp_path, monkeypatch):
+    import mmap
+    import os
+
+    path = tmp_path / "ck.nvckpt"
+    nvckpt.save({"a": torch.ones(3)}, path)
+    before = path.read_bytes()
+    fds = len(os.listdir("/proc/self/fd"))
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError("no staging memory")
+
+    monkeypatch.setattr(mmap, "mmap", no_memory)
+    with pytest.raises(MemoryError):
+        nvckpt.save({"a": torch.zeros(3)}, path)
+    assert len(os.listdir("/proc/self/fd")) == fds
+    assert sorted(os.listdir(tmp_path)) == ["ck.nvckpt"] and path.read_bytes() == before

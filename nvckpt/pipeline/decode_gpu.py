@@ -286,8 +286,11 @@ class _Files:
         self.bytes_read = 0
         self.direct_reads = 0
         self._lock = threading.Lock()
-        path = self.source.name
-        if getattr(self.source, "_fd", None) is not None and os.path.isfile(path):
+        fd = getattr(self.source, "_fd", None)
+        # Reopen the file the Reader has open, not whatever the path names now: an atomic
+        # save may have replaced it since (on Linux, /proc/self/fd/N is that same file).
+        path = f"/proc/self/fd/{fd}" if fd is not None and os.path.exists(f"/proc/self/fd/{fd}") else self.source.name
+        if fd is not None and os.path.isfile(path):
             self.plain = os.open(path, os.O_RDONLY)
             if direct and hasattr(os, "O_DIRECT"):
                 try:

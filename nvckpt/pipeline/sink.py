@@ -70,24 +70,28 @@ class FileSink:
                     raise
         if self.fd < 0:
             self.fd = os.open(path, flags, 0o644)
-        self.block_size = block_size
-        self._free: queue.Queue = queue.Queue()
-        for _ in range(blocks):
-            block = memoryview(allocate(block_size)).cast("B")
-            self._free.put((block, np.frombuffer(block, dtype=np.uint8)))
-        self._full: queue.Queue = queue.Queue()
-        self._error: BaseException | None = None
-        self._current = self._free.get()
-        self._used = 0
-        self._block_offset = 0  # file offset of the block being filled
-        self.position = 0  # bytes accepted so far
-        self.written = 0  # bytes on disk so far
-        self._written_lock = threading.Lock()
-        self._closed = False
-        self._threads = [threading.Thread(target=self._io_loop, name=f"nvckpt-io-{i}", daemon=True)
-                         for i in range(io_threads)]
-        for t in self._threads:
-            t.start()
+        try:
+            self.block_size = block_size
+            self._free: queue.Queue = queue.Queue()
+            for _ in range(blocks):
+                block = memoryview(allocate(block_size)).cast("B")
+                self._free.put((block, np.frombuffer(block, dtype=np.uint8)))
+            self._full: queue.Queue = queue.Queue()
+            self._error: BaseException | None = None
+            self._current = self._free.get()
+            self._used = 0
+            self._block_offset = 0  # file offset of the block being filled
+            self.position = 0  # bytes accepted so far
+            self.written = 0  # bytes on disk so far
+            self._written_lock = threading.Lock()
+            self._closed = False
+            self._threads = [threading.Thread(target=self._io_loop, name=f"nvckpt-io-{i}", daemon=True)
+                             for i in range(io_threads)]
+            for t in self._threads:
+                t.start()
+        except BaseException:
+            os.close(self.fd)  # nothing else holds it yet
+            raise
 
     # -- I/O thread --------------------------------------------------------
     def _io_loop(self) -> None:
