@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import io
+import sys
 from typing import Any
 
 import numpy as np
 import zstandard
 
 from .base import Codec
+
+_LITTLE = sys.byteorder == "little"
 
 
 class Raw(Codec):
@@ -102,21 +105,42 @@ class ByteShuffle(Codec):
             raise ValueError(f"byteshuffle needs exactly 'elementsize', got {sorted(configuration)}")
         return cls(configuration["elementsize"])
 
-    def _planes(self, data: memoryview, rows: int) -> np.ndarray:
+    def _elements(self, data: memoryview) -> np.ndarray:
         k = self.elementsize
         if len(data) % k:
             raise ValueError(f"byteshuffle: {len(data)} bytes is not a multiple of elementsize {k}")
-        arr = np.frombuffer(data, dtype=np.uint8)
-        return arr.reshape(-1, k) if rows == 0 else arr.reshape(k, -1)
+        return np.frombuffer(data, dtype=np.uint8).reshape(-1, k)
 
-    def encode(self, data: memoryview) -> bytes:
-        if self.elementsize == 1:
-            return bytes(data)
-        return np.ascontiguousarray(self._planes(data, 0).T).tobytes()
+    # numpy's copy of a transposed (n, k) byte array runs element by element; one
+    # strided copy per plane (or, for 2-byte elements, 16-bit shifts) is 3-18x faster.
+    def encode(self, data: memoryview) -> memoryview:
+        k = self.elementsize
+        if k == 1:
+            return data
+        elements = self._elements(data)
+        planes = np.empty((k, len(elements)), dtype=np.uint8)
+        if k == 2 and _LITTLE:
+            words = elements.view(np.uint16).reshape(-1)
+            np.copyto(planes[0], words, casting="unsafe")  # low byte: the cast keeps it
+            planes[1] = words >> 8
+        else:
+            for j in range(k):
+                planes[j] = elements[:, j]
+        return memoryview(planes.reshape(-1))
 
-    def decode(self, data: memoryview, raw_length: int) -> bytes:
+    def decode(self, data: memoryview, raw_length: int) -> memoryview:
         if len(data) != raw_length:
             raise ValueError(f"byteshuffle input is {len(data)} bytes, expected {raw_length}")
-        if self.elementsize == 1:
-            return bytes(data)
-        return np.ascontiguousarray(self._planes(data, 1).T).tobytes()
+        k = self.elementsize
+        if k == 1:
+            return data
+        planes = self._elements(data).reshape(k, -1)
+        if k == 2 and _LITTLE:
+            words = planes[1].astype(np.uint16)
+            words <<= 8
+            words |= planes[0]
+            return memoryview(words.view(np.uint8))
+        out = np.empty((planes.shape[1], k), dtype=np.uint8)
+        for j in range(k):
+            out[:, j] = planes[j]
+        return memoryview(out.reshape(-1))
