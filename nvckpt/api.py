@@ -382,12 +382,18 @@ def _gpu_decoder(device: torch.device):
 
 
 class Checkpoint:
-    """An open nvckpt file: lazy, random access, safe to share between threads."""
+    """An open nvckpt file: lazy, random access, safe to share between threads.
 
-    def __init__(self, target: Any, *, device: str | torch.device = "cpu", workers: int | None = None) -> None:
+    ``untrusted=True`` decodes with the hardened CPU decoders only, never
+    nvCOMP (SPEC.md 20: checksums are not signatures, and nvCOMP's decoders
+    assume valid input); nvcomp-ans chunks then raise UnsupportedCodecError."""
+
+    def __init__(self, target: Any, *, device: str | torch.device = "cpu", workers: int | None = None,
+                 untrusted: bool = False) -> None:
         self.device = torch.device(device)
+        self.untrusted = untrusted
         self._reader = Reader(target, workers=workers)
-        self._gpu = _gpu_decoder(self.device)
+        self._gpu = None if untrusted else _gpu_decoder(self.device)
 
     # context manager
     def __enter__(self) -> "Checkpoint":
@@ -443,7 +449,13 @@ class Checkpoint:
         """Stored tensors on the target device: decoded on the GPU where it can, else on the CPU."""
         if self._gpu is not None and entries:
             return self._gpu.load_entries(self._reader, entries, self.device)
-        return {e.tensor_id: self._to_device(self._reader.tensor(e)) for e in entries}
+        try:
+            return {e.tensor_id: self._to_device(self._reader.tensor(e)) for e in entries}
+        except UnsupportedCodecError as exc:
+            if self.untrusted:
+                exc.reason += " (refused: the file was opened with untrusted=True, which never runs nvCOMP)"
+                exc.located()
+            raise
 
     def _load(self, tids: Iterable[int]) -> dict[int, torch.Tensor]:
         """Tensors by id, with views built on their (shared) base and derived tensors computed on the device."""
@@ -490,15 +502,19 @@ class Checkpoint:
         return resolve_refs(self._reader.index.tree, loaded.__getitem__)
 
 
-def open(target: str | os.PathLike | Any, *, device: str | torch.device = "cpu", workers: int | None = None) -> Checkpoint:  # noqa: A001
-    """Open a checkpoint for random access (use as a context manager)."""
-    return Checkpoint(target, device=device, workers=workers)
+def open(target: str | os.PathLike | Any, *, device: str | torch.device = "cpu", workers: int | None = None,  # noqa: A001
+         untrusted: bool = False) -> Checkpoint:
+    """Open a checkpoint for random access (use as a context manager).
+
+    ``untrusted=True``: for files from an untrusted source, decode only with
+    the hardened CPU decoders (no nvCOMP; nvcomp-ans chunks are refused)."""
+    return Checkpoint(target, device=device, workers=workers, untrusted=untrusted)
 
 
 def load(target: str | os.PathLike | Any, *, device: str | torch.device = "cpu", keys: Iterable[str] | None = None,
-         workers: int | None = None) -> Any:
-    """Load a whole checkpoint, bit-exact, as the structure that was saved."""
-    with Checkpoint(target, device=device, workers=workers) as ck:
+         workers: int | None = None, untrusted: bool = False) -> Any:
+    """Load a whole checkpoint, bit-exact, as the structure that was saved (``untrusted``: see ``open``)."""
+    with Checkpoint(target, device=device, workers=workers, untrusted=untrusted) as ck:
         return ck.load(keys)
 
 

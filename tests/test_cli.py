@@ -556,3 +556,29 @@ def test_bench_gpu_without_cuda_is_one_clear_line(capsys, tmp_path):
     assert code == EXIT_UNSUPPORTED
     assert err.count("\n") == 1 and "needs a CUDA GPU" in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+def test_untrusted_open_never_hands_chunks_to_the_gpu_decoder(tmp_path, monkeypatch):
+    """SPEC 20: checksums are not signatures; untrusted=True keeps nvCOMP away from a file's bytes."""
+    import nvckpt.api as api
+
+    path = ans_file(tmp_path / "ans.nvckpt")
+
+    class GpuDecoder:  # stands in for nvckpt.pipeline.decode_gpu on a machine with CUDA and nvCOMP
+        used = 0
+
+        def load_entries(self, reader, entries, device):
+            GpuDecoder.used += 1
+            return {e.tensor_id: reader.tensor(e) if e.name == "plain" else torch.zeros(e.shape) for e in entries}
+
+    monkeypatch.setattr(api, "_gpu_decoder", lambda device: GpuDecoder())
+    with nvckpt.open(path) as ck:
+        ck.get_tensor("ans")
+    assert GpuDecoder.used == 1
+    with nvckpt.open(path, untrusted=True) as ck:
+        assert torch.equal(ck.get_tensor("plain"), torch.arange(64))
+        with pytest.raises(nvckpt.UnsupportedCodecError, match="untrusted=True"):
+            ck.get_tensor("ans")
+    with pytest.raises(nvckpt.UnsupportedCodecError, match="untrusted=True"):
+        nvckpt.load(path, untrusted=True)
+    assert GpuDecoder.used == 1
