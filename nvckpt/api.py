@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import os
 import platform
-import secrets
 import threading
 import time
 from concurrent.futures import CancelledError, Future
@@ -25,6 +24,7 @@ from .pipeline.container import ContainerWriter, EncodedChunk, TensorFrame, chec
 from .pipeline.encode_cpu import encode_cpu
 from .pipeline.plan import PlannedTensor, SavePlan, plan_save
 from .pipeline.reader import Reader, check_supported
+from .pipeline.atomic import publish, temporary_name
 from .pipeline.sink import FileSink
 
 CODECS = ("auto", "portable", "zstd", "raw", "ans")
@@ -109,9 +109,8 @@ class _AtomicFile:
         self.path = os.path.abspath(path)
         if os.path.isdir(self.path):
             raise IsADirectoryError(f"{path} is a directory")
-        folder, base = os.path.split(self.path)
         for _ in range(100):
-            self.tmp = os.path.join(folder, f".{base}.{secrets.token_hex(4)}.nvckpt-tmp")
+            self.tmp = temporary_name(self.path)
             try:
                 self.file = FileSink(self.tmp, direct=direct_io)
                 break
@@ -126,12 +125,7 @@ class _AtomicFile:
 
     def commit(self) -> None:
         self.file.close(sync=True)
-        os.replace(self.tmp, self.path)
-        dir_fd = os.open(os.path.dirname(self.path), os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)  # make the rename itself durable
-        finally:
-            os.close(dir_fd)
+        publish(self.tmp, self.path)
 
     def abort(self) -> None:
         try:

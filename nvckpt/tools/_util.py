@@ -1,12 +1,10 @@
-"""Small helpers shared by the tools: sizes, tables, progress bars, atomic outputs, names."""
+"""Small helpers shared by the tools: sizes, tables, progress bars, output folders, names."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
-import tempfile
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 from ..format.constants import MAX_TREE_DEPTH
 from ..format.tree import escape
@@ -92,36 +90,6 @@ def check_output_folder(path: str | os.PathLike) -> None:
         raise IsADirectoryError(21, "Is a directory", os.fspath(path))
     if not os.path.isdir(os.path.dirname(final)):
         raise FileNotFoundError(2, "No such directory", os.path.dirname(final))
-
-
-@contextlib.contextmanager
-def atomic_output(path: str | os.PathLike) -> Iterator[str]:
-    """Yield a temporary path beside ``path``; on success fsync it and rename it over ``path``.
-
-    A failure (or a crash) leaves ``path`` as it was, as nvckpt.save does.
-    """
-    check_output_folder(path)
-    final = os.path.abspath(os.fspath(path))
-    folder, base = os.path.split(final)
-    fd, tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=".tmp", dir=folder)
-    os.close(fd)
-    try:
-        yield tmp
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, final)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    dir_fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # make the rename durable
-    finally:
-        os.close(dir_fd)
 
 
 def unescape(segment: str) -> str:

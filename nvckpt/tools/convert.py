@@ -36,7 +36,8 @@ from ..format.index import TensorEntry
 from ..format.tree import TensorRef, check_tree, escape, pack_tree, resolve_refs, unpack_tree
 from ..pipeline.container import EncodedChunk
 from ..pipeline.reader import Reader
-from ._util import ProgressFactory, UsageError, atomic_output, check_output_folder, nest_by_name, null_bar
+from ..pipeline.atomic import atomic_output
+from ._util import ProgressFactory, UsageError, check_output_folder, nest_by_name, null_bar
 
 FORMATS = ("nvckpt", "safetensors", "torch")
 EXTENSIONS = {".nvckpt": "nvckpt", ".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch"}

@@ -47,7 +47,8 @@ from ..format.tree import TensorRef, escape, resolve_refs
 from ..pipeline.container import ContainerWriter, EncodedChunk, TensorFrame
 from ..pipeline.plan import PlannedTensor, SavePlan
 from ..pipeline.reader import Reader, Source, scan_frames
-from ._util import ProgressFactory, UsageError, atomic_output, check_output_folder, nest_by_name, null_bar
+from ..pipeline.atomic import atomic_output
+from ._util import ProgressFactory, UsageError, check_output_folder, nest_by_name, null_bar
 
 #: Metadata keys a recovered file carries.
 RECOVERED_FROM = "nvckpt.recovered_from"
