@@ -232,7 +232,7 @@ def test_recover_damaged_tensor_frame(original, tmp_path):
     with nvckpt.open(original) as ck:
         total = len(ck.keys()) - 1  # minus the tied alias
     assert "ids" not in report.recovered and "ids" not in report.lost  # its name was in the damaged frame
-    assert any(f"TENSOR frame for tensor id {tid}: payload checksum does not match, skipped" in p for p in report.problems)
+    assert any(f"TENSOR frame for tensor id {tid}: frame payload checksum does not match, skipped" in p for p in report.problems)
     assert any("belong to no intact TENSOR frame" in p for p in report.problems)
     assert len(report.recovered) == total - 1
     assert verify(out).ok

@@ -26,10 +26,12 @@ from ..format.constants import (
     FRAME_INDEX,
     FRAME_NAMES,
     MAX_INDEX_LENGTH,
+    MAX_META_FRAME_LENGTH,
     PREAMBLE_SIZE,
 )
 from ..format.index import Index, TensorEntry, parse_index, unpack_index
 from ..format.structs import Footer, FrameHeader, Preamble, xxh3
+from ..format.tree import unpackb
 
 
 class Source:
@@ -251,6 +253,21 @@ class Reader:
             return torch.empty(shape, dtype=dtype)
         raw = check_bools(entry, self.raw_range(entry, first * row_bytes, stop * row_bytes), self.path)
         return raw.view(dtype).reshape(shape)
+
+
+def read_meta_frame(source: Source, offset: int, header: FrameHeader) -> Any:
+    """The msgpack payload of a CODEC or TENSOR frame: length limit and checksum checked first."""
+    if header.stored_length > MAX_META_FRAME_LENGTH or header.raw_length != header.stored_length:
+        raise LimitError(f"frame payload length {header.stored_length} is invalid (limit {MAX_META_FRAME_LENGTH})", offset=offset)
+    payload = source.pread(offset + header.payload_skip, header.stored_length)
+    if xxh3(payload) != header.payload_checksum:
+        raise ChecksumError("frame payload checksum does not match", offset=offset)
+    try:
+        return unpackb(payload)
+    except NvckptError:
+        raise
+    except Exception as exc:  # msgpack raises several types on bad input
+        raise FormatError(f"frame payload is not valid msgpack: {exc}", offset=offset) from None
 
 
 def scan_frames(source: Source, start: int = PREAMBLE_SIZE) -> Iterator[tuple[int, FrameHeader]]:

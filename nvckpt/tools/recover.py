@@ -23,8 +23,6 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
-
 from .. import dtypes
 from ..codecs import Pipeline, pipeline_from_json
 from ..derive import BF16_RNE, FUNCTIONS
@@ -46,7 +44,7 @@ from ..format.structs import FrameHeader, Preamble, xxh3
 from ..format.tree import TensorRef, escape, resolve_refs
 from ..pipeline.container import ContainerWriter, EncodedChunk, TensorFrame
 from ..pipeline.plan import PlannedTensor, SavePlan
-from ..pipeline.reader import Reader, Source, scan_frames
+from ..pipeline.reader import Reader, Source, read_meta_frame, scan_frames
 from ..pipeline.atomic import atomic_output
 from ._util import ProgressFactory, UsageError, check_output_folder, nest_by_name, null_bar
 
@@ -187,16 +185,6 @@ class _Walk:
         self.frames = 0
 
 
-def _read_meta(source: Source, offset: int, header: FrameHeader) -> Any:
-    payload = source.pread(offset + header.payload_skip, header.stored_length)
-    if xxh3(payload) != header.payload_checksum:
-        raise ChecksumError("payload checksum does not match")
-    try:
-        return msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except Exception as exc:  # msgpack raises several types on bad input
-        raise FormatError(f"payload is not valid msgpack: {exc}") from None
-
-
 def _check_header(header: FrameHeader) -> str | None:
     """Header fields a recovering reader must not trust (then it stops walking)."""
     if header.frame_type == FRAME_CHUNK:
@@ -252,7 +240,7 @@ def _walk(source: Source, bar: Any) -> _Walk:
                 walk.problems.append(f"offset {offset}: second CODEC frame for codec id {cid}: neither is used")
                 continue
             try:
-                walk.codecs[cid] = pipeline_from_json(_read_meta(source, offset, header))
+                walk.codecs[cid] = pipeline_from_json(read_meta_frame(source, offset, header))
             except NvckptError as exc:
                 walk.bad_codecs[cid] = exc.reason
                 walk.problems.append(f"offset {offset}: CODEC frame for codec id {cid}: {exc.reason}, skipped")
@@ -263,7 +251,7 @@ def _walk(source: Source, bar: Any) -> _Walk:
                 walk.problems.append(f"offset {offset}: second TENSOR frame for tensor id {tid}: neither is used")
                 continue
             try:
-                walk.tensors[tid] = _parse_tensor_frame(tid, offset, _read_meta(source, offset, header))
+                walk.tensors[tid] = _parse_tensor_frame(tid, offset, read_meta_frame(source, offset, header))
             except NvckptError as exc:
                 walk.bad_tensors[tid] = exc.reason
                 walk.problems.append(f"offset {offset}: TENSOR frame for tensor id {tid}: {exc.reason}, skipped")

@@ -18,22 +18,20 @@ from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
 import xxhash
 
 from ..codecs import pipeline_from_json
-from ..errors import ChecksumError, FormatError, LimitError, NvckptError, UnsupportedCodecError, located_message
+from ..errors import NvckptError, UnsupportedCodecError, located_message
 from ..format.constants import (
     FOOTER_SIZE,
     FRAME_CHUNK,
     FRAME_CODEC,
     FRAME_INDEX,
     FRAME_TENSOR,
-    MAX_META_FRAME_LENGTH,
 )
 from ..format.index import TensorEntry
 from ..format.structs import Footer, xxh3
-from ..pipeline.reader import Reader, scan_frames
+from ..pipeline.reader import Reader, read_meta_frame, scan_frames
 from ._util import ProgressFactory, null_bar
 
 
@@ -192,19 +190,6 @@ def _verify_tensor(reader: Reader, entry: TensorEntry, pool: ThreadPoolExecutor,
     return "ok"
 
 
-def _meta_payload(reader: Reader, offset: int, header) -> Any:
-    """Read, check and unpack a CODEC or TENSOR frame's msgpack payload."""
-    if header.stored_length > MAX_META_FRAME_LENGTH or header.raw_length != header.stored_length:
-        raise LimitError(f"frame payload length {header.stored_length} is invalid (limit {MAX_META_FRAME_LENGTH})", offset=offset)
-    payload = reader.source.pread(offset + header.payload_skip, header.stored_length)
-    if xxh3(payload) != header.payload_checksum:
-        raise ChecksumError("frame payload checksum does not match", offset=offset)
-    try:
-        return msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except Exception as exc:  # msgpack raises several types on bad input
-        raise FormatError(f"frame payload is not valid msgpack: {exc}", offset=offset) from None
-
-
 def _verify_frames(reader: Reader, report: VerifyReport) -> None:
     """Walk the frames front to back and check them against the index (SPEC.md 4.3)."""
     index = reader.index
@@ -230,7 +215,7 @@ def _verify_frames(reader: Reader, report: VerifyReport) -> None:
                     problems.append(Problem("CHUNK frame header disagrees with the index", entry.name, i, offset))
             elif kind == FRAME_CODEC:
                 try:
-                    pipeline = pipeline_from_json(_meta_payload(reader, offset, header))
+                    pipeline = pipeline_from_json(read_meta_frame(reader.source, offset, header))
                 except NvckptError as exc:
                     problems.append(Problem.from_error(exc, offset=offset))
                     continue
@@ -243,7 +228,7 @@ def _verify_frames(reader: Reader, report: VerifyReport) -> None:
             elif kind == FRAME_TENSOR:
                 tid = header.tensor_id
                 try:
-                    described = _meta_payload(reader, offset, header)
+                    described = read_meta_frame(reader.source, offset, header)
                 except NvckptError as exc:
                     problems.append(Problem.from_error(exc, offset=offset))
                     continue
