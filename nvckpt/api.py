@@ -380,13 +380,16 @@ class Checkpoint:
 
     ``untrusted=True`` decodes with the hardened CPU decoders only, never
     nvCOMP (SPEC.md 20: checksums are not signatures, and nvCOMP's decoders
-    assume valid input); nvcomp-ans chunks then raise UnsupportedCodecError."""
+    assume valid input); nvcomp-ans chunks then raise UnsupportedCodecError.
+    ``max_tensor_bytes``: refuse (LimitError) to materialize a tensor or slice
+    larger than this, before allocating it; a small file may declare a huge
+    tensor of highly compressible chunks."""
 
     def __init__(self, target: Any, *, device: str | torch.device = "cpu", workers: int | None = None,
-                 untrusted: bool = False) -> None:
+                 untrusted: bool = False, max_tensor_bytes: int | None = None) -> None:
         self.device = torch.device(device)
         self.untrusted = untrusted
-        self._reader = Reader(target, workers=workers)
+        self._reader = Reader(target, workers=workers, max_tensor_bytes=max_tensor_bytes)
         self._gpu = None if untrusted else _gpu_decoder(self.device)
 
     # context manager
@@ -435,6 +438,7 @@ class Checkpoint:
 
     def _rows(self, entry: TensorEntry, first: int, stop: int) -> torch.Tensor:
         """Rows [first, stop) of a stored tensor on the target device, decoding only the chunks that hold them."""
+        self._reader.check_size(entry, (stop - first) * (entry.nbytes // entry.shape[0] if entry.shape[0] else 0))
         if self._gpu is not None:
             return self._gpu.load_rows(self._reader, entry, first, stop, self.device)
         return self._to_device(self._reader.rows(entry, first, stop))
@@ -467,6 +471,9 @@ class Checkpoint:
 
         for tid in tids:
             need(tid)
+        for tid in wanted:
+            if tensors[tid].view is None:  # a view allocates nothing of its own
+                self._reader.check_size(tensors[tid], tensors[tid].nbytes)
         out = self._load_data([tensors[t] for t in wanted if tensors[t].chunks is not None])
         for tid in wanted:  # bases and sources come before their users
             e = tensors[tid]
@@ -497,18 +504,20 @@ class Checkpoint:
 
 
 def open(target: str | os.PathLike | Any, *, device: str | torch.device = "cpu", workers: int | None = None,  # noqa: A001
-         untrusted: bool = False) -> Checkpoint:
+         untrusted: bool = False, max_tensor_bytes: int | None = None) -> Checkpoint:
     """Open a checkpoint for random access (use as a context manager).
 
-    ``untrusted=True``: for files from an untrusted source, decode only with
-    the hardened CPU decoders (no nvCOMP; nvcomp-ans chunks are refused)."""
-    return Checkpoint(target, device=device, workers=workers, untrusted=untrusted)
+    For files from an untrusted source: ``untrusted=True`` decodes only with
+    the hardened CPU decoders (no nvCOMP; nvcomp-ans chunks are refused), and
+    ``max_tensor_bytes`` refuses to materialize larger tensors (LimitError)."""
+    return Checkpoint(target, device=device, workers=workers, untrusted=untrusted, max_tensor_bytes=max_tensor_bytes)
 
 
 def load(target: str | os.PathLike | Any, *, device: str | torch.device = "cpu", keys: Iterable[str] | None = None,
-         workers: int | None = None, untrusted: bool = False) -> Any:
-    """Load a whole checkpoint, bit-exact, as the structure that was saved (``untrusted``: see ``open``)."""
-    with Checkpoint(target, device=device, workers=workers, untrusted=untrusted) as ck:
+         workers: int | None = None, untrusted: bool = False, max_tensor_bytes: int | None = None) -> Any:
+    """Load a whole checkpoint, bit-exact, as the structure that was saved (other options: see ``open``)."""
+    with Checkpoint(target, device=device, workers=workers, untrusted=untrusted,
+                    max_tensor_bytes=max_tensor_bytes) as ck:
         return ck.load(keys)
 
 

@@ -137,3 +137,34 @@ def test_checkpoint_from_stream_and_tensors_list(saved):
     with nvckpt.open(io.BytesIO(path.read_bytes())) as ck:
         assert_tree_equal(ck.load(), state)
     assert len(tensors_of(state)) > 10
+
+
+def test_max_tensor_bytes_refuses_before_allocating(tmp_path, monkeypatch):
+    """A caller's limit on what one read materializes (SPEC 16, 20): a small file may declare a huge tensor."""
+    path = tmp_path / "limit.nvckpt"
+    nvckpt.save({"big": torch.zeros(512, 1024), "small": torch.arange(10)}, path, chunk_size=4096)
+    assert path.stat().st_size < 64 * 1024  # zeros: 2 MiB of tensor in a small file
+    allocated = []
+    real_empty = torch.empty
+
+    def watch(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        allocated.append(t.numel() * t.element_size())
+        return t
+
+    with nvckpt.open(path, max_tensor_bytes=4096) as ck:
+        assert torch.equal(ck.get_tensor("small"), torch.arange(10))
+        assert torch.equal(ck.get_slice("big")[:1], torch.zeros(1, 1024))  # one 4 KiB row fits
+        monkeypatch.setattr(torch, "empty", watch)
+        with pytest.raises(nvckpt.LimitError, match="max_tensor_bytes=4096") as info:
+            ck.get_tensor("big")
+        assert info.value.tensor == "big"
+        with pytest.raises(nvckpt.LimitError):
+            ck.get_slice("big")[:2]
+        with pytest.raises(nvckpt.LimitError):
+            ck.load()
+        assert not any(n > 4096 for n in allocated)
+    monkeypatch.undo()
+    with pytest.raises(ValueError):
+        nvckpt.open(path, max_tensor_bytes=-1)
+    assert nvckpt.load(path, max_tensor_bytes=None)["big"].shape == (512, 1024)

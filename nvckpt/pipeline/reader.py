@@ -126,7 +126,10 @@ def check_bools(entry: TensorEntry, raw: torch.Tensor, path: str) -> torch.Tenso
 
 
 class Reader:
-    def __init__(self, target: Any, *, workers: int | None = None) -> None:
+    def __init__(self, target: Any, *, workers: int | None = None, max_tensor_bytes: int | None = None) -> None:
+        if max_tensor_bytes is not None and (type(max_tensor_bytes) is not int or max_tensor_bytes < 0):
+            raise ValueError(f"max_tensor_bytes must be a non-negative integer or None, got {max_tensor_bytes!r}")
+        self.max_tensor_bytes = max_tensor_bytes
         self.source = Source(target)
         self.path = self.source.name
         try:
@@ -204,9 +207,16 @@ class Reader:
         last = bisect.bisect_left(starts, stop)
         return range(first, last)
 
+    def check_size(self, entry: TensorEntry, nbytes: int) -> None:
+        """The caller's limit on the bytes one read materializes (SPEC.md 16), checked before allocating."""
+        if self.max_tensor_bytes is not None and nbytes > self.max_tensor_bytes:
+            raise LimitError(f"reading it would materialize {nbytes} bytes, more than max_tensor_bytes="
+                             f"{self.max_tensor_bytes}", path=self.path, tensor=entry.name)
+
     def raw_range(self, entry: TensorEntry, start: int, stop: int) -> torch.Tensor:
         """Raw bytes [start, stop) of a stored tensor as uint8, reading only the chunks that hold them."""
         assert entry.chunks is not None
+        self.check_size(entry, stop - start)
         out = torch.empty(stop - start, dtype=torch.uint8)
         view = out.numpy()
 
