@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,10 +54,7 @@ class TensorEntry:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -191,10 +189,8 @@ def _parse_entry(tid: int, raw: dict, ncodecs: int, index_offset: int, ranges: l
     shape = tuple(_int(d, f"{where}: shape dimension") for d in _list(raw.get("shape"), f"{where}: 'shape'"))
     if len(shape) > MAX_RANK:
         raise LimitError(f"{where}: rank {len(shape)} exceeds {MAX_RANK}")
-    numel = nonzero = 1
-    for d in shape:
-        numel *= d
-        nonzero *= d or 1
+    numel = math.prod(shape)
+    nonzero = math.prod(d or 1 for d in shape)
     nbytes = numel * dtype.itemsize
     if max(nbytes, nonzero * dtype.itemsize) > MAX_TENSOR_BYTES:  # SPEC 8.3: an empty tensor may not hide an overflow
         raise LimitError(f"{where}: {nbytes} bytes exceed the limit of {MAX_TENSOR_BYTES}")

@@ -6,6 +6,7 @@ says which bytes go in which chunk.  Engines (CPU, GPU) turn it into frames.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,10 +71,7 @@ class SavePlan:
 
 def chunk_ranges(shape: tuple[int, ...], itemsize: int, chunk_size: int) -> list[tuple[int, int]]:
     """Chunks of whole rows of dim 0 where a row fits in ``chunk_size``; else pieces of one row."""
-    numel = 1
-    for d in shape:
-        numel *= d
-    nbytes = numel * itemsize
+    nbytes = math.prod(shape) * itemsize
     if nbytes == 0:
         return []
     row_bytes = nbytes // shape[0] if shape else nbytes

@@ -19,6 +19,7 @@ that every tensor keeps its name.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -108,10 +109,7 @@ class _Tensor:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def is_data(self) -> bool:
