@@ -15,6 +15,7 @@ import sys
 from typing import Any, Sequence
 
 from . import __version__
+from .codecs.presets import DESCRIPTIONS, PRESETS
 from .errors import NvckptError, UnsupportedCodecError, UnsupportedFeatureError, UnsupportedObjectError
 from .tools._util import (
     UsageError,
@@ -42,7 +43,7 @@ exit codes:
   3  unsupported here: a codec (nvcomp-ans needs nvCOMP on a CUDA GPU), format
      version, feature, dtype or object this installation cannot handle;
      `verify --strict` with chunks it could not decode
-  4  I/O error (missing file, permissions, disk full)
+  4  I/O error (missing file, permissions, disk full) or out of (GPU) memory
   130 interrupted
 
 Run `nvckpt COMMAND --help` for the options of a command.
@@ -117,8 +118,8 @@ def main_parser(prog: str = "nvckpt") -> argparse.ArgumentParser:
     p.add_argument("dst")
     p.add_argument("--from", dest="src_format", choices=("nvckpt", "safetensors", "torch"), help="format of SRC (default: from its extension)")
     p.add_argument("--to", dest="dst_format", choices=("nvckpt", "safetensors", "torch"), help="format of DST (default: from its extension)")
-    p.add_argument("--codec", choices=("auto", "portable", "zstd", "raw"), default="auto",
-                   help="codec of an nvckpt DST (default: auto = portable on CPU: byteshuffle+zstd for floats, zstd otherwise)")
+    p.add_argument("--codec", choices=PRESETS, default="auto",
+                   help="codec of an nvckpt DST (default: auto = " + DESCRIPTIONS["auto"] + ")")
     p.add_argument("--level", type=_int_in(-7, 22), default=1, help="zstd level of an nvckpt DST (default: 1)")
     p.add_argument("--keep-tree", action="store_true",
                    help="safetensors DST: keep the whole structure (non-tensor values, tuples, ties) in the metadata, "
@@ -149,21 +150,18 @@ def main_parser(prog: str = "nvckpt") -> argparse.ArgumentParser:
     p.add_argument("--no-minilm", dest="minilm", action="store_false", help="skip the all-MiniLM-L6-v2 weights")
     p.set_defaults(run=_demo)
 
-    p = command("bench", "time nvckpt against torch.save and safetensors (CPU), or the full GPU benchmark",
+    p = command("bench", "time nvckpt against torch.save and safetensors, on the CPU or a GPU",
                 "Time save (with fsync) and load (from the page cache) of one state with nvckpt, torch.save "
                 "and safetensors (if installed), and report sizes and ratios: FILE (nvckpt, safetensors or "
-                "torch.save, by extension) or the demo's training state. With --gpu, run the GPU benchmark "
-                "instead: it trains a 514M-parameter transformer 300 AdamW steps on the GPU and compares "
-                "nvckpt (nvCOMP) with torch.save, safetensors and torch.distributed.checkpoint and the "
-                "host's disk and PCIe limits, cold cache, writing JSON, markdown and a plot to --out "
-                "(needs CUDA, nvCOMP and some 40 GB of disk; --smoke for a quick small run).")
+                "torch.save, by extension) or the demo's training state. With --gpu the state is moved to "
+                "the GPU: nvckpt saves with its GPU engine (nvCOMP) and every format loads back to the GPU. "
+                "The full GPU benchmark (a trained transformer, cold cache, disk and PCIe limits) is "
+                "benchmarks/bench_gpu.py in the source repository.")
     p.add_argument("file", nargs="?")
-    p.add_argument("--codec", choices=("auto", "portable", "zstd", "raw"), default="auto", help="nvckpt codec (default: auto)")
+    p.add_argument("--codec", choices=PRESETS, default="auto", help="nvckpt codec (default: auto)")
     p.add_argument("--repeat", type=_int_in(1, 1000), default=3, help="runs per figure, best kept (default: 3)")
     p.add_argument("--dir", help="folder for the temporary files (default: the system's temporary folder)")
-    p.add_argument("--gpu", action="store_true", help="run the GPU benchmark (see above)")
-    p.add_argument("--out", default="nvckpt_bench", help="with --gpu: folder for the results (default: nvckpt_bench)")
-    p.add_argument("--smoke", action="store_true", help="with --gpu: a small model and few steps")
+    p.add_argument("--gpu", action="store_true", help="hold the state on the GPU and use nvckpt's GPU engine")
     _add_json(p)
     p.set_defaults(run=_bench)
     return parser
@@ -365,10 +363,6 @@ def _bench(args: argparse.Namespace) -> int:
 
         if not torch.cuda.is_available():
             raise UnsupportedFeatureError("bench --gpu needs a CUDA GPU (and nvCOMP: pip install 'nvckpt[gpu]')")
-        from .tools import bench_gpu
-
-        argv = ["--out", args.out] + (["--workdir", args.dir] if args.dir else []) + (["--smoke"] if args.smoke else [])
-        return bench_gpu.main(argv)
     from .tools.bench import bench
 
     if args.file:
@@ -384,7 +378,7 @@ def _bench(args: argparse.Namespace) -> int:
 
         obj = train_tiny().state
         label = "the demo's training state (tiny transformer, fp32, AdamW)"
-    rows = bench(obj, repeat=args.repeat, codec=args.codec, directory=args.dir)
+    rows = bench(obj, repeat=args.repeat, codec=args.codec, directory=args.dir, device="cuda" if args.gpu else "cpu")
     if args.json:
         _print_json({"state": label, "repeat": args.repeat, "results": [r.to_json() for r in rows]})
         return EXIT_OK
@@ -399,7 +393,7 @@ def _bench(args: argparse.Namespace) -> int:
     print(render_table(["format", "file", "ratio", "save", "save rate", "load", "load rate", "bit-exact", "note"],
                        table, right=(1, 2, 3, 4, 5, 6)))
     print(f"\nbest of {args.repeat}; saves end with fsync; loads come from the page cache (CPU decode speed, not disk); "
-          f"rates are raw tensor bytes per second on {os.cpu_count()} CPUs. GPU benchmark: tools/ in the repository.")
+          f"rates are raw tensor bytes per second on {os.cpu_count()} CPUs. Full GPU benchmark: benchmarks/ in the repository.")
     return EXIT_OK
 
 
@@ -441,9 +435,18 @@ def main(argv: Sequence[str] | None = None, prog: str = "nvckpt") -> int:
     except OSError as exc:
         _error(_os_error_text(exc))
         return EXIT_IO
+    except MemoryError:
+        _error("out of memory")
+        return EXIT_IO
     except KeyboardInterrupt:
         _error("interrupted")
         return EXIT_INTERRUPTED
+    except RuntimeError as exc:
+        # The GPU is full: a resource of this machine, not damage in the file.
+        if type(exc).__name__ == "OutOfMemoryError":
+            _error(f"out of GPU memory: {str(exc).splitlines()[0]}")
+            return EXIT_IO
+        raise
 
 
 if __name__ == "__main__":

@@ -17,10 +17,13 @@ from conftest import assert_tensor_equal, assert_tree_equal, small_training_stat
 from nvckpt.cli import EXIT_IO, EXIT_OK, EXIT_PROBLEMS, EXIT_UNSUPPORTED, EXIT_USAGE, main
 from nvckpt.codecs import RAW, NvcompAns, Pipeline, portable
 from nvckpt.format.constants import FRAME_TENSOR
-from nvckpt.pipeline.container import ContainerWriter, EncodedChunk, TensorFrame
-from nvckpt.pipeline.encode_cpu import encode_cpu
-from nvckpt.pipeline.plan import plan_save
-from nvckpt.pipeline.reader import Reader, Source, scan_frames
+from nvckpt.engines.cpu import encode_cpu
+from nvckpt.engines.items import EncodedChunk, TensorReady
+from nvckpt.format.frames import iter_frames
+from nvckpt.io.source import Source
+from nvckpt.plan.walk import plan_save
+from nvckpt.session.file import CheckpointFile as Reader
+from nvckpt.session.save import write_items
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -120,7 +123,7 @@ def test_info_json(capsys, ckpt):
         assert d["chunks"] == sum(len(e.chunks or ()) for e in entries) == sum(c["chunks"] for c in d["codecs"])
         assert sum(g["stored_bytes"] for g in d["dtypes"].values()) == d["stored_bytes"]
         assert set(d["dtypes"]) == {"float32", "bfloat16", "int64", "bool", "float16"}
-        assert [c["description"] for c in d["codecs"]] == [p.describe() for p in reader.index.codecs]
+        assert [c["description"] for c in d["codecs"]] == [p.describe() for p in reader.pipelines]
         assert d["metadata"] == {"run": "x", "epoch": 3, "tags": ["a", "b"]}
     finally:
         reader.close()
@@ -204,10 +207,9 @@ def test_verify_wrong_tensor_checksum(capsys, tmp_path):
     plan = plan_save({"t": torch.arange(1000, dtype=torch.float32)}, chunk_size=1024)
     path = tmp_path / "bad_tensor_checksum.nvckpt"
     with open(path, "wb") as f:
-        writer = ContainerWriter(f, plan)
-        for item in encode_cpu(plan, lambda t: RAW):
-            writer.write(TensorFrame(item.tensor_id, item.checksum ^ 1) if isinstance(item, TensorFrame) else item)
-        writer.finish({"name": "test"})
+        items = (TensorReady(item.tensor_id, item.checksum ^ 1) if isinstance(item, TensorReady) else item
+                 for item in encode_cpu(plan, lambda dtype: RAW))
+        write_items(f, items, plan, alignment=4096, info={"name": "test"})
     code, out, _ = run(capsys, "verify", str(path))
     assert code == EXIT_PROBLEMS
     assert "problem: tensor 't': tensor checksum does not match its decoded bytes" in out
@@ -217,7 +219,7 @@ def test_verify_damaged_tensor_frame(capsys, ckpt):
     # A damaged TENSOR frame does not stop random access, but a streaming reader (and recover) needs it.
     source = Source(ckpt)
     try:
-        offset, header = next((o, h) for o, h in scan_frames(source) if h.frame_type == FRAME_TENSOR)
+        offset, header = next((o, h) for o, h in iter_frames(source) if h.frame_type == FRAME_TENSOR)
     finally:
         source.close()
     nvckpt.load(ckpt)  # still loads
@@ -231,13 +233,15 @@ def ans_file(path) -> str:
     """A file with one portable tensor and one whose chunks are (labelled) nvcomp-ans."""
     plan = plan_save({"ans": torch.randn(64, 16), "plain": torch.arange(64)}, chunk_size=1024)
     ans = Pipeline((NvcompAns("<f4", "6.0.0"),))
-    with open(path, "wb") as f:
-        writer = ContainerWriter(f, plan)
-        for item in encode_cpu(plan, lambda t: portable(8)):
+    def labelled(items):
+        for item in items:
             if isinstance(item, EncodedChunk) and item.tensor_id == 0:
                 item = EncodedChunk(0, item.chunk_index, ans, b"\x01\x02" + bytes(item.chunk_index), item.raw_length)
-            writer.write(item)
-        writer.finish({"name": "test", "nvcomp": "6.0.0"})
+            yield item
+
+    with open(path, "wb") as f:
+        write_items(f, labelled(encode_cpu(plan, lambda dtype: portable(8))), plan, alignment=4096,
+                    info={"name": "test", "nvcomp": "6.0.0"})
     return str(path)
 
 
@@ -352,7 +356,7 @@ def test_convert_torch_roundtrip(capsys, ckpt, tmp_path, state):
     assert code == EXIT_OK
     assert_tree_equal(nvckpt.load(back), state)
     with nvckpt.open(back) as ck:
-        assert {p.describe() for p in ck.index.codecs} == {"raw"}
+        assert {p.describe() for p in ck.file.pipelines} == {"raw"}
 
 
 def test_convert_training_state_from_torch(capsys, tmp_path):
@@ -443,7 +447,7 @@ def test_convert_recompress_keeps_everything(capsys, ckpt, tmp_path, state):
     assert_tree_equal(nvckpt.load(out), state)
     with nvckpt.open(out) as ck:
         assert ck.metadata() == {"run": "x", "epoch": 3, "tags": ["a", "b"]}
-        assert {p.describe() for p in ck.index.codecs} <= {"zstd(level=3)", "raw"}
+        assert {p.describe() for p in ck.file.pipelines} <= {"zstd(level=3)", "raw"}
         assert any(e.derived for e in ck.index.tensors)  # derived bf16 stays derived
 
 
@@ -491,12 +495,12 @@ def test_bench(capsys, ckpt):
     assert code == EXIT_OK
     d = json.loads(out)
     formats = [r["format"] for r in d["results"]]
-    assert formats == ["nvckpt (auto)", "torch.save", "safetensors"]
+    assert formats == ["nvckpt (auto, cpu engine)", "torch.save", "safetensors"]
     assert all(r["exact"] for r in d["results"])
     assert all(r["save_s"] > 0 and r["load_s"] > 0 and r["file_bytes"] > 0 for r in d["results"])
     assert d["results"][0]["ratio"] > 1  # the sample state has a zero optimizer moment
     code, out, _ = run(capsys, "bench", ckpt, "--repeat", "1")
-    assert code == EXIT_OK and "nvckpt (auto)" in out and "page cache" in out
+    assert code == EXIT_OK and "nvckpt (auto, cpu engine)" in out and "page cache" in out
 
 
 # -- python -m nvckpt --------------------------------------------------------------------------------------
@@ -521,7 +525,7 @@ def test_python_m_nvckpt(ckpt, tmp_path):
 def _needs_nvcomp() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from nvckpt.pipeline import nvcomp_backend
+    from nvckpt.codecs.nvcomp import backend as nvcomp_backend
 
     if not nvcomp_backend.available():
         pytest.skip("needs nvCOMP (pip install 'nvckpt[gpu]')")
@@ -547,31 +551,34 @@ def test_verify_and_convert_ans_on_gpu(capsys, tmp_path):
     assert code == EXIT_OK, err
     assert_tree_equal(nvckpt.load(portable_path), state)
     with nvckpt.open(portable_path) as ck:
-        assert all(step.name != "nvcomp-ans" for p in ck.index.codecs for step in p.steps)
+        assert all(step.name != "nvcomp-ans" for p in ck.file.pipelines for step in p.steps)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without CUDA gets")
 def test_bench_gpu_without_cuda_is_one_clear_line(capsys, tmp_path):
-    code, out, err = run(capsys, "bench", "--gpu", "--out", str(tmp_path / "out"))
-    assert code == EXIT_UNSUPPORTED
+    code, out, err = run(capsys, "bench", "--gpu")
+    assert code == EXIT_UNSUPPORTED and out == ""
     assert err.count("\n") == 1 and "needs a CUDA GPU" in err and "Traceback" not in err
-    assert not (tmp_path / "out").exists()
 
 
 def test_untrusted_open_never_hands_chunks_to_the_gpu_decoder(tmp_path, monkeypatch):
     """SPEC 20: checksums are not signatures; untrusted=True keeps nvCOMP away from a file's bytes."""
-    import nvckpt.api as api
+    from nvckpt.engines.gpu import decode
+    from nvckpt.session.load import Checkpoint
 
     path = ans_file(tmp_path / "ans.nvckpt")
 
-    class GpuDecoder:  # stands in for nvckpt.pipeline.decode_gpu on a machine with CUDA and nvCOMP
+    class GpuDecoder:  # stands in for the GPU loader on a machine with CUDA and nvCOMP
         used = 0
 
-        def load_entries(self, reader, entries, device):
+        @staticmethod
+        def decode_entries(file, entries, backend, options, stats):
             GpuDecoder.used += 1
-            return {e.tensor_id: reader.tensor(e) if e.name == "plain" else torch.zeros(e.shape) for e in entries}
+            return {e.tensor_id: torch.arange(64).view(torch.uint8) if e.name == "plain" else torch.zeros(e.nbytes, dtype=torch.uint8)
+                    for e in entries}
 
-    monkeypatch.setattr(api, "_gpu_decoder", lambda device: GpuDecoder())
+    monkeypatch.setattr(Checkpoint, "_gpu_backend", lambda self: "a CUDA backend")
+    monkeypatch.setattr(decode, "decode_entries", GpuDecoder.decode_entries)
     with nvckpt.open(path) as ck:
         ck.get_tensor("ans")
     assert GpuDecoder.used == 1

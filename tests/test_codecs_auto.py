@@ -14,7 +14,7 @@ from conftest import assert_tree_equal, small_training_state
 def codec_of_chunks(data: bytes, name: str) -> list[list[dict]]:
     with nvckpt.open(io.BytesIO(data)) as ck:
         entry = ck.index.tensors[ck.index.paths[name]]
-        return [ck.index.codecs[c.codec_id].to_json() for c in entry.chunks]
+        return [ck.file.pipelines[c.codec_id].to_json() for c in entry.chunks]
 
 
 def test_minilm_bf16_ratio(tmp_path, minilm_state):

@@ -88,7 +88,7 @@ def test_files_listed_exist_and_suite_is_small(manifest):
 def test_suite_covers_the_issue(manifest):
     """Every category the suite promises is there (a regression guard on the generator)."""
     flags = {f for c in manifest["cases"] for f in c["flags"]}
-    from nvckpt.dtypes import DTYPES
+    from nvckpt.format.dtypes import DTYPES
 
     assert {f"valid-dtype-{d}" for d in DTYPES} <= {c["id"] for c in manifest["cases"]}
     for flag in ("0-d", "empty", "multi-chunk", "codec-raw", "codec-zstd", "codec-byteshuffle", "derived", "view",

@@ -17,7 +17,8 @@ pytest.importorskip("nvidia.nvcomp", reason="needs nvCOMP (pip install nvidia-nv
 
 import nvckpt  # noqa: E402
 from conftest import TinyTransformer, assert_tree_equal, tensors_of  # noqa: E402
-from nvckpt import dtypes  # noqa: E402
+from nvckpt.format.dtypes import DTYPES  # noqa: E402
+from nvckpt.plan.dtypes import TORCH_DTYPES  # noqa: E402
 from nvckpt.errors import ChecksumError, UnsupportedCodecError  # noqa: E402
 from nvckpt.pipeline import decode_gpu, encode_gpu  # noqa: E402
 from nvckpt.pipeline import nvcomp_backend as nb  # noqa: E402
@@ -29,8 +30,8 @@ KiB = 1 << 10
 
 def sample(name: str, n: int) -> torch.Tensor:
     """n elements of dtype ``name`` on the GPU, with some structure (so coders have something to do)."""
-    dt = dtypes.TORCH_DTYPES[name]
-    k = dtypes.DTYPES[name].itemsize
+    dt = TORCH_DTYPES[name]
+    k = DTYPES[name].itemsize
     g = torch.Generator(device=DEV).manual_seed(len(name) * 7 + n)
     try:
         if name == "bool":
@@ -46,7 +47,7 @@ def sample(name: str, n: int) -> torch.Tensor:
 
 def every_dtype_state() -> dict:
     state = {}
-    for name in dtypes.TORCH_DTYPES:
+    for name in TORCH_DTYPES:
         t = sample(name, 12_288)
         state[name] = t.reshape(-1, 64) if t.numel() % 64 == 0 else t
     state["scalar"] = torch.tensor(3.5, device=DEV)
@@ -58,7 +59,7 @@ def every_dtype_state() -> dict:
 
 def codecs_in(path) -> set[str]:
     with nvckpt.open(path) as ck:
-        return {s.name for p in ck.index.codecs for s in p.steps}
+        return {s.name for p in ck.file.pipelines for s in p.steps}
 
 
 @pytest.mark.parametrize("codec", ["auto", "portable", "raw"])

@@ -20,10 +20,12 @@ from conftest import assert_tensor_equal, assert_tree_equal
 from nvckpt.cli import EXIT_OK, EXIT_PROBLEMS, main
 from nvckpt.codecs import NvcompAns, Pipeline, portable
 from nvckpt.format.constants import FOOTER_SIZE, FRAME_CHUNK, FRAME_HEADER_SIZE, FRAME_INDEX, FRAME_TENSOR, PREAMBLE_SIZE
-from nvckpt.pipeline.container import ContainerWriter, EncodedChunk
-from nvckpt.pipeline.encode_cpu import encode_cpu
-from nvckpt.pipeline.plan import plan_save
-from nvckpt.pipeline.reader import Source, scan_frames
+from nvckpt.engines.cpu import encode_cpu
+from nvckpt.engines.items import EncodedChunk
+from nvckpt.format.frames import iter_frames
+from nvckpt.io.source import Source
+from nvckpt.plan.walk import plan_save
+from nvckpt.session.save import write_items
 from nvckpt.tools.recover import LOST, RECOVERED_FROM, recover
 from nvckpt.tools.verify import verify
 
@@ -59,7 +61,7 @@ def frames_of(path: str) -> list[tuple[int, int, Any]]:
     """(start, end, header) of every frame of an intact file."""
     source = Source(path)
     try:
-        return [(o, o + h.payload_skip + h.stored_length, h) for o, h in scan_frames(source)]
+        return [(o, o + h.payload_skip + h.stored_length, h) for o, h in iter_frames(source)]
     finally:
         source.close()
 
@@ -266,13 +268,14 @@ def test_recover_keeps_undecodable_codecs(tmp_path):
     plan = plan_save({"ans": torch.randn(32, 16), "plain": torch.arange(40)}, chunk_size=512)
     ans = Pipeline((NvcompAns("<f4", "6.0.0"),))
     src = tmp_path / "ans.nvckpt"
-    with open(src, "wb") as f:
-        writer = ContainerWriter(f, plan)
-        for item in encode_cpu(plan, lambda t: portable(8)):
+    def labelled(items):
+        for item in items:
             if isinstance(item, EncodedChunk) and item.tensor_id == 0:
                 item = EncodedChunk(0, item.chunk_index, ans, bytes([item.chunk_index]) * 7, item.raw_length)
-            writer.write(item)
-        writer.finish({"name": "test"})
+            yield item
+
+    with open(src, "wb") as f:
+        write_items(f, labelled(encode_cpu(plan, lambda dtype: portable(8))), plan, alignment=4096, info={"name": "test"})
     cut = tmp_path / "cut.nvckpt"
     cut.write_bytes(src.read_bytes()[:-FOOTER_SIZE])
     out = str(tmp_path / "out.nvckpt")
@@ -280,7 +283,7 @@ def test_recover_keeps_undecodable_codecs(tmp_path):
     assert set(report.recovered) == {"ans", "plain"}
     with nvckpt.open(out) as ck:
         assert ck.writer()["nvcomp"] == "6.0.0"
-        assert ans in ck.index.codecs
+        assert ans in ck.file.pipelines
         assert_tensor_equal(ck.get_tensor("plain"), torch.arange(40))
         with pytest.raises(nvckpt.UnsupportedCodecError):
             ck.get_tensor("ans")

@@ -15,11 +15,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import nvckpt
-from nvckpt import dtypes
+from nvckpt.format.dtypes import DTYPES
+from nvckpt.plan.dtypes import TORCH_DTYPES
 from nvckpt.codecs import ByteShuffle, Pipeline, Raw, Zstd
 from conftest import assert_tree_equal
 
-DTYPE_NAMES = sorted(dtypes.TORCH_DTYPES)
+DTYPE_NAMES = sorted(TORCH_DTYPES)
 CODECS = ["raw", "zstd", "portable", "auto",
           Pipeline((Zstd(3),)), Pipeline((ByteShuffle(1), Zstd(1))), Pipeline((Raw(),))]
 ALIGNMENTS = [1, 64, 4096]
@@ -38,8 +39,8 @@ def tensor_from_bytes(raw: bytes, dtype: torch.dtype, shape: tuple[int, ...]) ->
 @st.composite
 def tensors(draw, max_bytes: int = 3000) -> torch.Tensor:
     name = draw(st.sampled_from(DTYPE_NAMES))
-    dtype = dtypes.TORCH_DTYPES[name]
-    itemsize = dtypes.DTYPES[name].itemsize
+    dtype = TORCH_DTYPES[name]
+    itemsize = DTYPES[name].itemsize
     shape = tuple(draw(st.lists(st.integers(0, 9), max_size=4)))
     if draw(st.integers(0, 3)) == 0:  # now and then one long dim: rows much larger than small chunks
         shape = (draw(st.integers(1, 4)), draw(st.integers(50, 300)))
@@ -153,7 +154,7 @@ def test_tensor_round_trip_path(tmp_path_factory, tensor, codec, alignment, chun
 @pytest.mark.parametrize("codec", ["raw", "auto", "zstd"])
 def test_every_bit_pattern(name, codec):
     """1- and 2-byte types: all 2^8 / 2^16 patterns; wider types: specials and random bits."""
-    dtype, itemsize = dtypes.TORCH_DTYPES[name], dtypes.DTYPES[name].itemsize
+    dtype, itemsize = TORCH_DTYPES[name], DTYPES[name].itemsize
     rng = np.random.default_rng(itemsize)
     if name == "bool":
         raw = np.array([0, 1] * 50, dtype=np.uint8).tobytes()

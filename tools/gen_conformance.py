@@ -47,7 +47,7 @@ import zstandard  # noqa: E402
 import nvckpt  # noqa: E402
 from conformance import craft  # noqa: E402
 from nvckpt.codecs import ByteShuffle, Pipeline, Zstd  # noqa: E402
-from nvckpt.derive import bf16_rne  # noqa: E402
+from nvckpt.plan.derived import bf16_rne  # noqa: E402
 
 WRITER = {"name": "nvckpt-conformance", "version": "1"}
 SUITE_VERSION = 1
@@ -333,7 +333,8 @@ DTYPE_SHAPES = {16: (2, 3), 8: (3, 2), 4: (3, 4), 2: (4, 5), 1: (5, 6)}
 
 def gen_valid(s: Suite) -> dict[str, tuple[Any, dict | None, bytes]]:
     """Writes the valid cases; returns some (object, metadata, bytes) for the invalid ones to start from."""
-    from nvckpt.dtypes import DTYPES, TORCH_DTYPES
+    from nvckpt.format.dtypes import DTYPES
+    from nvckpt.plan.dtypes import TORCH_DTYPES
 
     bases: dict[str, tuple[Any, dict | None, bytes]] = {}
 

@@ -24,10 +24,10 @@ import torch  # noqa: E402
 import xxhash  # noqa: E402
 
 import nvckpt  # noqa: E402
-import nvckpt.api  # noqa: E402
+import nvckpt.session.save  # noqa: E402
 
 PINNED = {"torch": "2.13.0", "python": "3.11.7"}
-_writer_info = nvckpt.api.writer_info
+_writer_info = nvckpt.session.save.writer_info
 
 
 def _pinned_writer_info(extra=None):
@@ -36,7 +36,7 @@ def _pinned_writer_info(extra=None):
     return info
 
 
-nvckpt.api.writer_info = _pinned_writer_info
+nvckpt.session.save.writer_info = _pinned_writer_info
 
 FRAME_TYPES = {1: "CODEC", 2: "TENSOR", 3: "CHUNK", 4: "INDEX"}
 WIDTH = 8  # bytes per dump line

@@ -10,16 +10,40 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
+
+
+class DeviceOp(NamedTuple):
+    """What a pipeline is on a CUDA device (nvckpt.codecs.nvcomp): one batched nvCOMP coder,
+    after an optional byte-plane split of ``shuffle``-byte elements."""
+
+    algorithm: str  # "ans" or "zstd"
+    data_type: str = "|u1"  # nvCOMP ANS data-type mode
+    shuffle: int = 1
+    written_by: str = ""  # nvCOMP version that wrote an ANS stream ("" for zstd)
+
+
+class DecodeRejected(ValueError):
+    """A decoder refused its input, or it decoded to another length than the chunk's raw length."""
 
 
 class Codec:
-    """One step of a pipeline.  Subclasses set ``name`` and ``is_filter``."""
+    """One step of a pipeline.  Subclasses set ``name`` and ``is_filter``.
+
+    The host implementation is ``encode`` / ``decode`` (bytes in, bytes out);
+    ``device_step`` says what the step is on a CUDA device, where the GPU
+    engines run whole batches of chunks through nvCOMP (None: host only)."""
 
     name: ClassVar[str]
     is_filter: ClassVar[bool | None] = False  # None: unknown codec, order not checkable
     # Names of the software that decodes this codec, for error messages.
     readers: ClassVar[str] = "any nvckpt reader"
+    # True when no host decoder exists (nvcomp-ans): such chunks decode only on a GPU.
+    needs_gpu: ClassVar[bool] = False
+
+    def device_step(self) -> dict[str, Any] | None:
+        """The fields of a DeviceOp this step sets on a CUDA device, or None if it has no device form."""
+        return None
 
     def configuration(self) -> dict[str, Any]:
         return {}
@@ -65,6 +89,27 @@ class Pipeline:
     @property
     def coder(self) -> Codec:
         return self.steps[-1]
+
+    @property
+    def is_raw(self) -> bool:
+        """The bytes stored are the raw bytes (SPEC 11.3)."""
+        return len(self.steps) == 1 and self.coder.name == "raw"
+
+    @property
+    def needs_gpu(self) -> bool:
+        return any(s.needs_gpu for s in self.steps)
+
+    def device_op(self) -> DeviceOp | None:
+        """This pipeline as one batched device call, or None where a step has no device form."""
+        if self.is_raw:
+            return None
+        fields: dict[str, Any] = {}
+        for step in self.steps:
+            part = step.device_step()
+            if part is None:
+                return None
+            fields.update(part)
+        return DeviceOp(**fields) if "algorithm" in fields else None
 
     def to_json(self) -> list[dict[str, Any]]:
         return [{"name": s.name, "configuration": s.configuration()} for s in self.steps]

@@ -36,9 +36,12 @@ MAX_PADDING = 1 << 20
 MAX_ALIGNMENT = 1 << 20
 MAX_TENSOR_BYTES = 1 << 62
 
-DEFAULT_ALIGNMENT = 4096
-DEFAULT_CHUNK_SIZE = 1 << 20
+DEFAULT_ALIGNMENT = 4096  # SPEC 12.3: the alignment a writer uses unless told otherwise
 
 # Tree ext types.
 EXT_TENSOR = 1
 EXT_TUPLE = 2
+
+# Derived tensor functions (SPEC 8.5).
+BF16_RNE = "bf16_rne"
+DERIVED_FUNCTIONS = (BF16_RNE,)

@@ -8,6 +8,7 @@ array.  No pickle: nothing in a file can run code when it is loaded.
 from __future__ import annotations
 
 import struct
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -39,13 +40,25 @@ def pack_tree(node: Any) -> bytes:
     return msgpack.packb(node, default=_pack_hook, use_bin_type=True, strict_types=True)
 
 
+_nesting = threading.local()
+
+
 def _ext_hook(code: int, data: bytes) -> Any:
     if code == EXT_TENSOR:
         if len(data) != 4:
             raise FormatError(f"tensor reference has {len(data)} bytes, expected 4")
         return TensorRef(struct.unpack("<I", data)[0])
     if code == EXT_TUPLE:
-        items = unpack_tree(data)
+        # A tuple's payload is unpacked by a nested call from inside msgpack's C unpacker: bound the
+        # nesting here, before the C stack overflows (about 41 KB of it per level).
+        depth = getattr(_nesting, "depth", 0)
+        if depth >= MAX_TREE_DEPTH:
+            raise LimitError(f"tree nesting exceeds the limit of {MAX_TREE_DEPTH}")
+        _nesting.depth = depth + 1
+        try:
+            items = unpack_tree(data)
+        finally:
+            _nesting.depth = depth
         if not isinstance(items, list):
             raise FormatError("tuple ext payload is not an array")
         return tuple(items)

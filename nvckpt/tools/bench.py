@@ -3,9 +3,11 @@
 Every save ends with fsync (nvckpt.save does it to commit its atomic rename;
 the others get one here, so that all pay the same).  Loads read files that were
 just written, so they come from the page cache: this measures encoding and
-decoding, not the disk.  Each figure is the best of ``repeat`` runs.  The GPU
-benchmark (nvCOMP, O_DIRECT, dropped page cache, the H200 targets) is a
-separate script under tools/ in the repository.
+decoding, not the disk.  Each figure is the best of ``repeat`` runs.  With
+``device="cuda"`` the state lives on the GPU, nvckpt saves with its GPU engine
+and every format loads back to the GPU.  The full GPU benchmark (a trained
+transformer, dropped page cache, disk and PCIe limits) is
+benchmarks/bench_gpu.py in the repository.
 """
 
 from __future__ import annotations
@@ -94,21 +96,52 @@ def _fsynced(path: str, write: Callable[[Any], None]) -> None:
         os.fsync(f.fileno())
 
 
-def measure_nvckpt(obj: Any, path: str, *, repeat: int, codec: str = "auto", check: bool = True) -> Measurement:
+def _synced(fn: Callable[[], Any], device: str) -> Callable[[], Any]:
+    if device == "cpu":
+        return fn
+
+    def run() -> Any:
+        out = fn()
+        torch.cuda.synchronize()
+        return out
+    return run
+
+
+def on_device(tree: Any, device: str) -> Any:
+    """The tree with its tensors on ``device`` (a tensor reached twice stays one tensor)."""
+    moved: dict[int, torch.Tensor] = {}
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, torch.Tensor):
+            return moved.setdefault(id(node), node.to(device))
+        if isinstance(node, dict):
+            return {k: walk(v) for k, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            items = [walk(v) for v in node]
+            return tuple(items) if isinstance(node, tuple) else items
+        return node
+
+    return walk(tree)
+
+
+def measure_nvckpt(obj: Any, path: str, *, repeat: int, codec: str = "auto", check: bool = True,
+                   device: str = "cpu") -> Measurement:
     save_s, result = best_of(repeat, lambda: nvckpt_save(obj, path, codec=codec))
-    load_s, loaded = best_of(repeat, lambda: nvckpt_load(path))
+    load_s, loaded = best_of(repeat, _synced(lambda: nvckpt_load(path, device=device), device))
     exact = first_difference(obj, loaded) is None if check else None
-    return Measurement(f"nvckpt ({codec})", result.raw_bytes, os.path.getsize(path), save_s, load_s, exact)
+    return Measurement(f"nvckpt ({codec}, {result.engine} engine)", result.raw_bytes, os.path.getsize(path), save_s,
+                       load_s, exact)
 
 
-def measure_torch(obj: Any, path: str, *, repeat: int, raw_bytes: int, check: bool = True) -> Measurement:
+def measure_torch(obj: Any, path: str, *, repeat: int, raw_bytes: int, check: bool = True,
+                  device: str = "cpu") -> Measurement:
     save_s, _ = best_of(repeat, lambda: _fsynced(path, lambda f: torch.save(obj, f)))
-    load_s, loaded = best_of(repeat, lambda: torch.load(path, map_location="cpu", weights_only=True))
+    load_s, loaded = best_of(repeat, _synced(lambda: torch.load(path, map_location=device, weights_only=True), device))
     exact = first_difference(obj, loaded) is None if check else None
     return Measurement("torch.save", raw_bytes, os.path.getsize(path), save_s, load_s, exact)
 
 
-def measure_safetensors(obj: Any, path: str, *, repeat: int, raw_bytes: int) -> Measurement | None:
+def measure_safetensors(obj: Any, path: str, *, repeat: int, raw_bytes: int, device: str = "cpu") -> Measurement | None:
     """safetensors of the flattened state (tensors only, shared ones copied), or None if not installed."""
     try:
         import safetensors.torch as st
@@ -128,19 +161,22 @@ def measure_safetensors(obj: Any, path: str, *, repeat: int, raw_bytes: int) -> 
             os.close(fd)
 
     save_s, _ = best_of(repeat, save)
-    load_s, loaded = best_of(repeat, lambda: st.load_file(path))
+    load_s, loaded = best_of(repeat, _synced(lambda: st.load_file(path, device=device), device))
     exact = all(first_difference(flat[k], loaded.get(k)) is None for k in flat)
     note = f"tensors only ({len(dropped)} other values dropped)" if dropped else ""
     return Measurement("safetensors", raw_bytes, os.path.getsize(path), save_s, load_s, exact, note)
 
 
-def bench(obj: Any, *, repeat: int = 3, codec: str = "auto", directory: str | None = None) -> list[Measurement]:
-    """Measure nvckpt, torch.save and (if installed) safetensors on one state."""
+def bench(obj: Any, *, repeat: int = 3, codec: str = "auto", directory: str | None = None,
+          device: str = "cpu") -> list[Measurement]:
+    """Measure nvckpt, torch.save and (if installed) safetensors on one state, held and loaded on ``device``."""
+    obj = on_device(obj, device) if device != "cpu" else obj
     with tempfile.TemporaryDirectory(prefix="nvckpt-bench-", dir=directory) as tmp:
-        rows = [measure_nvckpt(obj, os.path.join(tmp, "state.nvckpt"), repeat=repeat, codec=codec)]
+        rows = [measure_nvckpt(obj, os.path.join(tmp, "state.nvckpt"), repeat=repeat, codec=codec, device=device)]
         raw = rows[0].raw_bytes
-        rows.append(measure_torch(obj, os.path.join(tmp, "state.pt"), repeat=repeat, raw_bytes=raw))
-        st = measure_safetensors(obj, os.path.join(tmp, "state.safetensors"), repeat=repeat, raw_bytes=raw)
+        rows.append(measure_torch(obj, os.path.join(tmp, "state.pt"), repeat=repeat, raw_bytes=raw, device=device))
+        st = measure_safetensors(obj, os.path.join(tmp, "state.safetensors"), repeat=repeat, raw_bytes=raw,
+                                 device=device)
         if st is not None:
             rows.append(st)
         return rows

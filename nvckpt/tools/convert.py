@@ -24,24 +24,23 @@ import os
 import pickle
 import re
 import time
-from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ..codecs.presets import PRESETS
 from ..errors import FormatError, NvckptError, UnsupportedFeatureError, UnsupportedObjectError
-from ..format.constants import DEFAULT_ALIGNMENT
-from ..format.index import TensorEntry
 from ..format.tree import TensorRef, check_tree, escape, pack_tree, resolve_refs, unpack_tree
-from ..pipeline.container import EncodedChunk
-from ..pipeline.reader import Reader
-from ..pipeline.atomic import atomic_output
+from ..io.atomic import atomic_output
+from ..options import LoadOptions, SaveOptions
+from ..session.load import Checkpoint
+from ..session.save import SaveSession
 from ._util import ProgressFactory, UsageError, check_output_folder, nest_by_name, null_bar
 
 FORMATS = ("nvckpt", "safetensors", "torch")
 EXTENSIONS = {".nvckpt": "nvckpt", ".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch"}
-CODECS = ("auto", "portable", "zstd", "raw")
+CODECS = PRESETS
 
 # safetensors metadata keys written by nvckpt (SPEC-independent convention of this tool).
 META_JSON = "nvckpt.metadata"  # the whole nvckpt metadata, as JSON
@@ -107,35 +106,42 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
 
 # -- readers ---------------------------------------------------------------
 
-def _needs_gpu(reader: Reader, entry: TensorEntry) -> bool:
-    """Chunks only nvCOMP decodes (nvcomp-ans)."""
-    return any(step.name == "nvcomp-ans" for c in entry.chunks or () for step in reader.index.codecs[c.codec_id].steps)
+def _on_cpu(tree: Any) -> Any:
+    """The tree with every tensor on the CPU (a tensor reached twice stays one tensor)."""
+    moved: dict[int, torch.Tensor] = {}
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, torch.Tensor):
+            if id(node) not in moved:
+                moved[id(node)] = node.cpu()
+            return moved[id(node)]
+        if isinstance(node, dict):
+            return {k: walk(v) for k, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            items = [walk(v) for v in node]
+            return tuple(items) if isinstance(node, tuple) else items
+        return node
+
+    return walk(tree)
 
 
-def read_nvckpt(path: str | os.PathLike, make_bar: ProgressFactory) -> Loaded:
-    with closing(Reader(path)) as reader:
-        index = reader.index
-        bar = make_bar("reading", sum(e.nbytes for e in index.tensors if e.chunks is not None))
-        cache: dict[int, torch.Tensor] = {}
-        gpu = [e for e in index.tensors if _needs_gpu(reader, e)]
-        try:
-            if gpu and torch.cuda.is_available():
-                # nvcomp-ans decodes only with nvCOMP on a GPU: those tensors go through the GPU loader,
-                # then back to the CPU (views and derived tensors are then built from them as usual).
-                from ..api import Checkpoint
-
-                with Checkpoint(path, device="cuda") as ck:
-                    for entry in gpu:
-                        cache[entry.tensor_id] = ck.get_tensor(entry.name).cpu()
-            for entry in index.tensors:
-                reader.tensor(entry, cache)
-                if entry.chunks is not None:
-                    bar.update(entry.nbytes)
-        finally:
-            bar.close()
-        tree = resolve_refs(index.tree, cache.__getitem__)
-        derived = any(e.derived is not None for e in index.tensors)
-        return Loaded(tree, dict(index.metadata), derived)
+def read_nvckpt(path: str | os.PathLike, make_bar: ProgressFactory, *, device: str | None = None) -> Loaded:
+    """The object in an nvckpt file.  nvcomp-ans chunks decode only with nvCOMP on a GPU: a file that holds
+    them is loaded on the GPU where there is one (``device`` None), else on the CPU."""
+    with Checkpoint(path) as probe:
+        needs_gpu = any(p.needs_gpu for p in probe.file.pipelines)
+        total = sum(e.nbytes for e in probe.file.index.tensors if e.chunks is not None)
+        derived = any(e.derived is not None for e in probe.file.index.tensors)
+    if device is None:
+        device = "cuda" if needs_gpu and torch.cuda.is_available() else "cpu"
+    bar = make_bar("reading", total)
+    try:
+        with Checkpoint(path, LoadOptions(device=device)) as ck:
+            tree = ck.load(progress=bar.update)
+            metadata = dict(ck.metadata())
+    finally:
+        bar.close()
+    return Loaded(tree, metadata, derived)
 
 
 def _import_safetensors():
@@ -237,26 +243,12 @@ def read_torch(path: str | os.PathLike) -> Loaded:
 # -- writers ---------------------------------------------------------------
 
 def write_nvckpt(loaded: Loaded, dst: str | os.PathLike, *, codec: str, zstd_level: int, make_bar: ProgressFactory) -> int:
-    from ..api import cpu_pipeline_chooser, write_plan, writer_info
-    from ..pipeline.encode_cpu import encode_cpu
-    from ..pipeline.plan import plan_save
-
     if codec not in CODECS:
         raise UsageError(f"codec must be one of {', '.join(CODECS)}, got {codec!r}")
-    plan = plan_save(loaded.tree, metadata=loaded.metadata, derive_bf16=loaded.derived)
-    items = encode_cpu(plan, cpu_pipeline_chooser(codec, zstd_level))
-    bar = make_bar("writing", sum(t.nbytes for t in plan.tensors))
-
-    def counted():
-        for item in items:
-            yield item
-            if isinstance(item, EncodedChunk):
-                bar.update(item.raw_length)
-
+    options = SaveOptions(codec=codec, zstd_level=zstd_level, metadata=loaded.metadata, derive_bf16=loaded.derived)
+    bar = make_bar("writing", sum(t.nbytes for t in _tensors(loaded.tree)))
     try:
-        with atomic_output(dst) as tmp:
-            with open(tmp, "wb", buffering=8 << 20) as out:
-                return write_plan(out, counted(), plan, alignment=DEFAULT_ALIGNMENT, info=writer_info())
+        return SaveSession(loaded.tree, dst, options, progress=bar.update).run().file_bytes
     finally:
         bar.close()
 
@@ -391,6 +383,8 @@ def convert(
     else:
         loaded = read_torch(src)
     notes = list(loaded.notes)
+    if dst_format != "nvckpt":
+        loaded.tree = _on_cpu(loaded.tree)
     if dst_format == "nvckpt":
         size = write_nvckpt(loaded, dst, codec=codec, zstd_level=zstd_level, make_bar=make_bar)
     elif dst_format == "safetensors":

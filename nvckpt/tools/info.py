@@ -6,31 +6,20 @@ import os
 from contextlib import closing
 from typing import Any
 
-from ..format.index import TensorEntry
-from ..pipeline.reader import Reader
+from ..format.entry import TensorEntry
+from ..session.file import CheckpointFile
 from ._util import ratio
 
 
-def kind_of(entry: TensorEntry) -> str:
-    if entry.view is not None:
-        return "view"
-    if entry.derived is not None:
-        return "derived"
-    return "internal" if entry.internal else "data"
-
-
-def _codec_descriptions(reader: Reader, entry: TensorEntry) -> list[str]:
+def _codec_descriptions(reader: CheckpointFile, entry: TensorEntry) -> list[str]:
     if entry.view is not None:
         return [f"view of {reader.index.tensors[entry.view['base']].name}"]
     if entry.derived is not None:
         return [f"{entry.derived['function']} of {reader.index.tensors[entry.derived['source']].name}"]
-    seen: dict[int, None] = {}
-    for c in entry.chunks or ():
-        seen.setdefault(c.codec_id)
-    return [reader.index.codecs[cid].describe() for cid in seen]
+    return [reader.pipelines[cid].describe() for cid in entry.chunks.codec_ids()]
 
 
-def tensor_rows(reader: Reader) -> list[dict[str, Any]]:
+def tensor_rows(reader: CheckpointFile) -> list[dict[str, Any]]:
     """One record per index entry, plus one per extra path of a tied tensor (kind "alias")."""
     rows = []
     for entry in reader.index.tensors:
@@ -48,7 +37,7 @@ def tensor_rows(reader: Reader) -> list[dict[str, Any]]:
             "ratio": ratio(raw, stored),
             "chunks": len(entry.chunks or ()),
             "codecs": _codec_descriptions(reader, entry),
-            "kind": kind_of(entry),
+            "kind": entry.kind,
         })
     for path, tid in reader.index.paths.items():
         entry = reader.index.tensors[tid]
@@ -63,19 +52,19 @@ def tensor_rows(reader: Reader) -> list[dict[str, Any]]:
 
 def describe(path: str | os.PathLike) -> dict[str, Any]:
     """Everything `nvckpt info` prints, as JSON-able data."""
-    with closing(Reader(path, workers=1)) as reader:
+    with closing(CheckpointFile(path, workers=1)) as reader:
         return describe_reader(reader)
 
 
-def describe_reader(reader: Reader) -> dict[str, Any]:
+def describe_reader(reader: CheckpointFile) -> dict[str, Any]:
     index = reader.index
     kinds = {"data": 0, "view": 0, "derived": 0, "internal": 0}
     dtypes: dict[str, dict[str, Any]] = {}
     codecs = [{"id": cid, "pipeline": p.to_json(), "description": p.describe(), "chunks": 0,
-               "raw_bytes": 0, "stored_bytes": 0} for cid, p in enumerate(index.codecs)]
+               "raw_bytes": 0, "stored_bytes": 0} for cid, p in enumerate(reader.pipelines)]
     raw_total = stored_total = chunk_total = 0
     for entry in index.tensors:
-        kinds[kind_of(entry)] += 1
+        kinds[entry.kind] += 1
         if entry.chunks is None:
             continue
         d = dtypes.setdefault(entry.dtype.name, {"tensors": 0, "raw_bytes": 0, "stored_bytes": 0})
@@ -117,5 +106,5 @@ def describe_reader(reader: Reader) -> dict[str, Any]:
 
 
 def list_tensors(path: str | os.PathLike) -> list[dict[str, Any]]:
-    with closing(Reader(path, workers=1)) as reader:
+    with closing(CheckpointFile(path, workers=1)) as reader:
         return tensor_rows(reader)

@@ -19,15 +19,13 @@ that every tensor keeps its name.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import dtypes
-from ..codecs import Pipeline, pipeline_from_json
-from ..derive import BF16_RNE, FUNCTIONS
-from ..errors import ChecksumError, FormatError, LimitError, NvckptError
+from ..codecs.base import Pipeline
+from ..codecs.registry import pipeline_from_json
+from ..errors import ChecksumError, NvckptError, UnsupportedFeatureError
 from ..format.constants import (
     FRAME_CHUNK,
     FRAME_CODEC,
@@ -35,18 +33,16 @@ from ..format.constants import (
     FRAME_TENSOR,
     MAX_CHUNK_LENGTH,
     MAX_META_FRAME_LENGTH,
-    MAX_NAME_BYTES,
-    MAX_RANK,
-    MAX_TENSOR_BYTES,
     PREAMBLE_SIZE,
 )
-from ..format.index import Index, _int, parse_index, unpack_index
+from ..format.entry import TensorEntry, parse_entry, reference_problem
+from ..format.frames import FrameWriter, iter_frames, read_meta_frame
+from ..format.index import Index, parse_index, unpack_index
 from ..format.structs import FrameHeader, Preamble, xxh3
 from ..format.tree import TensorRef, escape, resolve_refs
-from ..pipeline.container import ContainerWriter, EncodedChunk, TensorFrame
-from ..pipeline.plan import PlannedTensor, SavePlan
-from ..pipeline.reader import Reader, Source, read_meta_frame, scan_frames
-from ..pipeline.atomic import atomic_output
+from ..io.atomic import atomic_output
+from ..io.source import Source
+from ..session.file import CheckpointFile
 from ._util import ProgressFactory, UsageError, check_output_folder, nest_by_name, null_bar
 
 #: Metadata keys a recovered file carries.
@@ -94,80 +90,12 @@ class _Chunk:
     checksum: int
 
 
-@dataclass
-class _Tensor:
-    tensor_id: int
-    offset: int
-    name: str
-    dtype: dtypes.DType
-    shape: list[int]
-    nchunks: int
-    view: dict[str, Any] | None
-    derived: dict[str, Any] | None
-    internal: bool
-    checksum: int | None
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def is_data(self) -> bool:
-        return self.view is None and self.derived is None
-
-
-def _parse_tensor_frame(tid: int, offset: int, described: Any) -> _Tensor:
-    """Validate a TENSOR frame's description (the index entry without chunks, with nchunks)."""
-    if not isinstance(described, dict):
-        raise FormatError("TENSOR frame payload is not a map")
-    name = described.get("name")
-    if not isinstance(name, str) or len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
-        raise FormatError(f"tensor name must be a string of at most {MAX_NAME_BYTES} bytes")
-    dtype = dtypes.from_name(described.get("dtype"))
-    shape = described.get("shape")
-    if not isinstance(shape, list) or len(shape) > MAX_RANK:
-        raise FormatError(f"shape must be an array of at most {MAX_RANK} sizes")
-    shape = [_int(d, "shape dimension") for d in shape]
-    t = _Tensor(tid, offset, name, dtype, shape, _int(described.get("nchunks"), "nchunks"), None, None,
-                described.get("internal", False), described.get("checksum"))
-    nonzero = 1
-    for d in shape:
-        nonzero *= d or 1
-    if max(t.numel, nonzero) * dtype.itemsize > MAX_TENSOR_BYTES:  # an empty shape may not hide an overflow either
-        raise LimitError(f"tensor shape {shape} exceeds {MAX_TENSOR_BYTES} bytes")
-    if type(t.internal) is not bool:
-        raise FormatError("'internal' must be a boolean")
-    if t.checksum is not None:
-        _int(t.checksum, "checksum")
-    if "chunks" in described or ("view" in described and "derived" in described):
-        raise FormatError("a TENSOR frame has 'nchunks' and at most one of 'view', 'derived'")
-    if "view" in described:
-        view = described["view"]
-        if not isinstance(view, dict):
-            raise FormatError("'view' must be a map")
-        stride = view.get("stride")
-        if not isinstance(stride, list) or len(stride) != len(shape):
-            raise FormatError("view stride must have one entry per dimension")
-        t.view = {"base": _int(view.get("base"), "view base"), "offset": _int(view.get("offset"), "view offset", 0, MAX_TENSOR_BYTES),
-                  "stride": [_int(s, "view stride", 0, MAX_TENSOR_BYTES) for s in stride]}
-    if "derived" in described:
-        derived = described["derived"]
-        if not isinstance(derived, dict) or derived.get("function") not in FUNCTIONS:
-            raise FormatError(f"derived tensors need a known function ({', '.join(FUNCTIONS)})")
-        t.derived = {"function": derived["function"], "source": _int(derived.get("source"), "derived source")}
-    if not t.is_data and t.nchunks:
-        raise FormatError("a view or derived tensor has no chunks")
-    if t.nchunks > t.numel * dtype.itemsize:
-        raise FormatError(f"{t.nchunks} chunks for {t.numel * dtype.itemsize} bytes")
-    return t
-
-
 class _Walk:
     """What the front-to-back walk found."""
 
     def __init__(self) -> None:
         self.codecs: dict[int, Pipeline] = {}
-        self.tensors: dict[int, _Tensor] = {}
+        self.tensors: dict[int, TensorEntry] = {}
         self.chunks: dict[tuple[int, int], _Chunk] = {}
         # Ids seen twice: neither copy may be used (SPEC.md 15.2).
         self.dup_codecs: set[int] = set()
@@ -196,7 +124,7 @@ def _check_header(header: FrameHeader) -> str | None:
 
 def _walk(source: Source, bar: Any) -> _Walk:
     walk = _Walk()
-    frames = scan_frames(source)
+    frames = iter_frames(source)
     position = PREAMBLE_SIZE
     while True:
         try:
@@ -249,7 +177,10 @@ def _walk(source: Source, bar: Any) -> _Walk:
                 walk.problems.append(f"offset {offset}: second TENSOR frame for tensor id {tid}: neither is used")
                 continue
             try:
-                walk.tensors[tid] = _parse_tensor_frame(tid, offset, read_meta_frame(source, offset, header))
+                entry = parse_entry(tid, read_meta_frame(source, offset, header))
+                if entry.unsupported is not None:  # an unknown dtype or derived function: this reader cannot rebuild it
+                    raise UnsupportedFeatureError(entry.unsupported)
+                walk.tensors[tid] = entry
             except NvckptError as exc:
                 walk.bad_tensors[tid] = exc.reason
                 walk.problems.append(f"offset {offset}: TENSOR frame for tensor id {tid}: {exc.reason}, skipped")
@@ -265,8 +196,9 @@ def _walk(source: Source, bar: Any) -> _Walk:
     return walk
 
 
-def _data_missing(walk: _Walk, t: _Tensor) -> str | None:
-    """Why data tensor ``t`` is incomplete, or None."""
+def _data_missing(walk: _Walk, t: TensorEntry, source: Source) -> str | None:
+    """Why data tensor ``t`` is incomplete, or None: every chunk present, intact and decodable (where a host
+    decoder exists: nvcomp-ans chunks are checked on a GPU when the file is read)."""
     total = 0
     for i in range(t.nchunks):
         key = (t.tensor_id, i)
@@ -282,12 +214,23 @@ def _data_missing(walk: _Walk, t: _Tensor) -> str | None:
         if c.raw_length % t.dtype.itemsize:
             return f"chunk {i} raw_length {c.raw_length} is not a multiple of the item size {t.dtype.itemsize}"
         total += c.raw_length
-    if total != t.numel * t.dtype.itemsize:
-        return f"its chunks hold {total} raw bytes, shape and dtype need {t.numel * t.dtype.itemsize}"
+    if total != t.nbytes:
+        return f"its chunks hold {total} raw bytes, shape and dtype need {t.nbytes}"
+    for i in range(t.nchunks):
+        c = walk.chunks[(t.tensor_id, i)]
+        pipeline = walk.codecs[c.codec_id]
+        if pipeline.needs_gpu:
+            continue
+        try:
+            decoded = memoryview(pipeline.decode(memoryview(source.pread(c.payload_offset, c.stored_length)), c.raw_length))
+        except Exception as exc:  # a host decoder rejecting its input
+            return f"chunk {i} does not decode ({pipeline.describe()}: {exc})"
+        if decoded.nbytes != c.raw_length:
+            return f"chunk {i} decodes to {decoded.nbytes} bytes, not its raw length {c.raw_length}"
     return None
 
 
-def _resolve(walk: _Walk) -> tuple[list[_Tensor], dict[int, str]]:
+def _resolve(walk: _Walk, source: Source) -> tuple[list[TensorEntry], dict[int, str]]:
     """The tensors to keep (in their original order) and why the others were lost."""
     why: dict[int, str] = {}
     first_named: dict[str, int] = {}
@@ -300,32 +243,20 @@ def _resolve(walk: _Walk) -> tuple[list[_Tensor], dict[int, str]]:
         else:
             first_named[t.name] = tid
         if tid not in why and t.is_data:
-            reason = _data_missing(walk, t)
+            reason = _data_missing(walk, t, source)
             if reason is not None:
                 why[tid] = reason
 
-    def usable_data(tid: int) -> _Tensor | None:
+    def usable_data(tid: int) -> TensorEntry | None:
         t = walk.tensors.get(tid)
         return t if t is not None and t.is_data and tid not in why else None
 
     for tid, t in walk.tensors.items():
-        if tid in why:
+        if tid in why or t.is_data:
             continue
-        if t.view is not None:
-            base = usable_data(t.view["base"])
-            if base is None or base.tensor_id == tid:
-                why[tid] = f"its base (tensor id {t.view['base']}) is missing or incomplete"
-            elif len(base.shape) != 1 or base.dtype != t.dtype:
-                why[tid] = f"its base {base.name!r} is not a 1-D {t.dtype.name} tensor"
-            elif t.numel and t.view["offset"] + sum((d - 1) * s for d, s in zip(t.shape, t.view["stride"])) >= base.numel:
-                why[tid] = f"it reaches beyond its base {base.name!r}"
-        elif t.derived is not None:
-            source = usable_data(t.derived["source"])
-            if source is None or source.tensor_id == tid:
-                why[tid] = f"its source (tensor id {t.derived['source']}) is missing or incomplete"
-            elif (t.derived["function"] != BF16_RNE or t.dtype.name != "bfloat16" or source.dtype.name != "float32"
-                  or source.shape != t.shape or source.internal):
-                why[tid] = f"its source {source.name!r} is not a float32 tensor of the same shape"
+        problem = reference_problem(t, usable_data)
+        if problem is not None:
+            why[tid] = f"{problem} (missing, incomplete or not what it needs)"
 
     orphans = sorted(key for key in walk.chunks if key[0] not in walk.tensors or key[1] >= walk.tensors[key[0]].nchunks)
     if orphans:
@@ -345,7 +276,7 @@ def _resolve(walk: _Walk) -> tuple[list[_Tensor], dict[int, str]]:
     return kept, why
 
 
-def _entry(t: _Tensor, new_id: dict[int, int]) -> dict[str, Any]:
+def _entry(t: TensorEntry, new_id: dict[int, int]) -> dict[str, Any]:
     entry: dict[str, Any] = {"name": t.name, "dtype": t.dtype.name, "shape": list(t.shape)}
     if t.view is not None:
         entry["view"] = dict(t.view, base=new_id[t.view["base"]])
@@ -358,7 +289,7 @@ def _entry(t: _Tensor, new_id: dict[int, int]) -> dict[str, Any]:
 
 def recover(src: str | os.PathLike, dst: str | os.PathLike, *, progress: ProgressFactory | None = None) -> RecoveryReport:
     """Write every complete tensor of ``src`` (truncated or damaged) to a new valid file ``dst``."""
-    from ..api import writer_info
+    from ..session.save import writer_info
 
     if os.path.abspath(os.fspath(src)) == os.path.abspath(os.fspath(dst)):
         raise UsageError("the recovered file must not overwrite its source")
@@ -376,7 +307,7 @@ def recover(src: str | os.PathLike, dst: str | os.PathLike, *, progress: Progres
             walk = _walk(source, bar)
         finally:
             bar.close()
-        kept, why = _resolve(walk)
+        kept, why = _resolve(walk, source)
         report.frames = walk.frames
         report.problems = walk.problems
         report.stopped_at, report.stop_reason = walk.stopped_at, walk.stop_reason
@@ -406,42 +337,34 @@ def recover(src: str | os.PathLike, dst: str | os.PathLike, *, progress: Progres
         metadata[RECOVERED_FROM] = report.src
         metadata[LOST] = list(report.lost)
 
-        planned = []
-        for t, entry in zip(kept, entries):
-            chunks, start = [], 0
-            for i in range(t.nchunks):
-                length = walk.chunks[(t.tensor_id, i)].raw_length
-                chunks.append((start, length))
-                start += length
-            planned.append(PlannedTensor(new_id[t.tensor_id], entry, None, chunks))
-        plan = SavePlan(tree, planned, metadata)
-        report.raw_bytes = sum(p.nbytes for p in planned)
+        lengths = [[walk.chunks[(t.tensor_id, i)].raw_length for i in range(t.nchunks)] for t in kept]
+        report.raw_bytes = sum(map(sum, lengths))
 
         pipelines = {walk.chunks[(t.tensor_id, i)].codec_id for t in kept for i in range(t.nchunks)}
-        nvcomp = [s.nvcomp_version for cid in sorted(pipelines) for s in walk.codecs[cid].steps
-                  if s.name == "nvcomp-ans" and getattr(s, "nvcomp_version", "")]
+        nvcomp = [op.written_by for cid in sorted(pipelines) if (op := walk.codecs[cid].device_op()) is not None
+                  and op.algorithm == "ans" and op.written_by]
         info = writer_info({"nvcomp": nvcomp[0]} if nvcomp else None)
 
         bar = make_bar("writing", sum(walk.chunks[(t.tensor_id, i)].stored_length for t in kept for i in range(t.nchunks)))
         try:
             with atomic_output(dst) as tmp:
                 with open(tmp, "wb", buffering=8 << 20) as out:
-                    writer = ContainerWriter(out, plan)
+                    writer = FrameWriter(out, entries, lengths)
                     for t in kept:
                         tid = new_id[t.tensor_id]
-                        writer.write(TensorFrame(tid, t.checksum))
+                        writer.tensor(tid, t.checksum)
                         for i in range(t.nchunks):
                             c = walk.chunks[(t.tensor_id, i)]
                             payload = source.pread(c.payload_offset, c.stored_length)
                             if xxh3(payload) != c.checksum:
                                 raise ChecksumError("the file changed while it was being recovered",
                                                     path=source.name, tensor=t.name, chunk=i, offset=c.payload_offset)
-                            writer.write(EncodedChunk(tid, i, walk.codecs[c.codec_id], payload, c.raw_length, c.checksum))
+                            writer.chunk(tid, i, walk.codecs[c.codec_id], payload, c.raw_length, c.checksum)
                             bar.update(c.stored_length)
-                    report.dst_bytes = writer.finish(info)
+                    report.dst_bytes = writer.finish(tree, metadata, info)
                 # What we wrote must open as a valid file (it is parsed and checked like any other).
                 try:
-                    Reader(tmp, workers=1).close()
+                    CheckpointFile(tmp, workers=1).close()
                 except NvckptError as exc:
                     raise NvckptError(f"the recovered file does not validate (a bug in nvckpt recover): {exc}") from exc
         finally:

@@ -20,18 +20,13 @@ from typing import Any
 
 import xxhash
 
-from ..codecs import pipeline_from_json
+from ..codecs.registry import pipeline_from_json
 from ..errors import NvckptError, UnsupportedCodecError, located_message
-from ..format.constants import (
-    FOOTER_SIZE,
-    FRAME_CHUNK,
-    FRAME_CODEC,
-    FRAME_INDEX,
-    FRAME_TENSOR,
-)
-from ..format.index import TensorEntry
+from ..format.constants import FOOTER_SIZE, FRAME_CHUNK, FRAME_CODEC, FRAME_HEADER_SIZE, FRAME_INDEX, FRAME_TENSOR
+from ..format.entry import TensorEntry, parse_entry
+from ..format.frames import iter_frames, read_meta_frame
 from ..format.structs import Footer, xxh3
-from ..pipeline.reader import Reader, read_meta_frame, scan_frames
+from ..session.file import CheckpointFile
 from ._util import ProgressFactory, null_bar
 
 
@@ -82,9 +77,9 @@ class VerifyReport:
         }
 
 
-def _undecoded_reason(reader: Reader, entry: TensorEntry, i: int, exc: UnsupportedCodecError) -> str:
-    pipeline = reader.index.codecs[entry.chunks[i].codec_id]
-    if any(step.name == "nvcomp-ans" for step in pipeline.steps):
+def _undecoded_reason(reader: CheckpointFile, entry: TensorEntry, i: int, exc: UnsupportedCodecError) -> str:
+    pipeline = reader.pipelines[entry.chunks[i].codec_id]
+    if pipeline.needs_gpu:
         return f"not decoded (needs nvCOMP on a CUDA GPU): {pipeline.describe()}"
     return f"not decoded: {exc.reason}"
 
@@ -93,7 +88,7 @@ def verify(path: str | os.PathLike, *, progress: ProgressFactory | None = None, 
     """Check a whole file.  Raises only when it cannot be opened at all (bad footer or index);
     everything found after that is collected in the report.  ``progress(description, total)``
     makes a progress bar (an object with update(n) and close()), fed with stored bytes."""
-    with closing(Reader(path, workers=1)) as reader:
+    with closing(CheckpointFile(path, workers=1)) as reader:
         report = VerifyReport(reader.path, file_bytes=reader.source.size, tensors=len(reader.index.tensors))
         workers = workers or os.cpu_count() or 1
         bar = (progress or null_bar)("verifying", sum(e.stored_bytes for e in reader.index.tensors))
@@ -117,9 +112,10 @@ def _decode_on_gpu(path: str, entries: list[TensorEntry], report: VerifyReport) 
 
     if not torch.cuda.is_available():
         return
-    from ..api import Checkpoint
+    from ..options import LoadOptions
+    from ..session.load import Checkpoint
 
-    with Checkpoint(path, device="cuda") as ck:
+    with Checkpoint(path, LoadOptions(device="cuda")) as ck:
         for entry in entries:
             try:
                 tensor = ck.get_tensor(entry.name)
@@ -140,7 +136,7 @@ def _decode_on_gpu(path: str, entries: list[TensorEntry], report: VerifyReport) 
                     report.tensor_checksums += 1
 
 
-def _check_chunk(reader: Reader, entry: TensorEntry, i: int) -> tuple[Any, Problem | None, Problem | None]:
+def _check_chunk(reader: CheckpointFile, entry: TensorEntry, i: int) -> tuple[Any, Problem | None, Problem | None]:
     """(decoded bytes or None, problem, not-decoded note) for chunk i."""
     try:
         data = reader.read_payload(entry, i)
@@ -155,7 +151,7 @@ def _check_chunk(reader: Reader, entry: TensorEntry, i: int) -> tuple[Any, Probl
         return None, Problem.from_error(exc, tensor=entry.name, chunk=i, offset=entry.chunks[i].offset), None
 
 
-def _verify_tensor(reader: Reader, entry: TensorEntry, pool: ThreadPoolExecutor, window: int,
+def _verify_tensor(reader: CheckpointFile, entry: TensorEntry, pool: ThreadPoolExecutor, window: int,
                    report: VerifyReport, bar: Any) -> str:
     """Check one stored tensor's chunks; returns "ok", "damaged" or "undecoded" (intact, not all decodable here)."""
     assert entry.chunks is not None
@@ -174,6 +170,10 @@ def _verify_tensor(reader: Reader, entry: TensorEntry, pool: ThreadPoolExecutor,
             elif note is not None:
                 report.undecoded.append(note)
                 undecoded = True
+            elif entry.dtype.name == "bool" and raw.nbytes and max(raw) > 1:  # SPEC 10, as load checks
+                report.problems.append(Problem("bool tensor holds a byte other than 0 and 1", entry.name, i,
+                                               entry.chunks[i].offset))
+                damaged = True
             else:
                 report.chunks_decoded += 1
                 if hasher is not None and not (damaged or undecoded):
@@ -190,7 +190,7 @@ def _verify_tensor(reader: Reader, entry: TensorEntry, pool: ThreadPoolExecutor,
     return "ok"
 
 
-def _verify_frames(reader: Reader, report: VerifyReport) -> None:
+def _verify_frames(reader: CheckpointFile, report: VerifyReport) -> None:
     """Walk the frames front to back and check them against the index (SPEC.md 4.3)."""
     index = reader.index
     source = reader.source
@@ -200,8 +200,10 @@ def _verify_frames(reader: Reader, report: VerifyReport) -> None:
     seen_codecs: set[int] = set()
     seen_tensors: set[int] = set()
     try:
-        for offset, header in scan_frames(source):
+        for offset, header in iter_frames(source):
             kind = header.frame_type
+            if header.padding_length and any(source.pread(offset + FRAME_HEADER_SIZE, header.padding_length)):
+                problems.append(Problem("frame padding is not zero (SPEC 4.1)", offset=offset + FRAME_HEADER_SIZE))
             if kind == FRAME_CHUNK:
                 hit = expected.pop(offset + header.payload_skip, None)
                 if hit is None:
@@ -222,7 +224,7 @@ def _verify_frames(reader: Reader, report: VerifyReport) -> None:
                 cid = header.codec_id
                 if cid in seen_codecs:
                     problems.append(Problem(f"second CODEC frame for codec id {cid}", offset=offset))
-                elif cid >= len(index.codecs) or index.codecs[cid] != pipeline:
+                elif cid >= len(reader.pipelines) or reader.pipelines[cid] != pipeline:
                     problems.append(Problem(f"CODEC frame for codec id {cid} disagrees with the index's codec table", offset=offset))
                 seen_codecs.add(cid)
             elif kind == FRAME_TENSOR:
@@ -244,7 +246,7 @@ def _verify_frames(reader: Reader, report: VerifyReport) -> None:
     except NvckptError as exc:
         problems.append(Problem(f"frame walk stopped: {exc.reason}", offset=exc.offset))
         return
-    for cid in range(len(index.codecs)):
+    for cid in range(len(reader.pipelines)):
         if cid not in seen_codecs:
             problems.append(Problem(f"no CODEC frame for codec id {cid}"))
     for entry in index.tensors:
@@ -255,10 +257,8 @@ def _verify_frames(reader: Reader, report: VerifyReport) -> None:
 
 
 def _tensor_frame_matches(described: Any, entry: TensorEntry) -> bool:
-    if not isinstance(described, dict):
+    try:
+        framed = parse_entry(entry.tensor_id, described)
+    except NvckptError:
         return False
-    return (described.get("name") == entry.name and described.get("dtype") == entry.dtype.name
-            and described.get("shape") == list(entry.shape) and described.get("nchunks") == len(entry.chunks or ())
-            and described.get("view") == entry.view and described.get("derived") == entry.derived
-            and described.get("checksum") == entry.checksum
-            and bool(described.get("internal", False)) == entry.internal)
+    return framed.description() == entry.description()

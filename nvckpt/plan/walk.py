@@ -12,21 +12,24 @@ from typing import Any
 
 import torch
 
-from .. import dtypes
-from ..derive import BF16_RNE, bf16_rne, is_bf16_rne_of
 from ..errors import LimitError, UnsupportedObjectError
-from ..format.constants import (
-    DEFAULT_CHUNK_SIZE,
-    MAX_CHUNK_LENGTH,
-    MAX_NAME_BYTES,
-    MAX_RANK,
-    MAX_TENSORS,
-    MAX_TREE_DEPTH,
-)
+from ..format.constants import MAX_NAME_BYTES, MAX_RANK, MAX_TENSORS, MAX_TREE_DEPTH
+from ..format.dtypes import DTYPES
 from ..format.tree import TensorRef, escape
+from .chunking import CPU_CHUNK_SIZE, check_chunk_size, chunk_ranges
+from .derived import find_derived
+from .dtypes import name_of
 
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
 _KEY_TYPES = (str, int, float, bool, type(None))
+
+
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The C-contiguous raw bytes of ``t`` as a 1-D uint8 tensor (same device)."""
+    data = t.contiguous()
+    # Dense in C order, but a size-1 or empty dim may keep any stride (x[3:4, 2] has stride 7),
+    # which view() would refuse: flatten with an explicit unit stride.
+    return data.as_strided((data.numel(),), (1,)).view(torch.uint8)
 
 
 @dataclass
@@ -47,10 +50,7 @@ class PlannedTensor:
     def flat_bytes(self) -> torch.Tensor:
         """The C-contiguous raw bytes of ``data`` as a 1-D uint8 tensor (same device)."""
         assert self.data is not None
-        data = self.data.contiguous()
-        # Dense in C order, but a size-1 or empty dim may keep any stride (x[3:4, 2] has stride 7),
-        # which view() would refuse: flatten with an explicit unit stride.
-        return data.as_strided((data.numel(),), (1,)).view(torch.uint8)
+        return flat_bytes(self.data)
 
 
 @dataclass
@@ -64,30 +64,26 @@ class SavePlan:
 
     def rechunk(self, chunk_size: int) -> None:
         """Cut every stored tensor again with another target chunk size."""
-        _check_chunk_size(chunk_size)
+        check_chunk_size(chunk_size)
         for t in self.data_tensors():
-            t.chunks = chunk_ranges(tuple(t.entry["shape"]), dtypes.DTYPES[t.entry["dtype"]].itemsize, chunk_size)
+            t.chunks = chunk_ranges(tuple(t.entry["shape"]), DTYPES[t.entry["dtype"]].itemsize, chunk_size)
 
+    @property
+    def raw_bytes(self) -> int:
+        """Bytes of every tensor a load materializes (views and derived tensors too; not internal bases)."""
+        return sum(math.prod(t.entry["shape"]) * DTYPES[t.entry["dtype"]].itemsize
+                   for t in self.tensors if not t.entry.get("internal"))
 
-def chunk_ranges(shape: tuple[int, ...], itemsize: int, chunk_size: int) -> list[tuple[int, int]]:
-    """Chunks of whole rows of dim 0 where a row fits in ``chunk_size``; else pieces of one row."""
-    nbytes = math.prod(shape) * itemsize
-    if nbytes == 0:
-        return []
-    row_bytes = nbytes // shape[0] if shape else nbytes
-    step = max(itemsize, chunk_size - chunk_size % itemsize)
-    if row_bytes <= step:
-        per = (step // row_bytes) * row_bytes
-        return [(s, min(per, nbytes - s)) for s in range(0, nbytes, per)]
-    out = []
-    for row in range(0, nbytes, row_bytes):
-        out.extend((row + s, min(step, row_bytes - s)) for s in range(0, row_bytes, step))
-    return out
+    @property
+    def stored_raw_bytes(self) -> int:
+        """Raw bytes of the chunks the file stores."""
+        return sum(t.nbytes for t in self.tensors)
 
+    def entries(self) -> list[dict[str, Any]]:
+        return [t.entry for t in self.tensors]
 
-def _check_chunk_size(chunk_size: object) -> None:
-    if type(chunk_size) is not int or not 1 <= chunk_size <= MAX_CHUNK_LENGTH:
-        raise ValueError(f"chunk_size must be an integer in 1..{MAX_CHUNK_LENGTH}, got {chunk_size!r}")
+    def chunk_lengths(self) -> list[list[int]]:
+        return [[n for _, n in t.chunks] for t in self.tensors]
 
 
 def _check_int(value: int, path: str) -> int:
@@ -103,17 +99,17 @@ def _check_tensor(t: torch.Tensor, path: str) -> None:
         raise UnsupportedObjectError(f"tensor at {path or '<root>'} is {'quantized' if t.is_quantized else 'on the meta device'}")
     if t.dim() > MAX_RANK:
         raise LimitError(f"tensor at {path or '<root>'} has rank {t.dim()} > {MAX_RANK}")
-    dtypes.name_of(t.dtype)  # raises for dtypes without a byte layout
+    name_of(t.dtype)  # raises for dtypes without a byte layout
 
 
 def plan_save(
     obj: Any,
     *,
     metadata: dict[str, Any] | None = None,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int = CPU_CHUNK_SIZE,
     derive_bf16: bool = False,
 ) -> SavePlan:
-    _check_chunk_size(chunk_size)
+    check_chunk_size(chunk_size)
     leaves: list[tuple[str, torch.Tensor]] = []  # (path, tensor) in tree order
 
     def walk(node: Any, parts: tuple[str, ...], depth: int) -> Any:
@@ -152,7 +148,7 @@ def plan_save(
 
     plan_tensors, leaf_ids = _dedupe(leaves, chunk_size)
     if derive_bf16:
-        _find_derived(plan_tensors)
+        find_derived(plan_tensors)
     if len(plan_tensors) > MAX_TENSORS:
         raise LimitError(f"{len(plan_tensors)} tensors exceed the limit of {MAX_TENSORS}")
     tree = _finish(skeleton, leaf_ids)
@@ -273,12 +269,12 @@ def _dedupe(leaves: list[tuple[str, torch.Tensor]], chunk_size: int) -> tuple[li
                 "(for example 1 and '1' in one dict)"
             )
         names_seen[name] = tid
-        chunks = chunk_ranges(tuple(entry["shape"]), dtypes.DTYPES[entry["dtype"]].itemsize, chunk_size) if data is not None else []
+        chunks = chunk_ranges(tuple(entry["shape"]), DTYPES[entry["dtype"]].itemsize, chunk_size) if data is not None else []
         tensors.append(PlannedTensor(tid, entry, data, chunks))
         return tid
 
     def base_entry(path: str, t: torch.Tensor) -> dict[str, Any]:
-        return {"name": path, "dtype": dtypes.name_of(t.dtype), "shape": list(t.shape)}
+        return {"name": path, "dtype": name_of(t.dtype), "shape": list(t.shape)}
 
     # Walk groups in order of their first leaf, so names follow tree order.
     for members in sorted(groups.values(), key=lambda m: m[0]):
@@ -301,7 +297,7 @@ def _dedupe(leaves: list[tuple[str, torch.Tensor]], chunk_size: int) -> tuple[li
         hi = max(k[1] + sum((s - 1) * st for s, st in zip(k[2], k[3])) + 1 for k in views)
         base_data = first.as_strided((hi - lo,), (1,), lo)
         base_name = leaves[members[0]][0] + "@base"
-        base = add({"name": base_name, "dtype": dtypes.name_of(first.dtype), "shape": [hi - lo], "internal": True}, base_data)
+        base = add({"name": base_name, "dtype": name_of(first.dtype), "shape": [hi - lo], "internal": True}, base_data)
         for key, same in views.items():
             path, t = leaves[same[0]]
             entry = base_entry(path, t)
@@ -319,45 +315,3 @@ def _check_alias_names(leaves, members, names_seen, leaf_ids) -> None:
         owner = names_seen.get(leaves[i][0])
         if owner is not None and owner != leaf_ids[i]:
             raise UnsupportedObjectError(f"two different tensors would both be named {leaves[i][0]!r}")
-
-
-def _find_derived(tensors: list[PlannedTensor]) -> None:
-    """Store a bf16 tensor as derived when it is exactly bf16_rne of a stored fp32 one.
-
-    Candidates are first matched on the rounding of their first 64 elements
-    (computed for all tensors of a device at once), so a state with hundreds
-    of same-shaped tensors (biases, norms, Adam moments) costs one full
-    comparison per bf16 tensor instead of one per same-shaped pair."""
-    sources = [t for t in tensors
-               if t.data is not None and t.entry["dtype"] == "float32" and not t.entry.get("internal")]
-    candidates = [t for t in tensors if t.data is not None and t.entry["dtype"] == "bfloat16"
-                  and t.data.numel() > 0 and not t.entry.get("internal")]
-    if not sources or not candidates:
-        return
-    index: dict[tuple, list[PlannedTensor]] = {}
-    for t, head in zip(sources, _heads(sources, rne=True)):
-        index.setdefault((tuple(t.entry["shape"]), t.data.device, head), []).append(t)
-    for t, head in zip(candidates, _heads(candidates, rne=False)):
-        for src in index.get((tuple(t.entry["shape"]), t.data.device, head), []):
-            if is_bf16_rne_of(t.data, src.data):  # verified bit for bit before use
-                t.entry["derived"] = {"function": BF16_RNE, "source": src.tensor_id}
-                t.data = None
-                t.chunks = []
-                break
-
-
-def _heads(tensors: list[PlannedTensor], *, rne: bool) -> list[bytes]:
-    """The bf16 bits of each tensor's first 64 elements (rounded from fp32 with ``rne``): one host copy per device."""
-    out: list[bytes] = [b""] * len(tensors)
-    by_device: dict[Any, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_device.setdefault(t.data.device, []).append(i)
-    for idx in by_device.values():
-        parts = [tensors[i].data.reshape(-1)[:64] for i in idx]
-        flat = torch.cat(parts)
-        bits = (bf16_rne(flat) if rne else flat).view(torch.int16).cpu().numpy()
-        at = 0
-        for i, part in zip(idx, parts):
-            out[i] = bits[at: at + part.numel()].tobytes()
-            at += part.numel()
-    return out

@@ -2,24 +2,37 @@
 
 The bitstream is proprietary and undocumented, has no CPU decoder, and changed
 in nvCOMP 6.0, so the configuration records the nvCOMP version that wrote it.
-Only nvCOMP on a CUDA GPU decodes it; the GPU engine does that in batches
-(nvckpt.pipeline.nvcomp_backend).  This class is the codec-table entry.
+Only nvCOMP on a CUDA GPU decodes it; the GPU engines do that in batches
+(nvckpt.codecs.nvcomp.backend).  This class is the codec-table entry.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from ..errors import UnsupportedCodecError
-from .base import Codec
+from ...errors import UnsupportedCodecError
+from ..base import Codec
 
-# nvCOMP ANS data type modes by element type (SPEC.md, "nvcomp-ans").
-DATA_TYPES = ("<f2", "<f4", "|f1", "|u1")
+# nvCOMP ANS data-type modes (SPEC 11.6) and the element size each reads.
+ITEMSIZE = {"<f2": 2, "<f4": 4, "|f1": 1, "|u1": 1}
+DATA_TYPES = tuple(ITEMSIZE)
+
+
+def data_type_for(dtype_name: str) -> str:
+    """The ANS data-type mode a writer uses for a SPEC 10 dtype (the float modes beat bytes by 15-20 %)."""
+    if dtype_name in ("bfloat16", "float16", "complex32"):
+        return "<f2"
+    if dtype_name in ("float32", "complex64"):
+        return "<f4"
+    if dtype_name == "float8_e4m3fn":
+        return "|f1"
+    return "|u1"
 
 
 class NvcompAns(Codec):
     name = "nvcomp-ans"
     readers = "nvCOMP (nvidia-nvcomp-cu12) on a CUDA GPU"
+    needs_gpu = True
 
     def __init__(self, data_type: str = "|u1", nvcomp_version: str = "", bitstream: str = "raw") -> None:
         if data_type not in DATA_TYPES:
@@ -41,6 +54,9 @@ class NvcompAns(Codec):
         if set(configuration) != keys:
             raise ValueError(f"nvcomp-ans configuration needs exactly {sorted(keys)}, got {sorted(configuration)}")
         return cls(**configuration)
+
+    def device_step(self) -> dict[str, Any]:
+        return {"algorithm": "ans", "data_type": self.data_type, "written_by": self.nvcomp_version}
 
     def encode(self, data: memoryview) -> bytes:
         raise UnsupportedCodecError("nvcomp-ans encodes only on a CUDA GPU with nvCOMP (use the GPU engine)")

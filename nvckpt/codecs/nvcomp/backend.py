@@ -52,15 +52,16 @@ from typing import Any, Sequence
 
 import torch
 
-from ..errors import NvckptError, UnsupportedCodecError
+from ...errors import UnsupportedCodecError
+from ..base import DecodeRejected, DeviceOp
+from .ans import ITEMSIZE
+from .staging import align_up, packed_offsets
 
 NVCOMP_PACKAGE = "nvidia-nvcomp-cu12"
 NVCOMP_MODULE = "nvidia.nvcomp"
 MAX_ANS_CHUNK = 16 << 20  # nvCOMP ANS compresses at most 16 MiB per chunk
 
 ALGORITHMS = {"ans": "ANS", "zstd": "Zstd"}
-ANS_DATA_TYPES = ("<f2", "<f4", "|f1", "|u1")
-_ITEMSIZE = {"<f2": 2, "<f4": 4, "|f1": 1, "|u1": 1}
 
 _nv: Any = None
 _nv_lock = threading.Lock()
@@ -122,17 +123,6 @@ def check_ans_version(written_by: str) -> None:
             f"chunk was coded by nvCOMP {written_by} ANS, but nvCOMP {installed} is installed: "
             f"the ANS bitstream differs between major versions; install {NVCOMP_PACKAGE}=={written_by.split('.')[0]}.*"
         )
-
-
-def ans_data_type(dtype_name: str) -> str:
-    """nvCOMP ANS data-type mode for a SPEC.md dtype name."""
-    if dtype_name in ("bfloat16", "float16", "complex32"):
-        return "<f2"
-    if dtype_name in ("float32", "complex64"):
-        return "<f4"
-    if dtype_name == "float8_e4m3fn":
-        return "|f1"
-    return "|u1"
 
 
 # -- GPU byte planes (SPEC.md "byteshuffle") -----------------------------------
@@ -197,10 +187,6 @@ def _shuffle_batch(dst: torch.Tensor, dst_offsets: list[int], chunks: Sequence[t
 
 
 # -- batches -------------------------------------------------------------------
-def _align(x: int, a: int) -> int:
-    return -(-x // a) * a
-
-
 class _Span:
     """Device bytes [base, end) covering a list of 1-D uint8 tensors, as one buffer for
     ``nvcomp.as_arrays(buffer, offsets, sizes)``.
@@ -250,12 +236,9 @@ class EncodedBatch:
             sizes = [int(s) for s in self._result.buffer_sizes]  # waits for the encode
             self._result, self._keep = None, ()
             if len(sizes) != len(self.offsets) or any(not 0 < n <= self.capacity for n in sizes):
-                raise NvckptError(f"nvCOMP reported impossible compressed sizes for a batch of {len(self.offsets)} chunks")
+                raise RuntimeError(f"nvCOMP reported impossible compressed sizes for a batch of {len(self.offsets)} chunks")
             self._sizes = sizes
         return self._sizes
-
-    def chunk(self, i: int) -> torch.Tensor:
-        return self.buffer[self.offsets[i]: self.offsets[i] + self.sizes()[i]]
 
 
 @dataclass
@@ -266,8 +249,7 @@ class GpuCodec:
     the codec's ``data_type`` that selects the mode, not the arrays' dtype
     (measured: uint8 and float16 views give the same stream).  shuffle:
     byte-plane split of elements of this many bytes before zstd (1 = none).
-    batch_form: "span" (one buffer + offset table per batch, fast) or "list"
-    (one nvCOMP wrapper per chunk).  Not thread-safe.
+    Not thread-safe.
     """
 
     algorithm: str
@@ -275,7 +257,6 @@ class GpuCodec:
     shuffle: int = 1
     device: torch.device | None = None
     stream: torch.cuda.Stream | None = None
-    batch_form: str = "span"
     timing: bool = False  # record CUDA events around each nvCOMP call (last_codec_events)
     _codec: Any = field(default=None, repr=False)
     _bounds: dict[int, int] = field(default_factory=dict, repr=False)
@@ -284,14 +265,12 @@ class GpuCodec:
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {sorted(ALGORITHMS)}, got {self.algorithm!r}")
         if self.algorithm == "ans":
-            if self.data_type not in ANS_DATA_TYPES:
-                raise ValueError(f"ANS data_type must be one of {ANS_DATA_TYPES}, got {self.data_type!r}")
+            if self.data_type not in ITEMSIZE:
+                raise ValueError(f"ANS data_type must be one of {tuple(ITEMSIZE)}, got {self.data_type!r}")
             if self.shuffle != 1:
                 raise ValueError("byte-plane split applies to zstd only")
         elif not 1 <= self.shuffle <= 16:
             raise ValueError(f"shuffle element size must be in 1..16, got {self.shuffle}")
-        if self.batch_form not in ("span", "list"):
-            raise ValueError(f"batch_form must be 'span' or 'list', got {self.batch_form!r}")
         nv = load_nvcomp()
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.device is None else torch.device(self.device)
         if self.device.index is None:
@@ -310,7 +289,7 @@ class GpuCodec:
         # nvCOMP's advice: 16 B when in doubt (it reports 16 for ANS, 4/1 for Zstd).
         self.comp_alignment = max(16, int(self._codec.get_required_compression_alignment()))
         self.decomp_alignment = max(16, int(self._codec.get_required_decompression_alignment()))
-        self.itemsize = _ITEMSIZE[self.data_type] if self.algorithm == "ans" else self.shuffle
+        self.itemsize = ITEMSIZE[self.data_type] if self.algorithm == "ans" else self.shuffle
 
     # -- helpers --
     def max_compressed_size(self, raw_length: int) -> int:
@@ -340,10 +319,7 @@ class GpuCodec:
         bad = [i for i, c in enumerate(out) if c.data_ptr() % alignment]
         if bad:
             with torch.cuda.stream(self.stream):
-                offs, p = [], 0
-                for i in bad:
-                    offs.append(p)
-                    p += _align(out[i].numel(), alignment)
+                offs, p = packed_offsets((out[i].numel() for i in bad), alignment)
                 stage = torch.empty(p, dtype=torch.uint8, device=self.device)  # 512-B aligned
                 for i, o in zip(bad, offs):
                     dst = stage[o: o + out[i].numel()]
@@ -353,8 +329,6 @@ class GpuCodec:
 
     def _batch(self, tensors: Sequence[torch.Tensor]) -> Any:
         nv = load_nvcomp()
-        if self.batch_form == "list":
-            return nv.as_arrays(list(tensors), self.stream.cuda_stream)
         span = _Span(tensors)
         return nv.as_arrays(span, span.offsets, span.sizes, self.stream.cuda_stream)
 
@@ -376,7 +350,7 @@ class GpuCodec:
         if self.algorithm == "ans" and biggest > MAX_ANS_CHUNK:
             raise ValueError(f"nvCOMP ANS compresses at most {MAX_ANS_CHUNK} bytes per chunk, got {biggest}")
         a = self.comp_alignment
-        cap = _align(self.max_compressed_size(biggest), a)
+        cap = align_up(self.max_compressed_size(biggest), a)
         offsets = [i * cap for i in range(len(chunks))]
         with torch.cuda.stream(s):
             # Zeroed: nvCOMP ANS leaves a few bytes inside each reported stream length
@@ -385,10 +359,7 @@ class GpuCodec:
             # keeps stale GPU memory out of them; the memset costs ~1 ms per 2 GB.
             out = torch.zeros(cap * len(chunks), dtype=torch.uint8, device=self.device)
             if self.algorithm == "zstd" and self.shuffle > 1:
-                planes_offsets, p = [], 0
-                for n in raw_lengths:
-                    planes_offsets.append(p)
-                    p += _align(n, a)
+                planes_offsets, p = packed_offsets(raw_lengths, a)
                 planes = torch.empty(p, dtype=torch.uint8, device=self.device)
                 _shuffle_batch(planes, planes_offsets, chunks, self.shuffle, inverse=False)
                 inputs = [planes[o: o + n] for o, n in zip(planes_offsets, raw_lengths)]
@@ -421,7 +392,7 @@ class GpuCodec:
         torch-owned memory, exactly the raw length of each chunk.  Both must be
         ready on ``self.stream``.  Blocks until the decode finished (nvCOMP
         reads the stream headers back); the outputs are then valid on the stream.
-        Raises NvckptError if a chunk decodes to a length other than its destination's.
+        Raises DecodeRejected if a chunk decodes to a length other than its destination's.
         """
         if len(payloads) != len(outs):
             raise ValueError("payloads and outs differ in length")
@@ -439,10 +410,7 @@ class GpuCodec:
             shuffled = self.algorithm == "zstd" and self.shuffle > 1
             staged: list[tuple[torch.Tensor, torch.Tensor]] = []
             if shuffled:
-                offs, p = [], 0
-                for n in raw_lengths:
-                    offs.append(p)
-                    p += _align(n, a)
+                offs, p = packed_offsets(raw_lengths, a)
                 scratch = torch.empty(p, dtype=torch.uint8, device=self.device)
                 targets = [scratch[o: o + n] for o, n in zip(offs, raw_lengths)]
             else:
@@ -457,7 +425,7 @@ class GpuCodec:
             del result, src, dst
             for i, (got, want) in enumerate(zip(sizes, raw_lengths)):
                 if got != want:
-                    raise NvckptError(f"chunk {i} of a batch decoded to {got} bytes, expected {want}")
+                    raise DecodeRejected(f"chunk {i} of a batch decoded to {got} bytes, expected {want}")
             if shuffled:
                 _shuffle_batch(scratch, offs, list(outs), self.shuffle, inverse=True)
             else:
@@ -469,10 +437,7 @@ class GpuCodec:
         targets = list(outs)
         bad = [i for i, o in enumerate(outs) if o.data_ptr() % a]
         if bad:
-            offs, p = [], 0
-            for i in bad:
-                offs.append(p)
-                p += _align(outs[i].numel(), a)
+            offs, p = packed_offsets((outs[i].numel() for i in bad), a)
             stage = torch.empty(p, dtype=torch.uint8, device=self.device)
             for i, o in zip(bad, offs):
                 targets[i] = stage[o: o + outs[i].numel()]
@@ -484,42 +449,22 @@ class GpuCodec:
 _local = threading.local()
 
 
-def codec_for(algorithm: str, data_type: str = "|u1", shuffle: int = 1, *,
-              device: torch.device | None = None, stream: torch.cuda.Stream | None = None) -> GpuCodec:
-    """This thread's GpuCodec for (algorithm, data type, shuffle, device, stream)."""
-    dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-    if dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    st = torch.cuda.current_stream(dev) if stream is None else stream
-    key = (algorithm, data_type, shuffle, dev.index, st.cuda_stream)
+def codec_for(op: DeviceOp, *, device: torch.device, stream: torch.cuda.Stream) -> GpuCodec:
+    """This thread's GpuCodec for a pipeline's device op on (device, stream)."""
+    if op.algorithm == "ans":
+        check_ans_version(op.written_by)
+    key = (op.algorithm, op.data_type, op.shuffle, device.index, stream.cuda_stream)
     cache = getattr(_local, "codecs", None)
     if cache is None:
         cache = _local.codecs = {}
     codec = cache.get(key)
     if codec is None:
-        codec = cache[key] = GpuCodec(algorithm, data_type, shuffle, dev, st)
+        data_type = op.data_type if op.algorithm == "ans" else "|u1"
+        codec = cache[key] = GpuCodec(op.algorithm, data_type, op.shuffle, device, stream)
     return codec
 
 
-def gpu_op_for(pipeline: Any) -> tuple[str, str, int] | None:
-    """(algorithm, data_type, shuffle) when a codec pipeline decodes on the GPU, else None.
-
-    nvcomp-ans -> ("ans", data_type, 1); zstd -> ("zstd", "|u1", 1);
-    byteshuffle(k)+zstd -> ("zstd", "|u1", k).  Others (raw, unknown) -> None.
-    """
-    steps = getattr(pipeline, "steps", ())
-    names = [s.name for s in steps]
-    if names == ["nvcomp-ans"]:
-        check_ans_version(getattr(steps[0], "nvcomp_version", ""))
-        return ("ans", steps[0].data_type, 1)
-    if names == ["zstd"]:
-        return ("zstd", "|u1", 1)
-    if names == ["byteshuffle", "zstd"]:
-        return ("zstd", "|u1", steps[0].elementsize)
-    return None
-
-
 __all__ = [
-    "NVCOMP_PACKAGE", "load_nvcomp", "available", "nvcomp_version", "check_ans_version", "ans_data_type",
-    "byteshuffle_into", "unshuffle_into", "EncodedBatch", "GpuCodec", "codec_for", "gpu_op_for",
+    "NVCOMP_PACKAGE", "load_nvcomp", "available", "nvcomp_version", "check_ans_version",
+    "byteshuffle_into", "unshuffle_into", "EncodedBatch", "GpuCodec", "codec_for", "DecodeRejected",
 ]

@@ -1,4 +1,4 @@
-"""The CPU engine: encode chunks with the portable codecs on a thread pool.
+"""The CPU engine: encode chunks with the host codecs on a thread pool.
 
 zstd and numpy release the GIL, so a small pool keeps every core busy while
 the caller's thread writes frames in order.  At most ``window`` chunks are in
@@ -14,11 +14,12 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..codecs import RAW, Pipeline
+from ..codecs.base import Pipeline
+from ..codecs.registry import RAW
 from ..errors import NvckptError
 from ..format.structs import xxh3
-from .container import EncodedChunk, TensorFrame
-from .plan import PlannedTensor, SavePlan
+from ..plan.walk import PlannedTensor, SavePlan
+from .items import EncodedChunk, TensorReady
 
 
 def host_bytes(t: PlannedTensor) -> memoryview:
@@ -39,40 +40,38 @@ def encode_chunk(pipeline: Pipeline, raw: memoryview) -> tuple[Pipeline, bytes |
 
 def encode_cpu(
     plan: SavePlan,
-    choose: Callable[[PlannedTensor], Pipeline],
+    choose: Callable[[str], Pipeline],
     *,
     workers: int | None = None,
     tensor_checksums: bool = True,
-) -> Iterator[TensorFrame | EncodedChunk]:
+) -> Iterator[TensorReady | EncodedChunk]:
     workers = workers or os.cpu_count() or 1
     window = 4 * workers
-    pending: deque[TensorFrame | tuple[PlannedTensor, int, Future]] = deque()
+    pending: deque[TensorReady | tuple[PlannedTensor, int, Future]] = deque()
 
-    def drain(limit: int) -> Iterator[TensorFrame | EncodedChunk]:
+    def drain(limit: int) -> Iterator[TensorReady | EncodedChunk]:
         while len(pending) > limit:
             item = pending.popleft()
-            if isinstance(item, TensorFrame):
+            if isinstance(item, TensorReady):
                 yield item
                 continue
             t, index, future = item
             try:
                 pipeline, payload, checksum = future.result()
-            except NvckptError:
-                raise
-            except Exception as exc:
-                raise NvckptError(f"encoding failed: {exc}", tensor=t.name, chunk=index) from exc
+            except NvckptError as exc:
+                raise exc.located(tensor=t.name, chunk=index)
             yield EncodedChunk(t.tensor_id, index, pipeline, payload, t.chunks[index][1], checksum)
 
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="nvckpt-encode") as pool:
         try:
             for t in plan.tensors:
                 if t.data is None:
-                    pending.append(TensorFrame(t.tensor_id))
+                    pending.append(TensorReady(t.tensor_id))
                     continue
                 with torch.no_grad():
                     raw = host_bytes(t)
-                pending.append(TensorFrame(t.tensor_id, xxh3(raw) if tensor_checksums else None))
-                pipeline = choose(t)
+                pending.append(TensorReady(t.tensor_id, xxh3(raw) if tensor_checksums else None))
+                pipeline = choose(t.entry["dtype"])
                 for index, (start, length) in enumerate(t.chunks):
                     future = pool.submit(encode_chunk, pipeline, raw[start : start + length])
                     pending.append((t, index, future))
@@ -80,5 +79,5 @@ def encode_cpu(
             yield from drain(0)
         finally:
             for item in pending:
-                if not isinstance(item, TensorFrame):
+                if not isinstance(item, TensorReady):
                     item[2].cancel()

@@ -1,12 +1,10 @@
-"""Element types: the dtype names of SPEC.md and their torch and numpy forms."""
+"""Element types: the dtype names of SPEC.md 10 and their sizes (torch forms: nvckpt.plan.dtypes)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from .errors import FormatError, UnsupportedFeatureError, UnsupportedObjectError
+from ..errors import FormatError, UnsupportedFeatureError
 
 
 @dataclass(frozen=True)
@@ -35,12 +33,6 @@ def _table() -> dict[str, DType]:
 
 DTYPES: dict[str, DType] = _table()
 
-# Only the dtypes this torch build has (older builds lack some fp8 types).
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    n: getattr(torch, n) for n in DTYPES if isinstance(getattr(torch, n, None), torch.dtype)
-}
-_BY_TORCH = {d: n for n, d in TORCH_DTYPES.items()}
-
 
 def from_name(name: object) -> DType:
     if not isinstance(name, str):
@@ -50,18 +42,6 @@ def from_name(name: object) -> DType:
     return DTYPES[name]
 
 
-def name_of(dtype: torch.dtype) -> str:
-    try:
-        return _BY_TORCH[dtype]
-    except KeyError:
-        raise UnsupportedObjectError(
-            f"dtype {dtype} has no fixed-width byte layout in nvckpt "
-            f"(supported: {', '.join(DTYPES)})"
-        ) from None
-
-
-def to_torch(name: str) -> torch.dtype:
-    try:
-        return TORCH_DTYPES[name]
-    except KeyError:
-        raise FormatError(f"dtype {name!r} is not available in torch {torch.__version__}") from None
+def unknown(name: str) -> DType:
+    """Stand-in for a dtype this reader does not know (SPEC 10: the error comes when the tensor is read)."""
+    return DType(name, 0, False)

@@ -1,0 +1,383 @@
+"""Where the GPU engines run: a device backend.
+
+The encode and decode pipelines (encode.py, decode.py) are written against
+``Backend``; ``CudaBackend`` runs them on a CUDA device with nvCOMP, and
+``HostBackend`` runs the very same scheduling with the host codecs in plain
+memory, so that CI tests the engines' logic without a GPU.
+
+Events stand for "this device work is done": ``wait(event)`` blocks on one,
+``ready(event)`` polls it; the host backend's work is done when issued (None).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Hashable, Protocol
+
+import numpy as np
+import torch
+
+from ...codecs.base import DecodeRejected, DeviceOp, Pipeline
+from ...codecs.nvcomp.staging import align_up, packed_offsets
+from ...plan.walk import flat_bytes
+from .batching import Batch, aligned_host_buffer
+
+
+@dataclass
+class Encoded:
+    """One batch after its encode call was issued."""
+
+    batch: Batch
+    inputs: list[torch.Tensor]  # the chunks' raw bytes on the device (views or staged copies)
+    capacity: int
+    buffer: torch.Tensor  # chunk i at [i * capacity, i * capacity + sizes[i])
+    result: Any  # nvcomp EncodedBatch, or None on the host
+    sizes_known: list[int] | None = None
+    timing: tuple[Any, Any] | None = None
+
+    def sizes(self) -> list[int]:
+        if self.sizes_known is None:
+            self.sizes_known = self.result.sizes()  # waits for the encode
+        return self.sizes_known
+
+    @property
+    def event(self) -> Any:
+        return None if self.result is None else self.result.event
+
+
+class Backend(Protocol):
+    device: torch.device
+
+    # -- both directions --
+    def host_buffer(self, size: int) -> torch.Tensor: ...
+    def to_host(self, src: torch.Tensor, dst: torch.Tensor, stream: Any) -> Any: ...
+    def side_stream(self, after: Any) -> Any: ...
+    def flat(self, tensor: torch.Tensor) -> torch.Tensor: ...
+    def mark(self) -> Any: ...
+    def wait(self, event: Any) -> None: ...
+    def ready(self, event: Any) -> bool: ...
+    def finish(self) -> None: ...
+    def timing_report(self) -> dict[str, Any]: ...
+    # -- encode --
+    def wait_for_caller(self, event: Any) -> None: ...
+    def capacity(self, pipeline: Pipeline, length: int) -> int: ...
+    def encode(self, batch: Batch, sources: dict[int, torch.Tensor]) -> Encoded: ...
+    def copy_out(self, enc: Encoded, first: int, stop: int, lengths: list[int], raw: list[int], slot: torch.Tensor) -> Any: ...
+    # -- decode --
+    def route(self, pipeline: Pipeline) -> Any: ...
+    def alloc(self, nbytes: int) -> torch.Tensor: ...
+    def dest(self, nbytes: int) -> torch.Tensor: ...
+    def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
+    def unshuffle(self, dst: torch.Tensor, planes: torch.Tensor, k: int) -> None: ...
+    def decode(self, key: Hashable, payloads: list[torch.Tensor], outs: list[torch.Tensor]) -> None: ...
+
+
+def _slot_used(enc: Encoded, first: int, stop: int, lengths: list[int]) -> int:
+    return (stop - 1 - first) * enc.capacity + lengths[stop - 1]
+
+
+# -- CUDA ---------------------------------------------------------------------------------------
+_streams: dict[Any, tuple[Any, Any]] = {}
+_streams_lock = threading.Lock()
+
+
+def device_streams(device: torch.device) -> tuple[Any, Any]:
+    """The engines' (compute, copy) streams of a device, made once: buffers that torch's allocator caches
+    on them are reused by the next save or load instead of staying reserved for a stream nobody uses."""
+    with _streams_lock:
+        pair = _streams.get(device)
+        if pair is None:
+            pair = _streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        return pair
+
+
+def cuda_device(device: Any) -> torch.device:
+    device = torch.device(device)
+    return torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+
+
+class CudaBackend:
+    """nvCOMP on the device's compute stream, device-to-host copies on its copy stream."""
+
+    def __init__(self, device: Any, *, gpu_zstd: bool = False, timing: bool = False) -> None:
+        from ...codecs.nvcomp import backend as nb  # imported lazily: nvCOMP is optional
+
+        self._nb = nb
+        self.device = cuda_device(device)
+        self.stream, self.copy_stream = device_streams(self.device)
+        self.gpu_zstd = gpu_zstd
+        self.timing = timing
+        self.timings: list[tuple] = []  # (stage start, stage end, codec start, codec end, label, bytes)
+
+    def _codec(self, op: DeviceOp) -> Any:
+        codec = self._nb.codec_for(op, device=self.device, stream=self.stream)
+        codec.timing = self.timing
+        return codec
+
+    # -- both directions --
+    def host_buffer(self, size: int) -> torch.Tensor:
+        return aligned_host_buffer(size, pin=True)
+
+    def to_host(self, src: torch.Tensor, dst: torch.Tensor, stream: Any) -> Any:
+        with torch.cuda.stream(stream):
+            dst[: src.numel()].copy_(src, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(stream)
+        return ev
+
+    def side_stream(self, after: Any) -> Any:
+        s = torch.cuda.Stream(self.device)
+        s.wait_stream(self.stream)
+        if after is not None:
+            s.wait_event(after)
+        return s
+
+    def flat(self, tensor: torch.Tensor) -> torch.Tensor:
+        with torch.cuda.stream(self.stream):
+            return flat_bytes(tensor)
+
+    def mark(self) -> Any:
+        ev = torch.cuda.Event()
+        ev.record(self.stream)
+        return ev
+
+    def wait(self, event: Any) -> None:
+        event.synchronize()
+
+    def ready(self, event: Any) -> bool:
+        return bool(event.query())
+
+    def finish(self) -> None:
+        self.stream.synchronize()
+        self.copy_stream.synchronize()
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def _timed(self) -> Any:
+        if not self.timing:
+            return None
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(self.stream)
+        return ev
+
+    def timing_report(self) -> dict[str, Any]:
+        from .stats import timing_report
+
+        return timing_report(self.timings) if self.timings else {}
+
+    # -- encode --
+    def wait_for_caller(self, event: Any) -> None:
+        """Order the engine's streams after the caller's pending work (or a snapshot's copies)."""
+        caller = torch.cuda.current_stream(self.device)
+        for s in (self.stream, self.copy_stream):
+            s.wait_stream(caller)
+            if event is not None:
+                s.wait_event(event)
+
+    def capacity(self, pipeline: Pipeline, length: int) -> int:
+        op = pipeline.device_op()
+        if op is None:
+            raise ValueError(f"pipeline {pipeline.describe()} does not encode on the GPU")
+        c = self._codec(op)
+        return align_up(c.max_compressed_size(length), c.comp_alignment)
+
+    def encode(self, batch: Batch, sources: dict[int, torch.Tensor]) -> Encoded:
+        codec = self._codec(batch.key.device_op())
+        inputs = [sources[j.tensor_id][j.start: j.start + j.length] for j in batch.jobs]
+        with torch.cuda.stream(self.stream):
+            away = [i for i, x in enumerate(inputs) if x.device != self.device]
+            if away:  # chunks of tensors on the CPU (an optimizer's step counts) or another GPU
+                offs, total = packed_offsets((inputs[i].numel() for i in away), 512)
+                stage = torch.empty(total, dtype=torch.uint8, device=self.device)
+                for i, o in zip(away, offs):
+                    dst = stage[o: o + inputs[i].numel()]
+                    dst.copy_(inputs[i])
+                    inputs[i] = dst
+            start = self._timed()
+            result = codec.encode(inputs)
+            end = self._timed()
+        if result.capacity != batch.capacity:
+            raise RuntimeError(f"planned capacity {batch.capacity} != nvCOMP's {result.capacity}")
+        if self.timing:
+            self.timings.append((start, end, *(result.codec_events or (None, None)), batch.key.describe(), batch.raw_bytes))
+        return Encoded(batch, inputs, result.capacity, result.buffer, result)
+
+    def copy_out(self, enc: Encoded, first: int, stop: int, lengths: list[int], raw: list[int],
+                 slot: torch.Tensor) -> Any:
+        """Issue the copies of chunks [first, stop) into ``slot``; returns an event to wait for."""
+        cap = enc.capacity
+        used = _slot_used(enc, first, stop, lengths)
+        with torch.cuda.stream(self.copy_stream):
+            self.copy_stream.wait_event(enc.event)
+            slot[:used].copy_(enc.buffer[first * cap: first * cap + used], non_blocking=True)
+            for i in raw:  # chunks stored raw: their input bytes replace the encoded ones
+                n = enc.inputs[i].numel()
+                slot[(i - first) * cap: (i - first) * cap + n].copy_(enc.inputs[i], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.copy_stream)
+        return done
+
+    # -- decode --
+    def route(self, pipeline: Pipeline) -> Any:
+        """"raw", "cpu", ("planes", k) (libzstd on the host, byte planes put back here), or a DeviceOp."""
+        if pipeline.is_raw:
+            return "raw"
+        op = pipeline.device_op()
+        if op is None:
+            return "cpu"
+        if op.algorithm == "ans":
+            self._nb.check_ans_version(op.written_by)  # UnsupportedCodecError before any read
+        if op.algorithm == "zstd" and not self.gpu_zstd:
+            return ("planes", op.shuffle)
+        return op
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        """Scratch memory of the engine's stream (the arena)."""
+        with torch.cuda.stream(self.stream):
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def dest(self, nbytes: int) -> torch.Tensor:
+        """Memory for a tensor handed to the caller: allocated on the caller's stream, which waits
+        for the engine's stream before the load returns (finish)."""
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Host -> device on the engine's stream; returns once ``src`` may be reused."""
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        ev.synchronize()
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+
+    def unshuffle(self, dst: torch.Tensor, planes: torch.Tensor, k: int) -> None:
+        """Byte planes (host) -> elements (device): upload, then the transpose on the engine's stream."""
+        with torch.cuda.stream(self.stream):
+            tmp = torch.empty(planes.numel(), dtype=torch.uint8, device=self.device)
+            tmp.copy_(planes, non_blocking=True)
+            self._nb.unshuffle_into(dst, tmp, k)
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        ev.synchronize()
+
+    def decode(self, key: Hashable, payloads: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+        codec = self._codec(key)
+        start = self._timed()
+        codec.decode(payloads, outs)
+        end = self._timed()
+        if self.timing:
+            label = f"ans({key.data_type})" if key.algorithm == "ans" else f"zstd(shuffle={key.shuffle})"
+            self.timings.append((start, end, *(codec.last_codec_events or (None, None)), label, sum(o.numel() for o in outs)))
+
+
+# -- host stand-in ------------------------------------------------------------------------------
+class HostBackend:
+    """The same engines with the host codecs in host memory: runs their scheduling in CI without a GPU.
+
+    "Device" and "pinned" memory are plain host memory; work is done when issued."""
+
+    def __init__(self, *, gpu_zstd: bool = False, timing: bool = False) -> None:
+        self.device = torch.device("cpu")
+        self.gpu_zstd = gpu_zstd
+
+    # -- both directions --
+    def host_buffer(self, size: int) -> torch.Tensor:
+        return aligned_host_buffer(size, pin=False)
+
+    def to_host(self, src: torch.Tensor, dst: torch.Tensor, stream: Any) -> Any:
+        dst[: src.numel()].copy_(src)
+        return None
+
+    def side_stream(self, after: Any) -> Any:
+        return None
+
+    def flat(self, tensor: torch.Tensor) -> torch.Tensor:
+        flat = flat_bytes(tensor)
+        return flat if flat.device.type == "cpu" else flat.cpu()
+
+    def mark(self) -> Any:
+        return None
+
+    def wait(self, event: Any) -> None:
+        pass
+
+    def ready(self, event: Any) -> bool:
+        return True
+
+    def finish(self) -> None:
+        pass
+
+    def timing_report(self) -> dict[str, Any]:
+        return {}
+
+    # -- encode --
+    def wait_for_caller(self, event: Any) -> None:
+        pass
+
+    @staticmethod
+    def capacity(pipeline: Pipeline, length: int) -> int:
+        return length + (length >> 7) + 64  # anything longer than the chunk is stored raw anyway
+
+    def encode(self, batch: Batch, sources: dict[int, torch.Tensor]) -> Encoded:
+        cap = batch.capacity
+        out = torch.zeros(cap * len(batch.jobs), dtype=torch.uint8)
+        inputs, sizes = [], []
+        view = out.numpy()
+        for i, j in enumerate(batch.jobs):
+            raw = sources[j.tensor_id][j.start: j.start + j.length]
+            inputs.append(raw)
+            data = memoryview(batch.key.encode(memoryview(raw.numpy()))).cast("B")
+            n = data.nbytes
+            if n <= cap:
+                view[i * cap: i * cap + n] = data
+            sizes.append(n)
+        return Encoded(batch, inputs, cap, out, None, sizes)
+
+    def copy_out(self, enc: Encoded, first: int, stop: int, lengths: list[int], raw: list[int],
+                 slot: torch.Tensor) -> Any:
+        cap = enc.capacity
+        used = _slot_used(enc, first, stop, lengths)
+        slot[:used].copy_(enc.buffer[first * cap: first * cap + used])
+        for i in raw:
+            n = enc.inputs[i].numel()
+            slot[(i - first) * cap: (i - first) * cap + n].copy_(enc.inputs[i])
+        return None
+
+    # -- decode --
+    def route(self, pipeline: Pipeline) -> Any:
+        # byteshuffle+zstd takes the route it takes on a GPU (libzstd in the reader threads, planes put
+        # back by the "device"); other pipelines stand in for a device codec, so CI runs both paths.
+        if pipeline.is_raw:
+            return "raw"
+        op = pipeline.device_op()
+        if op is not None and op.algorithm == "zstd" and op.shuffle > 1 and not self.gpu_zstd:
+            return ("planes", op.shuffle)
+        return pipeline
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    dest = alloc
+
+    def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)
+
+    copy = upload
+
+    def unshuffle(self, dst: torch.Tensor, planes: torch.Tensor, k: int) -> None:
+        n = planes.numel() // k
+        dst.view(n, k).copy_(planes.view(k, n).t())
+
+    def decode(self, key: Hashable, payloads: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+        for i, (p, o) in enumerate(zip(payloads, outs)):
+            data = memoryview(key.decode(memoryview(p.numpy()), o.numel())).cast("B")
+            if data.nbytes != o.numel():
+                raise DecodeRejected(f"chunk {i} of a batch decoded to {data.nbytes} bytes, expected {o.numel()}")
+            o.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+
+
+__all__ = ["Backend", "CudaBackend", "HostBackend", "Encoded", "cuda_device", "device_streams"]

@@ -1,0 +1,312 @@
+"""The GPU engine: a save's chunks compressed on the GPU with nvCOMP, in a pipeline.
+
+Stages, all overlapping:
+
+1. encode: chunks are grouped into batches (``batching.plan_batches``: one
+   codec, similar sizes, output of at most ``batch_bytes``), each encoded by
+   one batched nvCOMP call on the engine's compute stream, up to ``inflight``
+   batches ahead of the writer;
+2. copy out: an encoded batch goes to pinned host memory in runs of chunks
+   (``batching.copy_groups``), one device-to-host copy per run on a copy
+   stream, into a fixed pool of pinned slots (``pinned_slots`` x ``slot_bytes``);
+3. hand over: the generator yields each chunk as a memoryview of its slot with
+   its XXH3-64 (computed by a small thread pool; xxhash releases the GIL) and
+   a ``release`` callback; the writer (ContainerWriter -> FileSink, whose I/O
+   threads write with O_DIRECT) copies it out and calls release, which frees
+   the slot once all its chunks are written.  No free slot: the generator
+   waits for the writer, so a slow disk slows encoding instead of growing memory.
+
+Beside them, when the save wants tensor checksums, ``checksum_workers``
+threads compute the XXH3-64 of every tensor's raw bytes (device-to-host copies
+through two pinned pieces of ``piece_bytes`` each) in the order the tensors are
+first written.
+
+Memory beyond the caller's tensors: GPU about (inflight + 1) x (batch_bytes of
+output + batch_bytes of scratch for the byte-plane split or staged inputs);
+pinned host memory pinned_slots x slot_bytes + checksum_workers x 2 x
+piece_bytes (384 MiB by default; torch keeps freed pinned blocks for the next
+save).  Never proportional to the checkpoint.  The knobs are
+``nvckpt.GpuSaveOptions``.  On the H200 (benchmarks/results/bench_h200.md) a
+7.2 GB state saves at the disk's O_DIRECT speed: the GPU encodes it in ~36 ms
+of GPU time.
+
+Codecs (nvckpt.codecs.presets): "auto"/"ans" -> nvcomp-ans with the data-type
+mode of each dtype; "portable" -> the CPU engine's pipelines (byteshuffle+zstd
+/ zstd), made on the GPU with the byte-plane split and nvCOMP Zstd's RAW
+(standard) frames; raw where a chunk would not shrink.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+
+from ...codecs.base import Pipeline
+from ...codecs.registry import RAW
+from ...format.structs import xxh3
+from ...options import GpuSaveOptions
+from ...plan.walk import PlannedTensor, SavePlan
+from ..items import EncodedChunk, TensorReady
+from .backend import Backend, Encoded
+from .batching import ChunkJob, SlotPool, copy_groups, first_use_order, plan_batches
+from .hashing import device_digest
+
+
+# -- tensor checksums ------------------------------------------------------------------------
+class TensorChecksums:
+    """XXH3-64 of whole tensors, computed by ``workers`` threads in the order the writer needs them.
+
+    Each worker takes the next tensor of the list and hashes it alone (the
+    hash of one tensor is sequential), through its own two pinned pieces."""
+
+    def __init__(self, dev: Backend, tensors: list[PlannedTensor], ready: Any, piece_bytes: int, workers: int = 1) -> None:
+        self.dev = dev
+        self.tensors = tensors
+        self.ready = ready
+        self.piece_bytes = piece_bytes
+        self.results: dict[int, int] = {}
+        self.error: BaseException | None = None
+        self.stop = threading.Event()
+        self._cond = threading.Condition()
+        self._next = 0
+        self.seconds = 0.0
+        self.waited = 0.0  # time the writer waited for a checksum
+        self._started = time.perf_counter()
+        self._threads = [threading.Thread(target=self._run, name="nvckpt-tensor-checksums", daemon=True)
+                         for _ in range(max(1, min(workers, len(tensors))))]
+        for th in self._threads:
+            th.start()
+
+    def _take(self) -> PlannedTensor | None:
+        with self._cond:
+            if self._next >= len(self.tensors) or self.stop.is_set() or self.error is not None:
+                return None
+            self._next += 1
+            return self.tensors[self._next - 1]
+
+    def _run(self) -> None:
+        try:
+            stream = self.dev.side_stream(self.ready)
+            pieces: list[torch.Tensor] = []
+            while (t := self._take()) is not None:
+                with torch.no_grad():
+                    value = self._digest(t, stream, pieces)
+                with self._cond:
+                    self.results[t.tensor_id] = value
+                    self._cond.notify_all()
+        except BaseException as exc:  # reported to the writer's thread by get()
+            with self._cond:
+                self.error = exc
+                self._cond.notify_all()
+        finally:
+            self.seconds = max(self.seconds, time.perf_counter() - self._started)
+
+    def _digest(self, t: PlannedTensor, stream: Any, pieces: list[torch.Tensor]) -> int:
+        flat = self.dev.flat(t.data) if stream is None else _on_stream(stream, lambda: self.dev.flat(t.data))
+        return device_digest(self.dev, flat, stream, pieces, self.piece_bytes, self.stop)
+
+    def get(self, tensor_id: int) -> int:
+        start = time.perf_counter()
+        with self._cond:
+            while tensor_id not in self.results and self.error is None and any(th.is_alive() for th in self._threads):
+                self._cond.wait(0.5)
+            self.waited += time.perf_counter() - start
+            if tensor_id in self.results:
+                return self.results[tensor_id]
+            if self.error is not None:
+                raise self.error
+            raise RuntimeError(f"no checksum was computed for tensor {tensor_id}")
+
+    def close(self) -> None:
+        self.stop.set()
+        for th in self._threads:
+            th.join()
+
+
+def _on_stream(stream: Any, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+    with torch.cuda.stream(stream):
+        return fn()
+
+
+# -- the pipeline ---------------------------------------------------------------------------
+@dataclass
+class _Group:
+    """Chunks [first, stop) of an encoded batch, on their way through one pinned slot."""
+
+    enc: Encoded
+    first: int
+    stop: int
+    slot: int
+    view: Any  # numpy view of the slot
+    raw: set[int]
+    event: Any
+    hashes: list[Future] | None = None
+    left: int = 0
+    pool: SlotPool | None = field(default=None, repr=False)
+
+    def release_one(self) -> None:
+        self.left -= 1
+        if self.left == 0:
+            self.pool.give(self.slot)
+
+    def payload(self, i: int) -> memoryview:
+        at = (i - self.first) * self.enc.capacity
+        n = self.enc.batch.jobs[i].length if i in self.raw else self.enc.sizes()[i]
+        return memoryview(self.view[at: at + n])
+
+
+def encode_batches(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, options: GpuSaveOptions, *,
+                   tensor_checksums: bool = True, ready: Any = None,
+                   stats: dict[str, Any] | None = None) -> Iterator[TensorReady | EncodedChunk]:
+    """Items for the frame writer: every tensor's TensorReady, then its chunks, encoded on ``dev``.
+
+    ``choose(dtype name)`` is the pipeline of a tensor; ``ready``: an event the
+    engine's streams wait for (an async_save snapshot's copies); ``stats`` is
+    filled with what the run measured."""
+    # Runs in the caller's thread up to the first next(): order after the caller's stream now.
+    dev.wait_for_caller(ready)
+    return _pipeline(plan, choose, dev, options, tensor_checksums, ready, {} if stats is None else stats)
+
+
+def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, options: GpuSaveOptions,
+              tensor_checksums: bool, ready: Any, stats: dict[str, Any]) -> Iterator[TensorReady | EncodedChunk]:
+    started = time.perf_counter()
+    batch_bytes, inflight, slot_bytes = options.batch_bytes, options.inflight, options.slot_bytes
+    stats["engine"] = type(dev).__name__
+    pipelines: dict[int, Pipeline] = {}
+    jobs: list[ChunkJob] = []
+    for t in plan.tensors:
+        if t.data is not None and t.chunks:
+            pipelines[t.tensor_id] = p = choose(t.entry["dtype"])
+            jobs.extend(ChunkJob(t.tensor_id, i, s, n, p) for i, (s, n) in enumerate(t.chunks))
+    batches = plan_batches(jobs, dev.capacity, batch_bytes=batch_bytes, max_chunks=options.max_batch_chunks)
+    for b in batches:
+        if b.capacity > slot_bytes:
+            raise ValueError(f"GpuSaveOptions.slot_bytes ({slot_bytes}) is smaller than one chunk's output capacity ({b.capacity})")
+    # Chunks left per tensor: its flat bytes are dropped after the last one is encoded.
+    left = {tid: 0 for tid in pipelines}
+    for j in jobs:
+        left[j.tensor_id] += 1
+    by_id = {t.tensor_id: t for t in plan.tensors}
+    order = [by_id[tid] for tid in first_use_order(batches)]
+
+    checks = (TensorChecksums(dev, order, ready, options.piece_bytes, options.checksum_workers)
+              if tensor_checksums and order else None)
+    hasher = ThreadPoolExecutor(options.hash_workers, thread_name_prefix="nvckpt-chunk-xxh3")
+    pool: SlotPool | None = None
+    announced: set[int] = set()
+    sources: dict[int, torch.Tensor] = {}
+    waits = {"encode": 0.0, "copy_out": 0.0, "chunk_xxh3": 0.0, "writer": 0.0}  # where the generator's time went
+    raw_bytes = stored = nraw = 0
+    try:
+        # Tensors without chunks (views, derived, empty) first: a truncated file still has them.
+        for t in plan.tensors:
+            if not (t.data is not None and t.chunks):
+                checksum = None
+                if t.data is not None and tensor_checksums:
+                    checksum = xxh3(b"")
+                announced.add(t.tensor_id)
+                yield TensorReady(t.tensor_id, checksum)
+        if not batches:
+            return
+        pool = SlotPool(options.pinned_slots, slot_bytes, dev.host_buffer)
+        pool_views = [s.numpy() for s in pool.slots]
+        todo = deque(batches)
+        encoded: deque[Encoded] = deque()
+        cursor: list[Any] = [None, None]  # [groups of encoded[0], index of the next group]
+        copied: deque[_Group] = deque()
+
+        def submit() -> None:
+            b = todo.popleft()
+            for j in b.jobs:
+                if j.tensor_id not in sources:
+                    sources[j.tensor_id] = dev.flat(by_id[j.tensor_id].data)
+            encoded.append(dev.encode(b, sources))
+            for j in b.jobs:  # the batch holds views of what it needs
+                left[j.tensor_id] -= 1
+                if left[j.tensor_id] == 0:
+                    del sources[j.tensor_id]
+
+        def start_hashing(g: _Group) -> None:
+            if g.hashes is None:
+                t0 = time.perf_counter()
+                dev.wait(g.event)
+                waits["copy_out"] += time.perf_counter() - t0
+                g.hashes = [hasher.submit(xxh3, g.payload(i)) for i in range(g.first, g.stop)]
+
+        while True:
+            while todo and len(encoded) < inflight:
+                submit()
+            # Copy out the oldest encoded batch while pinned slots are free.
+            while encoded and pool.free:
+                enc = encoded[0]
+                if cursor[0] is None:
+                    t0 = time.perf_counter()
+                    sizes = enc.sizes()
+                    waits["encode"] += time.perf_counter() - t0
+                    raws = [i for i, (n, j) in enumerate(zip(sizes, enc.batch.jobs)) if n >= j.length]
+                    lengths = [j.length if n >= j.length else n for n, j in zip(sizes, enc.batch.jobs)]
+                    cursor[:] = [(copy_groups(enc.capacity, lengths, slot_bytes), lengths, set(raws)), 0]
+                groups, lengths, raws = cursor[0]
+                first, stop = groups[cursor[1]]
+                slot = pool.take()
+                raw_here = sorted(i for i in raws if first <= i < stop)
+                event = dev.copy_out(enc, first, stop, lengths, raw_here, pool.slots[slot])
+                copied.append(_Group(enc, first, stop, slot, pool_views[slot], set(raw_here), event,
+                                     left=stop - first, pool=pool))
+                cursor[1] += 1
+                if cursor[1] == len(groups):
+                    encoded.popleft()
+                    cursor[:] = [None, None]
+                    if todo:
+                        submit()  # keep the GPU ahead of the copies
+            if not copied:
+                if not encoded and not todo:
+                    break
+                if not pool.free:
+                    raise RuntimeError("every pinned slot is held but none is being written")
+                continue
+            group = copied.popleft()
+            start_hashing(group)
+            if copied and dev.ready(copied[0].event):
+                start_hashing(copied[0])  # overlap the next group's checksums with this group's writes
+            enc = group.enc
+            for k, i in enumerate(range(group.first, group.stop)):
+                job = enc.batch.jobs[i]
+                if job.tensor_id not in announced:
+                    announced.add(job.tensor_id)
+                    yield TensorReady(job.tensor_id, checks.get(job.tensor_id) if checks else None)
+                payload = group.payload(i)
+                is_raw = i in group.raw
+                raw_bytes += job.length
+                stored += payload.nbytes
+                nraw += is_raw
+                t0 = time.perf_counter()
+                checksum = group.hashes[k].result()
+                t1 = time.perf_counter()
+                waits["chunk_xxh3"] += t1 - t0
+                yield EncodedChunk(job.tensor_id, job.chunk_index, RAW if is_raw else enc.batch.key, payload,
+                                   job.length, checksum, group.release_one)
+                waits["writer"] += time.perf_counter() - t1  # the writer copying it out (and waiting for the disk)
+        stats.update(batches=len(batches), chunks=len(jobs), raw_chunks=nraw, raw_bytes=raw_bytes, stored_bytes=stored)
+    finally:
+        if checks is not None:
+            checks.close()
+            stats["tensor_checksum_seconds"] = checks.seconds
+            waits["tensor_checksum"] = checks.waited
+        stats["waits"] = waits
+        hasher.shutdown(wait=True, cancel_futures=True)
+        dev.finish()  # nothing may still read the sources or write the slots
+        if "batches" in stats:
+            stats.update(dev.timing_report())
+        stats["seconds"] = time.perf_counter() - started
+        sources.clear()
+
+
+__all__ = ["encode_batches", "TensorChecksums"]

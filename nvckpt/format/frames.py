@@ -1,0 +1,268 @@
+"""Frames (SPEC 4-7): the writer of a file's frames, and the walks a reader makes over them.
+
+``FrameWriter`` appends frames to a stream that never seeks: a TENSOR frame
+before the first chunk of its tensor, CODEC frames on first use, CHUNK frames
+padded to the alignment, then the INDEX frame and the footer.  It knows
+entries (maps) and pipelines (anything with ``to_json()``), not torch.
+
+``locate_index`` (random access), ``iter_frames`` (streaming, recovery) and
+``read_meta_frame`` read through any *source*: an object with ``pread(offset,
+length) -> bytes``, ``size`` and ``name`` (nvckpt.io.source.Source).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Hashable, Iterator, Protocol, Sequence
+
+import msgpack
+
+from ..errors import ChecksumError, FormatError, LimitError, NvckptError, TruncatedError, UnsupportedFeatureError
+from .constants import (
+    DEFAULT_ALIGNMENT,
+    FIRST_OPTIONAL_FRAME,
+    FOOTER_SIZE,
+    FRAME_CHUNK,
+    FRAME_CODEC,
+    FRAME_HEADER_SIZE,
+    FRAME_INDEX,
+    FRAME_NAMES,
+    FRAME_TENSOR,
+    MAX_ALIGNMENT,
+    MAX_CHUNK_LENGTH,
+    MAX_CODECS,
+    MAX_INDEX_LENGTH,
+    MAX_META_FRAME_LENGTH,
+    PREAMBLE_SIZE,
+    VERSION_MAJOR,
+    VERSION_MINOR,
+)
+from .index import Index, parse_index, unpack_index
+from .structs import Footer, FrameHeader, Preamble, xxh3
+from .tree import pack_tree, unpackb
+
+_ZEROS = bytes(MAX_ALIGNMENT)
+
+
+class PipelineLike(Protocol, Hashable):
+    def to_json(self) -> list[dict[str, Any]]: ...
+
+
+def check_alignment(alignment: object) -> None:
+    if type(alignment) is not int or not 1 <= alignment <= MAX_ALIGNMENT or alignment & (alignment - 1):
+        raise ValueError(f"alignment must be a power of two in 1..{MAX_ALIGNMENT}, got {alignment!r}")
+
+
+class FrameWriter:
+    """The frames of one file, in order.
+
+    ``entries[i]``: tensor i's index entry without ``"chunks"`` (name, dtype,
+    shape, view / derived, internal); ``chunk_lengths[i]``: the raw length of
+    each of its chunks, as planned.  Misuse (a chunk before its tensor, twice,
+    of another length) is a bug in the caller and raises AssertionError-like
+    ``RuntimeError``, never a file of the wrong shape."""
+
+    def __init__(self, stream: Any, entries: Sequence[dict[str, Any]], chunk_lengths: Sequence[Sequence[int]], *,
+                 alignment: int = DEFAULT_ALIGNMENT) -> None:
+        check_alignment(alignment)
+        if len(entries) != len(chunk_lengths):
+            raise ValueError("one list of chunk lengths per entry")
+        self.stream = stream
+        self.entries = entries
+        self.chunk_lengths = chunk_lengths
+        self.alignment = alignment
+        self.position = 0
+        self.codec_ids: dict[Any, int] = {}
+        self.codec_table: list[Any] = []
+        self.announced: list[bool] = [False] * len(entries)
+        self.checksums: dict[int, int] = {}
+        self.chunks: list[list[list[int] | None]] = [[None] * len(c) for c in chunk_lengths]
+        self._write(Preamble().pack())
+
+    def _write(self, data: Any) -> None:
+        self.stream.write(data)
+        self.position += memoryview(data).nbytes
+
+    def _frame(self, header: FrameHeader, payload: Any) -> int:
+        """Write one frame; returns the payload's offset."""
+        self._write(header.pack())
+        if header.padding_length:
+            self._write(_ZEROS[: header.padding_length])
+        offset = self.position
+        self._write(payload)
+        return offset
+
+    def _meta_frame(self, ftype: int, payload: bytes, **ids: int) -> int:
+        if ftype != FRAME_INDEX and len(payload) > MAX_META_FRAME_LENGTH:
+            raise LimitError(f"a {FRAME_NAMES[ftype]} frame of {len(payload)} bytes exceeds {MAX_META_FRAME_LENGTH}")
+        return self._frame(FrameHeader(ftype, len(payload), len(payload), xxh3(payload), **ids), payload)
+
+    def codec_id(self, pipeline: PipelineLike) -> int:
+        cid = self.codec_ids.get(pipeline)
+        if cid is None:
+            cid = len(self.codec_table)
+            if cid >= MAX_CODECS:
+                raise LimitError(f"more than {MAX_CODECS} distinct codec pipelines")
+            self._meta_frame(FRAME_CODEC, msgpack.packb(pipeline.to_json()), codec_id=cid)
+            self.codec_ids[pipeline] = cid
+            self.codec_table.append(pipeline)
+        return cid
+
+    def _entry(self, tensor_id: int) -> dict[str, Any]:
+        entry = dict(self.entries[tensor_id])
+        if tensor_id in self.checksums:
+            entry["checksum"] = self.checksums[tensor_id]
+        return entry
+
+    def tensor(self, tensor_id: int, checksum: int | None = None) -> None:
+        """The TENSOR frame of a tensor; ``checksum``: XXH3-64 of its raw bytes, if known."""
+        if self.announced[tensor_id]:
+            raise RuntimeError(f"tensor {tensor_id} announced twice")
+        if checksum is not None:
+            self.checksums[tensor_id] = checksum
+        entry = self._entry(tensor_id)
+        entry["nchunks"] = len(self.chunk_lengths[tensor_id])
+        self._meta_frame(FRAME_TENSOR, msgpack.packb(entry), tensor_id=tensor_id)
+        self.announced[tensor_id] = True
+
+    def chunk(self, tensor_id: int, index: int, pipeline: PipelineLike, payload: Any, raw_length: int,
+              checksum: int | None = None) -> None:
+        """One CHUNK frame; ``checksum`` is XXH3-64 of ``payload``, computed here when None."""
+        if not self.announced[tensor_id]:
+            raise RuntimeError(f"chunk {index} of tensor {tensor_id} came before its TENSOR frame")
+        if self.chunks[tensor_id][index] is not None:
+            raise RuntimeError(f"chunk {index} of tensor {tensor_id} written twice")
+        if raw_length != self.chunk_lengths[tensor_id][index]:
+            raise RuntimeError(f"chunk {index} of tensor {tensor_id}: raw length {raw_length} != planned "
+                               f"{self.chunk_lengths[tensor_id][index]}")
+        stored = memoryview(payload).nbytes
+        if stored > MAX_CHUNK_LENGTH:
+            raise LimitError(f"encoded chunk of {stored} bytes exceeds {MAX_CHUNK_LENGTH}")
+        cid = self.codec_id(pipeline)
+        checksum = xxh3(payload) if checksum is None else checksum
+        padding = 0
+        if stored >= self.alignment > 1:
+            padding = -(self.position + FRAME_HEADER_SIZE) % self.alignment
+        header = FrameHeader(FRAME_CHUNK, stored, raw_length, checksum, codec_id=cid,
+                             tensor_id=tensor_id, chunk_index=index, padding_length=padding)
+        offset = self._frame(header, payload)
+        self.chunks[tensor_id][index] = [offset, stored, raw_length, cid, checksum]
+
+    def finish(self, tree: Any, metadata: dict[str, Any], writer_info: dict[str, Any]) -> int:
+        """Write the INDEX frame and the footer; returns the file's length.
+
+        ``tree`` holds TensorRefs.  An index over MAX_INDEX_LENGTH raises LimitError
+        before the INDEX frame is written (SPEC 16: a writer fails first)."""
+        for tid, entry in enumerate(self.entries):
+            if not self.announced[tid]:
+                raise RuntimeError(f"tensor {entry['name']!r} was never written")
+            if any(c is None for c in self.chunks[tid]):
+                raise RuntimeError(f"tensor {entry['name']!r} is missing chunks")
+        tensors = []
+        for tid, entry in enumerate(self.entries):
+            out = self._entry(tid)
+            if "view" not in entry and "derived" not in entry:
+                out["chunks"] = self.chunks[tid]
+            tensors.append(out)
+        index = {
+            "format": "nvckpt",
+            "version": [VERSION_MAJOR, VERSION_MINOR],
+            "writer": writer_info,
+            "codecs": [p.to_json() for p in self.codec_table],
+            "tensors": tensors,
+            "tree": _Packed(pack_tree(tree)),
+            "metadata": metadata,
+        }
+        payload = _pack_index(index)
+        if len(payload) > MAX_INDEX_LENGTH:
+            raise LimitError(f"the index would be {len(payload)} bytes, more than the limit of {MAX_INDEX_LENGTH} "
+                             "(too many tensors or chunks, or too large a tree or metadata)")
+        index_offset = self.position
+        self._meta_frame(FRAME_INDEX, payload)
+        self._write(Footer(index_offset, len(payload), xxh3(payload)).pack())
+        return self.position
+
+
+class _Packed:
+    """Pre-packed msgpack bytes (the tree, with its ext types) to splice into the index."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+
+def _pack_index(index: dict[str, Any]) -> bytes:
+    # msgpack-python cannot splice packed bytes, so write the map header by hand.
+    packer = msgpack.Packer(use_bin_type=True)
+    out = [packer.pack_map_header(len(index))]
+    for key, value in index.items():
+        out.append(packer.pack(key))
+        out.append(value.data if isinstance(value, _Packed) else packer.pack(value))
+    return b"".join(out)
+
+
+# -- reading -----------------------------------------------------------------------------------
+def locate_index(source: Any) -> tuple[Preamble, Index]:
+    """Preamble, footer, INDEX frame: check all of them, return the parsed index."""
+    if source.size < PREAMBLE_SIZE:
+        raise TruncatedError(f"file is {source.size} bytes, shorter than the preamble", path=source.name, offset=0)
+    preamble = Preamble.unpack(source.pread(0, PREAMBLE_SIZE))
+    minimum = PREAMBLE_SIZE + FRAME_HEADER_SIZE + FOOTER_SIZE
+    if source.size < minimum:
+        raise TruncatedError(f"file is {source.size} bytes, too short for an index and footer (try `nvckpt recover`)", path=source.name)
+    footer_at = source.size - FOOTER_SIZE
+    footer = Footer.unpack(source.pread(footer_at, FOOTER_SIZE), footer_at)
+    if footer.index_length > MAX_INDEX_LENGTH:
+        raise LimitError(f"index of {footer.index_length} bytes exceeds the limit of {MAX_INDEX_LENGTH}", offset=footer_at)
+    if footer.index_offset < PREAMBLE_SIZE or footer.index_offset + FRAME_HEADER_SIZE > footer_at:
+        raise FormatError(f"footer's index offset {footer.index_offset} is outside the file", offset=footer_at)
+    header = FrameHeader.unpack(source.pread(footer.index_offset, FRAME_HEADER_SIZE), footer.index_offset)
+    if header.frame_type != FRAME_INDEX:
+        raise FormatError(f"footer points at a {FRAME_NAMES.get(header.frame_type, header.frame_type)} frame, not the INDEX", offset=footer.index_offset)
+    payload_at = footer.index_offset + header.payload_skip
+    if (header.stored_length != footer.index_length or header.payload_checksum != footer.index_checksum
+            or header.raw_length != header.stored_length or payload_at + header.stored_length != footer_at):
+        raise FormatError("INDEX frame header disagrees with the footer (length, checksum or position)", offset=footer.index_offset)
+    if header.padding_length and any(source.pread(footer.index_offset + FRAME_HEADER_SIZE, header.padding_length)):
+        raise FormatError("INDEX frame padding is not zero", offset=footer.index_offset + FRAME_HEADER_SIZE)
+    payload = source.pread(payload_at, footer.index_length)
+    if xxh3(payload) != footer.index_checksum:
+        raise ChecksumError("index checksum does not match", offset=payload_at)
+    return preamble, parse_index(unpack_index(payload), footer.index_offset)
+
+
+def read_meta_frame(source: Any, offset: int, header: FrameHeader) -> Any:
+    """The msgpack payload of a CODEC or TENSOR frame: length limit and checksum checked first."""
+    if header.stored_length > MAX_META_FRAME_LENGTH or header.raw_length != header.stored_length:
+        raise LimitError(f"frame payload length {header.stored_length} is invalid (limit {MAX_META_FRAME_LENGTH})", offset=offset)
+    payload = source.pread(offset + header.payload_skip, header.stored_length)
+    if xxh3(payload) != header.payload_checksum:
+        raise ChecksumError("frame payload checksum does not match", offset=offset)
+    try:
+        return unpackb(payload)
+    except NvckptError:
+        raise
+    except Exception as exc:  # msgpack raises several types on bad input
+        raise FormatError(f"frame payload is not valid msgpack: {exc}", offset=offset) from None
+
+
+def iter_frames(source: Any, start: int = PREAMBLE_SIZE) -> Iterator[tuple[int, FrameHeader]]:
+    """Walk frames front to back without the index (streaming reader, recovery).
+
+    Yields (frame offset, header) until the INDEX frame, the end of the file,
+    or the first damaged header (raising its error)."""
+    offset = start
+    while offset + FRAME_HEADER_SIZE <= source.size:
+        header = FrameHeader.unpack(source.pread(offset, FRAME_HEADER_SIZE), offset)
+        end = offset + header.payload_skip + header.stored_length
+        if end > source.size:
+            raise TruncatedError(f"{FRAME_NAMES.get(header.frame_type, 'frame')} payload runs past the end of the file", path=source.name, offset=offset)
+        if header.frame_type not in FRAME_NAMES and header.frame_type < FIRST_OPTIONAL_FRAME:
+            raise UnsupportedFeatureError(f"unknown required frame type {header.frame_type}", path=source.name, offset=offset)
+        yield offset, header
+        if header.frame_type == FRAME_INDEX:
+            return
+        offset = end
+    if offset != source.size:
+        raise TruncatedError("file ends inside a frame header", path=source.name, offset=offset)
+
+
+__all__ = ["FrameWriter", "check_alignment", "locate_index", "read_meta_frame", "iter_frames"]

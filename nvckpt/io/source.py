@@ -1,0 +1,157 @@
+"""Byte sources: positional reads of a checkpoint, counted; O_DIRECT reads into caller buffers.
+
+``Source`` reads through ``pread`` (no shared file position), so one serves
+many threads at once.  ``DirectReads`` gives the GPU loader reads straight into
+(pinned) buffers, with O_DIRECT where the filesystem allows: a load then costs
+the page cache nothing.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from typing import Any
+
+from ..errors import NvckptError, TruncatedError
+
+_DIRECT_ALIGN = 4096
+
+
+class Source:
+    """Positional reads from a path or a seekable binary file object; ``bytes_read`` counts them."""
+
+    def __init__(self, target: Any) -> None:
+        self._lock = threading.Lock()
+        self._fd: int | None = None
+        self._file = None
+        if isinstance(target, (str, os.PathLike)):
+            self.name = os.fspath(target)
+            self._fd = os.open(self.name, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+            self.size = os.fstat(self._fd).st_size
+        elif isinstance(target, (bytes, bytearray)):
+            raise TypeError("a checkpoint is opened from a path (str or os.PathLike) or a binary file object, "
+                            f"not {type(target).__name__}: use os.fsdecode(path) for a bytes path")
+        else:
+            if not all(hasattr(target, a) for a in ("seek", "read")):
+                raise TypeError(f"cannot read a checkpoint from a {type(target).__qualname__}: "
+                                "give a path or a seekable binary file object")
+            self.name = getattr(target, "name", "<stream>")
+            self._file = target
+            self.size = target.seek(0, os.SEEK_END)
+        self.bytes_read = 0
+
+    @property
+    def fd(self) -> int | None:
+        """The descriptor of a file this Source opened (None for a caller's file object, or once closed)."""
+        return self._fd
+
+    @property
+    def closed(self) -> bool:
+        return self._fd is None and self._file is None
+
+    def count(self, n: int) -> None:
+        """Count ``n`` bytes read past this Source (by DirectReads) in ``bytes_read``."""
+        with self._lock:
+            self.bytes_read += n
+
+    def pread(self, offset: int, length: int) -> bytes:
+        if self.closed:
+            raise NvckptError("read from a closed checkpoint", path=self.name)
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise TruncatedError(f"read of {length} bytes at {offset} runs past the end of the file ({self.size} bytes)", path=self.name, offset=offset)
+        if self._fd is not None:
+            parts, got = [], 0
+            while got < length:  # pread may return short reads
+                try:
+                    part = os.pread(self._fd, length - got, offset + got)
+                except (OSError, TypeError):
+                    if self.closed:  # closed by another thread meanwhile
+                        raise NvckptError("read from a closed checkpoint", path=self.name) from None
+                    raise
+                if not part:
+                    raise TruncatedError(f"file ended while reading {length} bytes", path=self.name, offset=offset)
+                parts.append(part)
+                got += len(part)
+            data = parts[0] if len(parts) == 1 else b"".join(parts)
+        else:
+            with self._lock:
+                if self._file is None:
+                    raise NvckptError("read from a closed checkpoint", path=self.name)
+                self._file.seek(offset)
+                data = self._file.read(length)
+            if len(data) != length:
+                raise TruncatedError(f"file ended while reading {length} bytes", path=self.name, offset=offset)
+        self.count(length)
+        return data
+
+    def close(self) -> None:
+        """Close a file this Source opened; a caller's file object is only let go of."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+        self._file = None
+
+
+class DirectReads:
+    """Reads of a Source's file into caller buffers, O_DIRECT where the filesystem allows.
+
+    The file is reopened through ``/proc/self/fd``: the same file the Source
+    has open, not whatever its path names now (an atomic save may have
+    replaced it since).  A file object Source is read through its own pread."""
+
+    def __init__(self, source: Source, direct: bool) -> None:
+        self.source = source
+        self.plain: int | None = None
+        self.direct: int | None = None
+        self.bytes_read = 0
+        self.direct_reads = 0
+        self._use_direct = direct
+        self._lock = threading.Lock()
+        fd = source.fd
+        path = f"/proc/self/fd/{fd}" if fd is not None and os.path.exists(f"/proc/self/fd/{fd}") else source.name
+        if fd is not None and os.path.isfile(path):
+            self.plain = os.open(path, os.O_RDONLY)
+            if direct and hasattr(os, "O_DIRECT"):
+                try:
+                    self.direct = os.open(path, os.O_RDONLY | os.O_DIRECT)
+                except OSError:
+                    self.direct = None
+
+    def close(self) -> None:
+        for fd in (self.plain, self.direct):
+            if fd is not None:
+                os.close(fd)
+        self.plain = self.direct = None
+        self.source.count(self.bytes_read)  # a Checkpoint's bytes_read counts these reads too
+        self.bytes_read = 0
+
+    def read(self, start: int, length: int, need: int, buf: memoryview) -> memoryview:
+        """At least ``need`` bytes from ``start`` into ``buf`` (asks for ``length``, aligned for O_DIRECT)."""
+        size = self.source.size
+        if self.plain is None:
+            n = min(length, size - start)
+            buf[:n] = self.source.pread(start, n)
+            return buf
+        got = 0
+        while got < need:
+            fd = self.direct if self._use_direct and self.direct is not None and got % _DIRECT_ALIGN == 0 else self.plain
+            want = length - got if fd == self.direct else min(length, size - start) - got
+            try:
+                n = os.preadv(fd, [buf[got: got + want]], start + got)
+            except OSError as exc:
+                if fd == self.direct and exc.errno == errno.EINVAL:
+                    self._use_direct = False  # this filesystem refuses O_DIRECT reads after all (closed at close())
+                    continue
+                raise
+            if n <= 0:
+                raise TruncatedError(f"file ended while reading {need} bytes", path=self.source.name, offset=start + got)
+            if fd == self.direct:
+                self.direct_reads += 1
+            got += n
+        with self._lock:
+            self.bytes_read += got
+        return buf
+
+
+__all__ = ["Source", "DirectReads"]

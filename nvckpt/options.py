@@ -1,0 +1,163 @@
+"""Save and load options: frozen, validated once, passed down (no module-level tunables).
+
+``save`` / ``async_save`` take the fields of ``SaveOptions`` as keywords, and
+``open`` / ``load`` those of ``LoadOptions``; the GPU engines' knobs are the
+``gpu=`` field (``GpuSaveOptions`` / ``GpuLoadOptions``).  Defaults live here
+and nowhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, TypeVar
+
+from .codecs.base import Pipeline
+from .codecs.presets import check_preset
+from .format.frames import check_alignment
+from .plan.chunking import check_chunk_size
+
+MiB = 1 << 20
+ENGINES = ("auto", "cpu", "gpu")
+
+
+def _positive(owner: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(owner, name)
+        if type(value) is not int or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class GpuSaveOptions:
+    """The GPU engine's knobs.  Its extra memory: GPU about (inflight + 1) x 2 x batch_bytes; pinned
+    host memory pinned_slots x slot_bytes + checksum_workers x 2 x piece_bytes (384 MiB by default)."""
+
+    batch_bytes: int = 1024 * MiB  # output bytes of one batched encode (fixed cost ~0.4 ms per call)
+    max_batch_chunks: int = 8192
+    inflight: int = 2  # encoded batches ahead of the copy-out stage
+    slot_bytes: int = 64 * MiB  # one pinned slot; must hold the largest chunk's capacity (16 MiB chunk -> ~16.1 MiB)
+    pinned_slots: int = 4  # ~0.1 s of a 2.3 GB/s disk ahead of the writer is plenty; pinning costs ~0.4 s/GB once
+    piece_bytes: int = 16 * MiB  # tensor-checksum staging (two pieces per worker)
+    checksum_workers: int = 4  # threads hashing whole tensors (one XXH3 stream runs ~6 GB/s on the H200 host)
+    hash_workers: int = 4  # threads hashing chunks
+    snapshot_reserve: int = 1024 * MiB  # GPU memory left free beside an async_save's device snapshot
+    timing: bool = False  # CUDA events around every nvCOMP call, reported in SaveResult.stats
+
+    def __post_init__(self) -> None:
+        _positive(self, "batch_bytes", "max_batch_chunks", "inflight", "slot_bytes", "pinned_slots", "piece_bytes",
+                  "checksum_workers", "hash_workers")
+        if type(self.snapshot_reserve) is not int or self.snapshot_reserve < 0:
+            raise ValueError(f"snapshot_reserve must be a non-negative integer, got {self.snapshot_reserve!r}")
+
+
+@dataclass(frozen=True)
+class GpuLoadOptions:
+    """The GPU loader's knobs.  Its extra memory: pinned read_buffers x read_span_bytes (+ 2 x
+    piece_bytes per verify worker); GPU decode_batch_bytes + one read span, plus nvCOMP's scratch."""
+
+    read_span_bytes: int = 32 * MiB
+    read_threads: int = 4
+    read_buffers: int = 12  # allocated as needed; more than the reads in flight, so a busy consumer does not stall the disk
+    max_gap: int = 1 * MiB  # bytes between two wanted chunks that one read may still cover
+    decode_batch_bytes: int = 256 * MiB
+    direct_io: bool = True
+    # zstd chunks decode with libzstd on the host, in the reader threads: nvCOMP's Zstd decoder crashed
+    # the process (SIGABRT) on a garbage frame with a valid checksum (conformance suite, H200).  A file
+    # must never crash its reader, and these loads are disk-bound anyway.  True: nvCOMP, for trusted files.
+    gpu_zstd: bool = False
+    verify_tensors: bool = True  # check each tensor's XXH3-64 over its decoded bytes
+    verify_workers: int = 4
+    piece_bytes: int = 16 * MiB
+    timing: bool = False
+
+    def __post_init__(self) -> None:
+        _positive(self, "read_span_bytes", "read_threads", "read_buffers", "decode_batch_bytes", "verify_workers",
+                  "piece_bytes")
+        if type(self.max_gap) is not int or self.max_gap < 0:
+            raise ValueError(f"max_gap must be a non-negative integer, got {self.max_gap!r}")
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    """How ``save`` writes (see its docstring for each field)."""
+
+    codec: str | Pipeline = "auto"
+    metadata: dict[str, Any] | None = None
+    chunk_size: int | None = None  # None: the engine's own (nvckpt.plan.chunking)
+    alignment: int = 4096
+    zstd_level: int = 1
+    derive_bf16: bool = False
+    tensor_checksums: bool = True
+    engine: str = "auto"
+    workers: int | None = None
+    direct_io: bool = True
+    gpu: GpuSaveOptions = field(default_factory=GpuSaveOptions)
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be 'auto', 'cpu' or 'gpu', got {self.engine!r}")
+        check_preset(self.codec)
+        check_alignment(self.alignment)
+        if self.chunk_size is not None:
+            check_chunk_size(self.chunk_size)
+        if type(self.zstd_level) is not int or not -7 <= self.zstd_level <= 22:
+            raise ValueError(f"zstd_level must be an integer in -7..22, got {self.zstd_level!r}")
+        if self.workers is not None:
+            _positive(self, "workers")
+        if not isinstance(self.gpu, GpuSaveOptions):
+            raise TypeError(f"gpu must be a nvckpt.GpuSaveOptions, got {type(self.gpu).__qualname__}")
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How ``open`` / ``load`` read (see ``open``'s docstring for each field)."""
+
+    device: Any = "cpu"
+    workers: int | None = None
+    untrusted: bool = False
+    max_tensor_bytes: int | None = None
+    gpu: GpuLoadOptions = field(default_factory=GpuLoadOptions)
+
+    def __post_init__(self) -> None:
+        if self.max_tensor_bytes is not None and (type(self.max_tensor_bytes) is not int or self.max_tensor_bytes < 0):
+            raise ValueError(f"max_tensor_bytes must be a non-negative integer or None, got {self.max_tensor_bytes!r}")
+        if self.workers is not None:
+            _positive(self, "workers")
+        if not isinstance(self.gpu, GpuLoadOptions):
+            raise TypeError(f"gpu must be a nvckpt.GpuLoadOptions, got {type(self.gpu).__qualname__}")
+
+
+T = TypeVar("T")
+
+
+def options_from(cls: type[T], caller: str, keywords: dict[str, Any]) -> T:
+    """``cls(**keywords)``, with the caller's name in the error for an unknown keyword."""
+    known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(keywords) - known)
+    if unknown:
+        raise TypeError(f"{caller}() got unexpected keyword argument{'s' if len(unknown) > 1 else ''} "
+                        f"{', '.join(map(repr, unknown))} (it takes {', '.join(sorted(known))})")
+    return cls(**keywords)
+
+
+def keyword_signature(cls: type, *leading: inspect.Parameter, returns: Any = inspect.Signature.empty) -> inspect.Signature:
+    """A function signature whose keyword-only parameters are ``cls``'s fields, with their defaults."""
+    params = list(leading)
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=f.type))
+    return inspect.Signature(params, return_annotation=returns)
+
+
+def with_signature(cls: type, *leading: str) -> Callable[[Callable], Callable]:
+    """Give a ``def f(a, b, **options)`` the signature ``f(a, b, *, <cls's fields>)`` (for help() and IDEs)."""
+    def wrap(fn: Callable) -> Callable:
+        lead = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in leading]
+        fn.__signature__ = keyword_signature(cls, *lead, returns=inspect.signature(fn).return_annotation)  # type: ignore[attr-defined]
+        return fn
+    return wrap
+
+
+__all__ = ["SaveOptions", "LoadOptions", "GpuSaveOptions", "GpuLoadOptions", "options_from", "with_signature"]

@@ -1,0 +1,1 @@
+"""Plan a save: walk the object (walk), find shared storage and derived tensors (derived), cut chunks (chunking)."""

@@ -1,0 +1,1 @@
+"""Sessions: one save (plan -> engine -> frame writer -> sink -> publish) and one open file (Checkpoint)."""

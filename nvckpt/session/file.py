@@ -1,0 +1,145 @@
+"""An open checkpoint file: its index, its pipelines, and checked reads of its chunks (SPEC 15.1).
+
+``CheckpointFile`` locates and parses the index, builds the codec table's
+pipelines, and reads chunks through ``pread`` (so one serves many threads at
+once), verifying every chunk's checksum before its bytes reach a decoder.
+It decodes on the host; the GPU loader (nvckpt.engines.gpu.decode) uses the
+same reads and checks.  Materializing tensors (torch) is nvckpt.session.load.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+from ..codecs.base import Pipeline
+from ..codecs.registry import pipeline_from_json
+from ..errors import ChecksumError, FormatError, LimitError, NvckptError, TensorNotFoundError, UnsupportedCodecError, UnsupportedFeatureError
+from ..format.entry import TensorEntry
+from ..format.frames import locate_index
+from ..format.structs import xxh3
+from ..io.source import Source
+
+
+def check_supported(entry: TensorEntry, path: str) -> None:
+    """Raise for a tensor this reader cannot build (unknown dtype or derived function, SPEC 10 and 8.5)."""
+    if entry.unsupported is not None:
+        raise UnsupportedFeatureError(entry.unsupported, path=path, tensor=entry.name)
+
+
+class CheckpointFile:
+    def __init__(self, target: Any, *, workers: int | None = None, max_tensor_bytes: int | None = None) -> None:
+        if max_tensor_bytes is not None and (type(max_tensor_bytes) is not int or max_tensor_bytes < 0):
+            raise ValueError(f"max_tensor_bytes must be a non-negative integer or None, got {max_tensor_bytes!r}")
+        self.max_tensor_bytes = max_tensor_bytes
+        self.source = Source(target)
+        self.path = self.source.name
+        try:
+            self.preamble, self.index = locate_index(self.source)
+            self.pipelines: list[Pipeline] = [pipeline_from_json(c) for c in self.index.codecs]
+        except NvckptError as exc:
+            self.source.close()
+            raise exc.located(path=self.path)
+        except BaseException:
+            self.source.close()
+            raise
+        self._workers = workers or os.cpu_count() or 1
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+        self._closed = False
+
+    # -- lifecycle ---------------------------------------------------------
+    def close(self) -> None:
+        with self._pool_lock:
+            self._closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+        self.source.close()
+
+    def map(self, fn: Callable, items: list) -> list:
+        """``[fn(x) for x in items]`` on the decode threads."""
+        if len(items) <= 1 or self._workers == 1:
+            return [fn(x) for x in items]
+        with self._pool_lock:
+            if self._closed:
+                raise NvckptError("read from a closed checkpoint", path=self.path)
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="nvckpt-decode")
+            futures = [self._pool.submit(fn, x) for x in items]
+        return [f.result() for f in futures]
+
+    # -- names -------------------------------------------------------------
+    def entry(self, name: str) -> TensorEntry:
+        tid = self.index.paths.get(name)
+        if tid is None:
+            for e in self.index.tensors:  # internal bases are reachable by name too
+                if e.name == name:
+                    return e
+            raise TensorNotFoundError(f"no tensor named {name!r}", path=self.path)
+        return self.index.tensors[tid]
+
+    # -- chunks ------------------------------------------------------------
+    def read_payload(self, entry: TensorEntry, i: int) -> bytes:
+        """The stored bytes of chunk ``i``, checksum verified."""
+        c = entry.chunks[i]
+        try:
+            data = self.source.pread(c.offset, c.stored_length)
+        except NvckptError as exc:
+            raise exc.located(tensor=entry.name, chunk=i)
+        if xxh3(data) != c.checksum:
+            raise ChecksumError("chunk checksum does not match its stored bytes", path=self.path, tensor=entry.name, chunk=i, offset=c.offset)
+        return data
+
+    def decode_payload(self, entry: TensorEntry, i: int, data: bytes) -> memoryview:
+        c = entry.chunks[i]
+        pipeline = self.pipelines[c.codec_id]
+        return self._decoded(entry, i, lambda: pipeline.decode(memoryview(data), c.raw_length), pipeline)
+
+    def decode_coder(self, entry: TensorEntry, i: int, data: Any) -> memoryview:
+        """Only the coder (last step) of chunk ``i``'s pipeline: the GPU loader undoes the filters on the device."""
+        c = entry.chunks[i]
+        pipeline = self.pipelines[c.codec_id]
+        return self._decoded(entry, i, lambda: pipeline.coder.decode(memoryview(data), c.raw_length), pipeline)
+
+    def _decoded(self, entry: TensorEntry, i: int, decode: Callable[[], Any], pipeline: Pipeline) -> memoryview:
+        c = entry.chunks[i]
+        try:
+            out = memoryview(decode()).cast("B")
+        except UnsupportedCodecError as exc:
+            w = self.index.writer
+            exc.reason += f" [codec id {c.codec_id}; file written by {w.get('name', '?')} {w.get('version', '?')}]"
+            raise exc.located(path=self.path, tensor=entry.name, chunk=i, offset=c.offset)
+        except NvckptError as exc:
+            raise exc.located(path=self.path, tensor=entry.name, chunk=i, offset=c.offset)
+        except MemoryError:
+            raise
+        except Exception as exc:  # a host decoder rejecting its input (zstd raises ZstdError, numpy ValueError)
+            raise FormatError(f"{pipeline.describe()} could not decode the chunk: {exc}", path=self.path, tensor=entry.name, chunk=i, offset=c.offset) from None
+        if out.nbytes != c.raw_length:
+            raise FormatError(f"chunk decoded to {out.nbytes} bytes, raw_length is {c.raw_length}", path=self.path, tensor=entry.name, chunk=i, offset=c.offset)
+        return out
+
+    def check_size(self, entry: TensorEntry, nbytes: int) -> None:
+        """The caller's limit on the bytes one read materializes (SPEC.md 16), checked before allocating."""
+        if self.max_tensor_bytes is not None and nbytes > self.max_tensor_bytes:
+            raise LimitError(f"reading it would materialize {nbytes} bytes, more than max_tensor_bytes="
+                             f"{self.max_tensor_bytes}", path=self.path, tensor=entry.name)
+
+    def read_into(self, entry: TensorEntry, start: int, stop: int, out: memoryview) -> None:
+        """Raw bytes [start, stop) of a stored tensor into ``out`` (writable, stop - start bytes),
+        reading and decoding only the chunks that hold them, on the decode threads."""
+        assert entry.chunks is not None
+
+        def fill(i: int) -> None:
+            c = entry.chunks[i]
+            raw = self.decode_payload(entry, i, self.read_payload(entry, i))
+            lo, hi = max(start, c.raw_start), min(stop, c.raw_start + c.raw_length)
+            out[lo - start: hi - start] = raw[lo - c.raw_start: hi - c.raw_start]
+
+        self.map(fill, list(entry.chunks.covering(start, stop)))
+
+
+__all__ = ["CheckpointFile", "check_supported"]
