@@ -1,9 +1,9 @@
 """GPU benchmark: nvckpt against torch.save, safetensors and torch.distributed.checkpoint, side by side.
 
 Run on a machine with a CUDA GPU and nvCOMP (the H200 results are in
-tools/bench_results/bench_h200.md):
+benchmarks/results/bench_h200.md):
 
-    python3 tools/bench_gpu.py --out OUT_DIR [--workdir DIR] [--smoke]
+    python3 benchmarks/bench_gpu.py --out OUT_DIR [--workdir DIR] [--smoke]
 
 It builds (1) the state of a real short training run: a GPT-style transformer
 (d_model 1280, 24 layers, vocab 32000: 515M parameters) trained a few hundred
@@ -363,13 +363,14 @@ def limits(args: argparse.Namespace) -> None:
 @section("nvcomp_alone")
 def nvcomp_alone(groups: dict[str, list[torch.Tensor]]) -> None:
     """nvCOMP ANS on each dtype group alone: 4 MiB chunks, one batched call, GPU time by CUDA events."""
-    from nvckpt.pipeline import nvcomp_backend as nb
+    from nvckpt.codecs.nvcomp import backend as nb
+    from nvckpt.codecs.nvcomp.ans import data_type_for
 
     out: dict[str, Any] = {}
     R["nvcomp_alone"] = out
     for label, tensors in groups.items():
         flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])
-        dt = nb.ans_data_type({torch.bfloat16: "bfloat16", torch.float32: "float32"}[tensors[0].dtype])
+        dt = data_type_for({torch.bfloat16: "bfloat16", torch.float32: "float32"}[tensors[0].dtype])
         codec = nb.GpuCodec("ans", dt)
         chunk = 4 * MiB
         chunks = [flat[i: i + chunk] for i in range(0, flat.numel(), chunk)]
@@ -394,7 +395,7 @@ def nvcomp_alone(groups: dict[str, list[torch.Tensor]]) -> None:
         te = timed(enc)
         batch = holder.pop("b")
         sizes = batch.sizes()
-        payloads = [batch.chunk(i) for i in range(len(chunks))]
+        payloads = [batch.buffer[batch.offsets[i]: batch.offsets[i] + batch.sizes()[i]] for i in range(len(chunks))]
         dst = torch.empty_like(flat)
         outs = [dst[i: i + chunk] for i in range(0, flat.numel(), chunk)]
         td = timed(lambda: codec.decode(payloads, outs))
@@ -414,14 +415,14 @@ def record(name: str, **kw: Any) -> None:
 @section("nvckpt")
 def bench_nvckpt(args: argparse.Namespace, tr: Trainer, ck: dict, raw: int) -> None:
     import nvckpt
-    from nvckpt.pipeline import decode_gpu, encode_gpu
 
+    timed = nvckpt.GpuSaveOptions(timing=True)
     path = os.path.join(args.workdir, "state.nvckpt")
     sync()
     t0 = time.perf_counter()
-    res = nvckpt.save(ck, path)
+    res = nvckpt.save(ck, path, gpu=timed)
     t_save = time.perf_counter() - t0
-    enc = dict(encode_gpu.last_stats)
+    enc = dict(res.stats)
     record("nvckpt", save_s=t_save, file_bytes=res.file_bytes, ratio=raw / res.file_bytes, engine=res.engine)
     R["nvckpt_encode"] = enc
     log("nvckpt save", round(t_save, 3), "s", res.file_bytes, "bytes", {k: v for k, v in enc.items() if k != "per_codec"})
@@ -429,26 +430,25 @@ def bench_nvckpt(args: argparse.Namespace, tr: Trainer, ck: dict, raw: int) -> N
 
     drop_caches()
     t0 = time.perf_counter()
-    loaded = nvckpt.load(path, device="cuda")
-    sync()
+    with nvckpt.open(path, device="cuda", gpu=nvckpt.GpuLoadOptions(timing=True)) as f:
+        loaded = f.load()
+        sync()
+        dec = dict(f.stats().get("last_gpu_load", {}))
     t_load = time.perf_counter() - t0
-    dec = dict(decode_gpu.last_stats)
     R["nvckpt_decode"] = dec
     exact = trees_equal(loaded, ck)
     record("nvckpt", load_s=t_load, exact=exact)
     log("nvckpt load", round(t_load, 3), "s exact", exact, {k: v for k, v in dec.items() if k != "per_codec"})
     del loaded
     # The same load without the whole-tensor checksums (chunk checksums are always verified).
-    decode_gpu.VERIFY_TENSORS = False
-    try:
-        drop_caches()
-        t0 = time.perf_counter()
-        loaded = nvckpt.load(path, device="cuda")
+    drop_caches()
+    t0 = time.perf_counter()
+    with nvckpt.open(path, device="cuda", gpu=nvckpt.GpuLoadOptions(verify_tensors=False)) as f:
+        loaded = f.load()
         sync()
-        t_nv = time.perf_counter() - t0
-    finally:
-        decode_gpu.VERIFY_TENSORS = True
-    record("nvckpt", load_without_tensor_checksums_s=t_nv, load_without_tensor_checksums_phases=decode_gpu.last_stats.get("phases"))
+        phases = f.stats().get("last_gpu_load", {}).get("phases")
+    t_nv = time.perf_counter() - t0
+    record("nvckpt", load_without_tensor_checksums_s=t_nv, load_without_tensor_checksums_phases=phases)
     del loaded
 
     name = f"model/blocks.{args.layers // 2}.fc1.weight"
@@ -471,7 +471,7 @@ def bench_nvckpt(args: argparse.Namespace, tr: Trainer, ck: dict, raw: int) -> N
     sync()
     result = fut.result()
     t_total = time.perf_counter() - t0
-    snap = dict(encode_gpu.last_snapshot)
+    snap = dict(fut.snapshot)
     drop_caches()
     back = flat_tensors(nvckpt.load(path2, device="cuda"))
     exact_async = back.keys() == expected.keys() and all(same_bytes(back[k], expected[k]) for k in expected)
@@ -501,9 +501,9 @@ def bench_nvckpt(args: argparse.Namespace, tr: Trainer, ck: dict, raw: int) -> N
         path4 = os.path.join(args.workdir, "portable.nvckpt")
         sync()
         t0 = time.perf_counter()
-        res4 = nvckpt.save(ck, path4, codec="portable")
+        res4 = nvckpt.save(ck, path4, codec="portable", gpu=timed)
         record("nvckpt_portable", save_s=time.perf_counter() - t0, file_bytes=res4.file_bytes, ratio=raw / res4.file_bytes,
-               encode=dict(encode_gpu.last_stats))
+               encode=dict(res4.stats))
         drop_caches()
         t0 = time.perf_counter()
         loaded = nvckpt.load(path4, device="cuda")
@@ -519,7 +519,8 @@ def async_parts(ck: dict, path: str) -> dict[str, Any]:
     garbage-collection pass would add if async_save let one run (it disables them)."""
     import gc
 
-    from nvckpt import api
+    from nvckpt.options import SaveOptions
+    from nvckpt.session.save import SaveSession
 
     pauses: list[float] = []
     starts: dict[int, float] = {}
@@ -533,7 +534,7 @@ def async_parts(ck: dict, path: str) -> dict[str, Any]:
     gc.callbacks.append(cb)
     try:
         t0 = time.perf_counter()
-        job = api._SaveJob(ck, path, **api._SAVE_DEFAULTS)
+        job = SaveSession(ck, path, SaveOptions())
         t1 = time.perf_counter()
         job.snapshot()
         t2 = time.perf_counter()
@@ -694,7 +695,7 @@ def bench_minilm(args: argparse.Namespace) -> None:
 
 # -- report ----------------------------------------------------------------------------------
 def environment(args: argparse.Namespace, argv: list[str]) -> None:
-    from nvckpt.pipeline import nvcomp_backend as nb
+    from nvckpt.codecs.nvcomp import backend as nb
 
     def sh(cmd: str) -> str:
         return subprocess.run(["sh", "-c", cmd], capture_output=True, text=True).stdout.strip()
@@ -709,7 +710,7 @@ def environment(args: argparse.Namespace, argv: list[str]) -> None:
         "torch": torch.__version__,
         "nvcomp": nb.nvcomp_version(),
         "workdir_fs": sh(f"df -T {args.workdir} | tail -1"),
-        "command": "python3 tools/bench_gpu.py " + " ".join(argv),
+        "command": "python3 benchmarks/bench_gpu.py " + " ".join(argv),
     }
     try:
         import safetensors

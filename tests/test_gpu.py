@@ -20,8 +20,8 @@ from conftest import TinyTransformer, assert_tree_equal, tensors_of  # noqa: E40
 from nvckpt.format.dtypes import DTYPES  # noqa: E402
 from nvckpt.plan.dtypes import TORCH_DTYPES  # noqa: E402
 from nvckpt.errors import ChecksumError, UnsupportedCodecError  # noqa: E402
-from nvckpt.pipeline import decode_gpu, encode_gpu  # noqa: E402
-from nvckpt.pipeline import nvcomp_backend as nb  # noqa: E402
+from nvckpt.options import GpuLoadOptions, GpuSaveOptions  # noqa: E402
+from nvckpt.codecs.nvcomp import backend as nb  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda", 0)
@@ -90,18 +90,17 @@ def test_gpu_files_are_deterministic(tmp_path):
     assert (tmp_path / "a").read_bytes() == (tmp_path / "b").read_bytes()
 
 
-def test_multi_chunk_tensors_and_batches(tmp_path, monkeypatch):
-    monkeypatch.setattr(encode_gpu, "BATCH_BYTES", 1 << 20)  # many batches, several in flight
-    monkeypatch.setattr(encode_gpu, "SLOT_BYTES", 2 << 20)
-    monkeypatch.setattr(encode_gpu, "PINNED_SLOTS", 2)
-    monkeypatch.setattr(decode_gpu, "READ_SPAN_BYTES", 1 << 20)
-    monkeypatch.setattr(decode_gpu, "DECODE_BATCH_BYTES", 3 << 20)
+def test_multi_chunk_tensors_and_batches(tmp_path):
+    save_opts = GpuSaveOptions(batch_bytes=1 << 20, slot_bytes=2 << 20, pinned_slots=2, timing=True)  # many batches
+    load_opts = GpuLoadOptions(read_span_bytes=1 << 20, decode_batch_bytes=3 << 20, timing=True)
     state = {f"w{i}": torch.randn(1000 + i, 512, device=DEV).to(torch.bfloat16 if i % 2 else torch.float32) for i in range(6)}
     path = tmp_path / "m.nvckpt"
-    nvckpt.save(state, path, chunk_size=256 * KiB)
-    assert encode_gpu.last_stats["batches"] > 6 and encode_gpu.last_stats["raw_chunks"] == 0
-    assert_tree_equal(nvckpt.load(path, device="cuda"), state)
-    assert decode_gpu.last_stats["spans"] > 4 and decode_gpu.last_stats["decoded_bytes_gpu"] > 0
+    result = nvckpt.save(state, path, chunk_size=256 * KiB, gpu=save_opts)
+    assert result.stats["batches"] > 6 and result.stats["raw_chunks"] == 0 and result.stats["gpu_bytes"] > 0
+    with nvckpt.open(path, device="cuda", gpu=load_opts) as ck:
+        assert_tree_equal(ck.load(), state)
+        last = ck.stats()["last_gpu_load"]
+    assert last["spans"] > 4 and last["gpu_bytes"] > 0
 
 
 def test_views_tied_and_derived_on_the_gpu(tmp_path):
@@ -131,18 +130,20 @@ def test_gpu_portable_file_loads_on_cpu_and_cpu_file_loads_on_gpu(tmp_path):
     cpu_state = {k: v.cpu() for k, v in state.items()}
     cpu_file = tmp_path / "cpu.nvckpt"
     assert nvckpt.save(cpu_state, cpu_file, chunk_size=64 * KiB).engine == "cpu"
-    loaded = nvckpt.load(cpu_file, device="cuda")
-    assert decode_gpu.last_stats["cpu_decoded_chunks"] > 0  # zstd: libzstd in the reader threads
+    with nvckpt.open(cpu_file, device="cuda") as ck:
+        loaded = ck.load()
+        assert ck.stats()["last_gpu_load"]["cpu_decoded_chunks"] > 0  # zstd: libzstd in the reader threads
     assert_tree_equal(loaded, state)
 
 
-def test_nvcomp_zstd_decodes_libzstd_frames_when_asked(tmp_path, monkeypatch):
-    monkeypatch.setattr(decode_gpu, "GPU_ZSTD", True)
+def test_nvcomp_zstd_decodes_libzstd_frames_when_asked(tmp_path):
     state = {"w": torch.randn(2000, 300).to(torch.bfloat16), "i": torch.randint(0, 50, (40_000,), dtype=torch.int32)}
     path = tmp_path / "cpu.nvckpt"
     nvckpt.save(state, path, chunk_size=64 * KiB)
-    loaded = nvckpt.load(path, device="cuda")
-    assert decode_gpu.last_stats["decoded_bytes_gpu"] > 0 and decode_gpu.last_stats["cpu_decoded_chunks"] == 0
+    with nvckpt.open(path, device="cuda", gpu=GpuLoadOptions(gpu_zstd=True, timing=True)) as ck:
+        loaded = ck.load()
+        last = ck.stats()["last_gpu_load"]
+    assert last["gpu_bytes"] > 0 and last["cpu_decoded_chunks"] == 0
     assert_tree_equal(loaded, {k: v.to(DEV) for k, v in state.items()})
 
 
@@ -196,18 +197,18 @@ def big_gpu_state() -> dict:
 
 
 @pytest.mark.parametrize("room", ["device", "host"])
-def test_async_save_holds_the_values_at_call_time(tmp_path, monkeypatch, room):
-    if room == "host":
-        monkeypatch.setattr(encode_gpu, "SNAPSHOT_RESERVE", 1 << 60)  # no room on the device: host copy
+def test_async_save_holds_the_values_at_call_time(tmp_path, room):
+    # No room on the device (a reserve beyond any GPU): the snapshot is a host copy.
+    opts = GpuSaveOptions(snapshot_reserve=1 << 60) if room == "host" else GpuSaveOptions()
     state = big_gpu_state()
     expected = {k: {n: t.clone() for n, t in v.items()} for k, v in state.items()}
     torch.cuda.synchronize()
-    future = nvckpt.async_save(state, tmp_path / "a.nvckpt")
+    future = nvckpt.async_save(state, tmp_path / "a.nvckpt", gpu=opts)
     with torch.no_grad():  # the next training step changes everything in place, at once
         for v in state.values():
             for t in v.values():
                 t.mul_(-3).add_(1)
-    assert encode_gpu.last_snapshot == {str(DEV): room}
+    assert future.snapshot == {str(DEV): room}
     result = future.result(timeout=120)
     assert result.engine == "gpu"
     assert_tree_equal(nvckpt.load(tmp_path / "a.nvckpt", device="cuda"), expected)
@@ -215,14 +216,13 @@ def test_async_save_holds_the_values_at_call_time(tmp_path, monkeypatch, room):
         assert future.blocked_seconds < 1.0, future.blocked_seconds
 
 
-def test_cancelled_gpu_async_save_keeps_old_file(tmp_path, monkeypatch):
+def test_cancelled_gpu_async_save_keeps_old_file(tmp_path):
     from concurrent.futures import CancelledError
 
     path = tmp_path / "k.nvckpt"
     nvckpt.save({"old": torch.arange(10)}, path)
     old = path.read_bytes()
-    monkeypatch.setattr(encode_gpu, "BATCH_BYTES", 8 << 20)
-    future = nvckpt.async_save(big_gpu_state(), path, chunk_size=256 * KiB)
+    future = nvckpt.async_save(big_gpu_state(), path, chunk_size=256 * KiB, gpu=GpuSaveOptions(batch_bytes=8 << 20))
     future.cancel()
     try:
         future.result(timeout=120)
