@@ -141,5 +141,24 @@ def _unwrap(node: Any) -> Any:
     return {k: _unwrap(v) for k, v in node.items()}
 
 
+def on_device(tree: Any, device: str) -> Any:
+    """The tree with its tensors on ``device`` (a tensor reached twice stays one tensor)."""
+    import torch
+
+    moved: dict[int, torch.Tensor] = {}
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, torch.Tensor):
+            return moved.setdefault(id(node), node.to(device))
+        if isinstance(node, dict):
+            return {k: walk(v) for k, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            items = [walk(v) for v in node]
+            return tuple(items) if isinstance(node, tuple) else items
+        return node
+
+    return walk(tree)
+
+
 class UsageError(ValueError):
     """A command was asked for something that makes no sense (the CLI's exit code 2)."""

@@ -22,6 +22,7 @@ import torch
 
 from ..api import load as nvckpt_load
 from ..api import save as nvckpt_save
+from ._util import on_device
 
 
 @dataclass
@@ -105,23 +106,6 @@ def _synced(fn: Callable[[], Any], device: str) -> Callable[[], Any]:
         torch.cuda.synchronize()
         return out
     return run
-
-
-def on_device(tree: Any, device: str) -> Any:
-    """The tree with its tensors on ``device`` (a tensor reached twice stays one tensor)."""
-    moved: dict[int, torch.Tensor] = {}
-
-    def walk(node: Any) -> Any:
-        if isinstance(node, torch.Tensor):
-            return moved.setdefault(id(node), node.to(device))
-        if isinstance(node, dict):
-            return {k: walk(v) for k, v in node.items()}
-        if isinstance(node, (list, tuple)):
-            items = [walk(v) for v in node]
-            return tuple(items) if isinstance(node, tuple) else items
-        return node
-
-    return walk(tree)
 
 
 def measure_nvckpt(obj: Any, path: str, *, repeat: int, codec: str = "auto", check: bool = True,

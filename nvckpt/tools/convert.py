@@ -36,7 +36,7 @@ from ..io.atomic import atomic_output
 from ..options import LoadOptions, SaveOptions
 from ..session.load import Checkpoint
 from ..session.save import SaveSession
-from ._util import ProgressFactory, UsageError, check_output_folder, nest_by_name, null_bar
+from ._util import ProgressFactory, UsageError, check_output_folder, nest_by_name, null_bar, on_device
 
 FORMATS = ("nvckpt", "safetensors", "torch")
 EXTENSIONS = {".nvckpt": "nvckpt", ".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch"}
@@ -105,25 +105,6 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
 
 
 # -- readers ---------------------------------------------------------------
-
-def _on_cpu(tree: Any) -> Any:
-    """The tree with every tensor on the CPU (a tensor reached twice stays one tensor)."""
-    moved: dict[int, torch.Tensor] = {}
-
-    def walk(node: Any) -> Any:
-        if isinstance(node, torch.Tensor):
-            if id(node) not in moved:
-                moved[id(node)] = node.cpu()
-            return moved[id(node)]
-        if isinstance(node, dict):
-            return {k: walk(v) for k, v in node.items()}
-        if isinstance(node, (list, tuple)):
-            items = [walk(v) for v in node]
-            return tuple(items) if isinstance(node, tuple) else items
-        return node
-
-    return walk(tree)
-
 
 def read_nvckpt(path: str | os.PathLike, make_bar: ProgressFactory, *, device: str | None = None) -> Loaded:
     """The object in an nvckpt file.  nvcomp-ans chunks decode only with nvCOMP on a GPU: a file that holds
@@ -384,7 +365,7 @@ def convert(
         loaded = read_torch(src)
     notes = list(loaded.notes)
     if dst_format != "nvckpt":
-        loaded.tree = _on_cpu(loaded.tree)
+        loaded.tree = on_device(loaded.tree, "cpu")
     if dst_format == "nvckpt":
         size = write_nvckpt(loaded, dst, codec=codec, zstd_level=zstd_level, make_bar=make_bar)
     elif dst_format == "safetensors":
