@@ -8,6 +8,7 @@ Only nvCOMP on a CUDA GPU decodes it; the GPU engine does that in batches
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from ..errors import UnsupportedCodecError
@@ -15,6 +16,7 @@ from .base import Codec
 
 # nvCOMP ANS data type modes by element type (SPEC.md, "nvcomp-ans").
 DATA_TYPES = ("<f2", "<f4", "|f1", "|u1")
+_VERSION = re.compile(r"[0-9]+\.[0-9]+\.[0-9]+")  # SPEC 11.6: ASCII digits only (re's \d would take others)
 
 
 class NvcompAns(Codec):
@@ -40,6 +42,9 @@ class NvcompAns(Codec):
         keys = {"data_type", "nvcomp_version", "bitstream"}
         if set(configuration) != keys:
             raise ValueError(f"nvcomp-ans configuration needs exactly {sorted(keys)}, got {sorted(configuration)}")
+        version = configuration["nvcomp_version"]
+        if not isinstance(version, str) or not _VERSION.fullmatch(version):
+            raise ValueError(f"nvcomp-ans nvcomp_version must be 'MAJOR.MINOR.PATCH' (SPEC 11.6), got {version!r:.40}")
         return cls(**configuration)
 
     def encode(self, data: memoryview) -> bytes:

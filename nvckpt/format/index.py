@@ -83,8 +83,12 @@ def _int(value: Any, what: str, lo: int = 0, hi: int = _U64) -> int:
 
 
 def _map(value: Any, what: str) -> dict:
+    """A map of SPEC 8 or 11: str keys only (SPEC 1)."""
     if not isinstance(value, dict):
         raise FormatError(f"{what} must be a map, got {type(value).__name__}")
+    for key in value:
+        if not isinstance(key, str):
+            raise FormatError(f"{what} has a key of type {type(key).__name__}; its keys must be strings")
     return value
 
 
@@ -111,14 +115,12 @@ def parse_index(data: dict[str, Any], index_offset: int) -> Index:
     if data.get("format") != "nvckpt":
         raise FormatError(f"index 'format' is {data.get('format')!r:.40}, expected 'nvckpt'")
     version = _list(data.get("version"), "index 'version'")
-    if len(version) != 2 or any(type(v) is not int for v in version):
+    if len(version) != 2 or any(type(v) is not int or not 0 <= v <= 0xFFFF for v in version):
         raise FormatError(f"index 'version' must be [major, minor], got {version!r:.80}")
     if version[0] != VERSION_MAJOR:
         raise FormatError(f"index version {version[0]}.{version[1]} disagrees with the preamble's {VERSION_MAJOR}.x")
     writer = _map(data.get("writer", {}), "index 'writer'")
     metadata = _map(data.get("metadata", {}), "index 'metadata'")
-    if not all(isinstance(k, str) for k in metadata):
-        raise FormatError("metadata keys must be strings")
     _check_metadata(metadata)
 
     codec_list = _list(data.get("codecs"), "index 'codecs'")
@@ -154,8 +156,11 @@ def parse_index(data: dict[str, Any], index_offset: int) -> Index:
     tree = data["tree"]
     check_tree(tree, len(tensors))
     paths: dict[str, int] = {}
+    by_name = {e.name: e.tensor_id for e in tensors}
     for path, ref in leaf_paths(tree):
-        paths.setdefault(path, ref.tensor_id)
+        # SPEC 14.1: a name identifies one tensor, whether it is an entry's name or a path's.
+        if paths.setdefault(path, ref.tensor_id) != ref.tensor_id or by_name.get(path, ref.tensor_id) != ref.tensor_id:
+            raise FormatError(f"the name {path!r:.200} stands for two different tensors")
     return Index(writer, codecs, tensors, tree, metadata, (version[0], version[1]), paths)
 
 
@@ -190,10 +195,11 @@ def _parse_entry(tid: int, raw: dict, ncodecs: int, index_offset: int, ranges: l
     if len(shape) > MAX_RANK:
         raise LimitError(f"{where}: rank {len(shape)} exceeds {MAX_RANK}")
     numel = math.prod(shape)
-    nonzero = math.prod(d or 1 for d in shape)
     nbytes = numel * dtype.itemsize
-    if max(nbytes, nonzero * dtype.itemsize) > MAX_TENSOR_BYTES:  # SPEC 8.3: an empty tensor may not hide an overflow
-        raise LimitError(f"{where}: {nbytes} bytes exceed the limit of {MAX_TENSOR_BYTES}")
+    # SPEC 8.3: span, the non-zero dimensions times itemsize (1 for an unknown dtype), bounds every sub-product.
+    span = math.prod(d or 1 for d in shape) * (dtype.itemsize or 1)
+    if span > MAX_TENSOR_BYTES:
+        raise LimitError(f"{where}: shape {list(shape)} spans {span} bytes, more than the limit of {MAX_TENSOR_BYTES}")
     kinds = [k for k in ("chunks", "view", "derived") if k in raw]
     if len(kinds) != 1:
         raise FormatError(f"{where}: needs exactly one of 'chunks', 'view', 'derived', has {kinds}")
