@@ -895,8 +895,12 @@ class StreamingReader:
                 if key in chunks:
                     raise FormatError(f"second CHUNK frame for tensor {h.tensor_id} chunk {h.chunk_index}")
                 # Decoded now, as a stream would be; the dtype check waits for the index.
-                raw = decode_chunk(codecs[h.codec_id], h.codec_id, payload, h.raw_length, {}) \
-                    if _decodable(codecs[h.codec_id]) else None
+                raw: bytes | NvError | None = None
+                if _decodable(codecs[h.codec_id]):
+                    try:
+                        raw = decode_chunk(codecs[h.codec_id], h.codec_id, payload, h.raw_length, {})
+                    except NvError as exc:  # 15.2: reported for the tensor, as when it is read
+                        raw = exc
                 chunks[key] = (payload_at, h, raw)
             else:  # INDEX, then the footer (15.2: in this order)
                 footer = self._take(FOOTER_LEN)
@@ -959,6 +963,8 @@ class StreamingReader:
 
     def _chunk(self, e: Entry, i: int) -> bytes:
         _, h, raw = self.chunks[(e.tensor_id, i)]
+        if isinstance(raw, NvError):
+            raise raw
         if raw is None:
             cid = h.codec_id
             return decode_chunk(self.index.codecs[cid], cid, b"", h.raw_length, self.index.writer)
@@ -1028,7 +1034,8 @@ def describe(reader: RandomAccessReader | StreamingReader) -> dict:
         except NvError as exc:
             item.update(error=exc.kind, message=str(exc))
         tensors[e.name] = item
-    return {"status": "ok", "version": list(index.version), "tensors": tensors, "keys": path_keys(index.tree),
+    keys = list(dict.fromkeys(path_keys(index.tree)))  # 14.1: each name once, at its first path
+    return {"status": "ok", "version": list(index.version), "tensors": tensors, "keys": keys,
             "tree": node_json(index.tree, names), "metadata": node_json(index.metadata, names)}
 
 
