@@ -1492,6 +1492,21 @@ def gen_second_edition(s: Suite, bases: dict, edit: Callable, index_edit: Callab
         flags=["footer"], description="four bytes after the footer: the last 40 bytes are no footer",
         danger="as above")
 
+    def orphan_chunk(nv: craft.NvFile) -> None:
+        f = copy.copy(nv.chunk_frame(T["i"], 1))
+        f.chunk_index = 2  # 'i' has chunks 0 and 1 only
+        nv.frames.insert(len(nv.frames) - 1, f)
+    inv("orphan-chunk-frame", edit(orphan_chunk), "format", section="4.3", readers=STREAMING,
+        flags=["frame-order", "streaming"],
+        description="a CHUNK frame for chunk 2 of 'i', which has two chunks: no index entry uses it (rule 5 of 4.3)",
+        danger="bytes a streaming reader decodes but no random-access reader sees: the two would disagree")
+
+    def odd_writer(nv: craft.NvFile) -> None:
+        nv.index["writer"] = {"name": 5, "version": None, "torch": ["2", "13"]}
+    exp_w = copy.deepcopy(exp)
+    s.valid("valid-writer-odd-values", edit(odd_writer), exp_w, section="8.2", flags=["writer"],
+            description="a writer map whose name is an int, version nil and torch an array: readers must not reject it")
+
     # -- extension frames (SPEC 4.1, 4.2) -------------------------------------------------------------------------
     def ext_frame(**kw: Any) -> Callable:
         return lambda nv: nv.frames.insert(2, craft.Frame(130, b"extension data", **kw))
