@@ -91,6 +91,8 @@ MAX_RANK = 64
 MAX_NAME_BYTES = 4096
 MAX_TREE_DEPTH = 64
 MAX_PADDING = 1 << 20
+MAX_TENSOR_BYTES = 1 << 62
+MAX_ZSTD_WINDOW = 1 << 24
 U64 = (1 << 64) - 1
 MAX_MATERIALIZED = 1 << 30  # bytes of one tensor this reader will build in memory
 I63 = (1 << 63) - 1
@@ -181,8 +183,9 @@ def parse_header(data: bytes, where: int) -> FrameHeader:
     return h
 
 
-def parse_footer(data: bytes, file_length: int) -> tuple[int, int, int]:
-    """Section 5, checks 2-6.  Returns (index_offset, index_length, index_checksum)."""
+def parse_footer(data: bytes, file_length: int, positions: bool = True) -> tuple[int, int, int]:
+    """Section 5, checks 2-6 (2-4 only without positions: a streaming reader compares with the INDEX frame).
+    Returns (index_offset, index_length, index_checksum)."""
     index_offset, index_length, index_checksum, reserved, footer_checksum, end = struct.unpack("<QQQII8s", data)
     if end != END_MAGIC:
         raise TruncatedError("no nvckpt footer: the file may be truncated")
@@ -190,6 +193,8 @@ def parse_footer(data: bytes, file_length: int) -> tuple[int, int, int]:
         raise ChecksumError("footer checksum mismatch")
     if reserved:
         raise FormatError("footer reserved field is not 0")
+    if not positions:
+        return index_offset, index_length, index_checksum
     if index_length > MAX_INDEX_LENGTH:
         raise LimitError(f"index_length {index_length} > MAX_INDEX_LENGTH")
     if index_offset < PREAMBLE_LEN or index_offset + HEADER_LEN + index_length > file_length - FOOTER_LEN:
@@ -219,7 +224,36 @@ class _Ext:
         self.code, self.data = code, data
 
 
+def key_class(k: Any) -> Any:
+    """Section 1, "the same key": nil; strs by their bytes; numbers (bool, int, float) by exact value,
+    -0.0 as 0.0, every NaN the same.  Keys of other types get a class of their own (rejected later)."""
+    if k is None:
+        return ("nil",)
+    if isinstance(k, str):
+        return ("str", k.encode("utf-8"))
+    if isinstance(k, bool):
+        return ("num", int(k))
+    if isinstance(k, int):
+        return ("num", k)
+    if isinstance(k, float):
+        if k != k:
+            return ("nan",)
+        if k in (float("inf"), float("-inf")):
+            return ("inf", k > 0)
+        if k == int(k):  # integral: compare with ints exactly (int(2.0**64) is 2**64, not 2**64 - 1)
+            return ("num", int(k))
+        return ("frac", struct.pack(">d", k))
+    return ("other", id(k))
+
+
 def _pairs(pairs: list) -> Map:
+    """Every map of every payload: no key twice (section 1, whole-payload rules)."""
+    seen = set()
+    for k, _ in pairs:
+        c = key_class(k)
+        if c in seen:
+            raise FormatError(f"a map holds the key {k!r:.60} twice (section 1)")
+        seen.add(c)
     return Map(pairs)
 
 
@@ -373,8 +407,10 @@ def parse_pipeline(value: Any, cid: int) -> list[Step]:
         elif name == "nvcomp-ans":  # 11.6: all three keys, checked when the codec table is parsed
             if set(config) != {"data_type", "nvcomp_version", "bitstream"}:
                 raise FormatError(f"codec {cid}: nvcomp-ans needs exactly data_type, nvcomp_version, bitstream")
-            if not isinstance(config["nvcomp_version"], str):
-                raise FormatError(f"codec {cid}: nvcomp-ans nvcomp_version must be a str")
+            version = config["nvcomp_version"]
+            parts = version.split(".") if isinstance(version, str) else []
+            if len(parts) != 3 or not all(p and all("0" <= ch <= "9" for ch in p) for p in parts):
+                raise FormatError(f"codec {cid}: nvcomp-ans nvcomp_version must be 'MAJOR.MINOR.PATCH', got {version!r}")
             if config["bitstream"] != "raw" or config["data_type"] not in NVCOMP_DATA_TYPES:
                 raise FormatError(f"codec {cid}: nvcomp-ans bitstream must be 'raw' and data_type one of {NVCOMP_DATA_TYPES}")
             steps.append(Step(name, config, "coder"))
@@ -392,8 +428,64 @@ def _int_any(v: Any, what: str) -> int:
     return v
 
 
+def zstd_frame_windows(data: bytes) -> list[int]:
+    """RFC 8878 3.1.1: walk frame and block headers; the Window_Size of each (non-skippable) frame."""
+    out, pos = [], 0
+
+    def need(k: int) -> None:
+        if pos + k > len(data):
+            raise FormatError("zstd data cut short")
+
+    while pos < len(data):
+        need(4)
+        magic = struct.unpack_from("<I", data, pos)[0]
+        if 0x184D2A50 <= magic <= 0x184D2A5F:
+            need(8)
+            pos += 8 + struct.unpack_from("<I", data, pos + 4)[0]
+            need(0)
+            continue
+        if magic != 0xFD2FB528:
+            raise FormatError(f"zstd: bytes at {pos} are not a frame")
+        need(5)
+        fhd = data[pos + 4]
+        if fhd & 0x08:
+            raise FormatError("zstd: reserved frame header bit set")
+        single = fhd & 0x20
+        pos += 5
+        window = 0
+        if not single:
+            need(1)
+            exponent, mantissa = data[pos] >> 3, data[pos] & 7
+            window = (1 << (10 + exponent)) + ((1 << (10 + exponent)) // 8) * mantissa
+            pos += 1
+        pos += [0, 1, 2, 4][fhd & 3]
+        fcs_size = [1 if single else 0, 2, 4, 8][fhd >> 6]
+        need(fcs_size)
+        if single:
+            window = int.from_bytes(data[pos:pos + fcs_size], "little") + (256 if fcs_size == 2 else 0)
+        pos += fcs_size
+        last = False
+        while not last:
+            need(3)
+            header = int.from_bytes(data[pos:pos + 3], "little")
+            last, kind, size = bool(header & 1), (header >> 1) & 3, header >> 3
+            if kind == 3:
+                raise FormatError("zstd: reserved block type")
+            pos += 3 + (1 if kind == 1 else size)
+            need(0)
+        pos += 4 if fhd & 0x04 else 0
+        need(0)
+        out.append(window)
+    return out
+
+
 def zstd_decode(data: bytes, raw_length: int) -> bytes:
     """Decode one or more zstd frames, never producing more than raw_length + 1 bytes (11.4, 11.7)."""
+    windows = zstd_frame_windows(data)
+    if not windows:
+        raise FormatError("zstd chunk holds no frame")
+    if max(windows) > MAX_ZSTD_WINDOW:  # before decoding (11.4)
+        raise FormatError(f"zstd frame Window_Size {max(windows)} > 2^24")
     try:
         reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data), read_across_frames=True,
                                                            read_size=65536)
@@ -475,6 +567,34 @@ class Index:
     tensors: list[Entry]
     tree: Any
     metadata: Any
+    raw_entries: list[dict]
+    raw_codecs: list
+
+
+def canon(v: Any) -> Any:
+    """A msgpack value compared by type and value (maps unordered, floats by bits): rule 3 of 4.3, 8.3."""
+    if isinstance(v, Map):
+        return ("map", frozenset((key_class(k), canon(x)) for k, x in v))
+    if isinstance(v, list):
+        return ("array", tuple(canon(x) for x in v))
+    if isinstance(v, bool) or v is None:
+        return ("atom", v)
+    if isinstance(v, int):
+        return ("int", v)
+    if isinstance(v, float):
+        return ("float", struct.pack(">d", v))
+    if isinstance(v, _Ext):
+        return ("ext", v.code, v.data)
+    return (type(v).__name__, v)
+
+
+def canon_pipeline(value: Any) -> Any:
+    """Rule 3 of 4.3: the same steps, names and configurations (absent = {}), bytes need not match."""
+    steps = []
+    for step in value:
+        d = _dict(step, "codec step")
+        steps.append((d.get("name"), canon(d.get("configuration", Map()))))
+    return tuple(steps)
 
 
 def parse_entry(tid: int, raw: Any, ncodecs: int, index_offset: int) -> Entry:
@@ -482,7 +602,7 @@ def parse_entry(tid: int, raw: Any, ncodecs: int, index_offset: int) -> Entry:
     name = e.get("name")
     if not isinstance(name, str):
         raise FormatError(f"tensor {tid}: name must be a str")
-    if len(name.encode("utf-8")) > MAX_NAME_BYTES:
+    if len(name.encode("utf-8")) > MAX_NAME_BYTES:  # bytes of UTF-8, not characters
         raise LimitError(f"tensor {tid}: name longer than {MAX_NAME_BYTES} bytes")
     dtype = e.get("dtype")
     if not isinstance(dtype, str):
@@ -493,13 +613,13 @@ def parse_entry(tid: int, raw: Any, ncodecs: int, index_offset: int) -> Entry:
         raise FormatError(f"tensor {name!r}: shape must be an array")
     if len(shape_raw) > MAX_RANK:
         raise LimitError(f"tensor {name!r}: rank {len(shape_raw)} > {MAX_RANK}")
-    shape = tuple(_uint(d, f"tensor {name!r}: shape dimension", I63) for d in shape_raw)
-    nonzero = 1
+    shape = tuple(_uint(d, f"tensor {name!r}: shape dimension") for d in shape_raw)
+    span = itemsize or 1  # 8.3: non-zero dimensions times itemsize (1 for a dtype this reader does not know)
     for d in shape:
         if d:
-            nonzero *= d
-    if itemsize is not None and nonzero * itemsize > I63:
-        raise FormatError(f"tensor {name!r}: size overflows 2^63 - 1 bytes")
+            span *= d
+    if span > MAX_TENSOR_BYTES:
+        raise LimitError(f"tensor {name!r}: shape spans {span} bytes > 2^62")
     kinds = [k for k in ("chunks", "view", "derived") if k in e]
     if len(kinds) != 1:
         raise FormatError(f"tensor {name!r}: needs exactly one of chunks, view, derived (has {kinds})")
@@ -546,6 +666,8 @@ def parse_entry(tid: int, raw: Any, ncodecs: int, index_offset: int) -> Entry:
         if not isinstance(stride_raw, list) or isinstance(stride_raw, Map):
             raise FormatError(f"tensor {name!r}: view stride must be an array")
         stride = [_uint(s, f"tensor {name!r}: view stride") for s in stride_raw]
+        if offset > MAX_TENSOR_BYTES or any(x > MAX_TENSOR_BYTES for x in stride):
+            raise LimitError(f"tensor {name!r}: view offset or stride > 2^62")
         if len(stride) != len(shape):
             raise FormatError(f"tensor {name!r}: {len(stride)} strides for rank {len(shape)}")
         entry.view = {"base": base, "offset": offset, "stride": stride}
@@ -573,8 +695,8 @@ def check_references(entries: list[Entry]) -> None:
                     raise FormatError(f"tensor {e.name!r}: view reaches element {last}, base has {base.numel}")
         if e.derived is not None:
             s = e.derived["source"]
-            if s >= len(entries):
-                raise FormatError(f"tensor {e.name!r}: derived source {s} does not exist")
+            if s >= len(entries) or s == e.tensor_id:
+                raise FormatError(f"tensor {e.name!r}: derived source {s} does not exist or is the entry itself")
             if e.derived["function"] != "bf16_rne":
                 continue  # unknown function: UnsupportedFeatureError when read
             src = entries[s]
@@ -593,7 +715,7 @@ def parse_index(payload: bytes, preamble_version: tuple[int, int], index_offset:
         raise FormatError("index format is not 'nvckpt'")
     version = top["version"]
     if (not isinstance(version, list) or isinstance(version, Map) or len(version) != 2
-            or any(isinstance(v, bool) or not isinstance(v, int) for v in version)):
+            or any(isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 0xFFFF for v in version)):
         raise FormatError(f"index version must be [major, minor], got {version!r}")
     if version[0] != preamble_version[0]:  # a differing minor is allowed (8.1)
         raise FormatError(f"index major version {version[0]} differs from the preamble's {preamble_version[0]}")
@@ -604,12 +726,14 @@ def parse_index(payload: bytes, preamble_version: tuple[int, int], index_offset:
     if len(codecs_raw) > MAX_CODECS:
         raise LimitError(f"{len(codecs_raw)} codecs > {MAX_CODECS}")
     codecs = [parse_pipeline(p, i) for i, p in enumerate(codecs_raw)]
+    raw_codecs = list(codecs_raw)
     tensors_raw = top["tensors"]
     if not isinstance(tensors_raw, list) or isinstance(tensors_raw, Map):
         raise FormatError("tensors must be an array")
     if len(tensors_raw) > MAX_TENSORS:
         raise LimitError(f"{len(tensors_raw)} tensors > {MAX_TENSORS}")
     entries = [parse_entry(i, t, len(codecs), index_offset) for i, t in enumerate(tensors_raw)]
+    raw_entries = [_dict(t, f"tensor {i}") for i, t in enumerate(tensors_raw)]
     names = set()
     for e in entries:
         if e.name in names:
@@ -624,7 +748,11 @@ def parse_index(payload: bytes, preamble_version: tuple[int, int], index_offset:
     metadata = check_metadata(top.get("metadata", Map()))
     if not isinstance(metadata, Map):
         raise FormatError("metadata must be a map")
-    return Index((version[0], version[1]), writer, codecs, entries, tree, metadata)
+    by_name = {e.name: e.tensor_id for e in entries}  # 14.1: a name stands for one tensor
+    for path, tid in path_refs(tree):
+        if by_name.setdefault(path, tid) != tid:
+            raise FormatError(f"the name {path!r} stands for two different tensors")
+    return Index((version[0], version[1]), writer, codecs, entries, tree, metadata, raw_entries, raw_codecs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -730,6 +858,7 @@ class StreamingReader:
         self.f, self.pos = f, 0
         version = check_preamble(self._take(PREAMBLE_LEN, allow_short=True))
         codecs: dict[int, list[Step]] = {}
+        codec_values: dict[int, Any] = {}
         described: dict[int, dict] = {}
         chunks: dict[tuple[int, int], tuple[int, FrameHeader, bytes]] = {}  # (tensor, i) -> (offset, header, raw)
         while True:
@@ -752,7 +881,9 @@ class StreamingReader:
             if h.frame_type == CODEC:
                 if h.codec_id in codecs:
                     raise FormatError(f"second CODEC frame for codec id {h.codec_id}")
-                codecs[h.codec_id] = parse_pipeline(unpack_one(payload), h.codec_id)
+                pipeline = unpack_one(payload)
+                codecs[h.codec_id] = parse_pipeline(pipeline, h.codec_id)
+                codec_values[h.codec_id] = pipeline
             elif h.frame_type == TENSOR:
                 if h.tensor_id in described:
                     raise FormatError(f"second TENSOR frame for tensor {h.tensor_id}")
@@ -764,19 +895,25 @@ class StreamingReader:
                 if key in chunks:
                     raise FormatError(f"second CHUNK frame for tensor {h.tensor_id} chunk {h.chunk_index}")
                 # Decoded now, as a stream would be; the dtype check waits for the index.
-                raw = decode_chunk(codecs[h.codec_id], h.codec_id, payload, h.raw_length, {}) \
-                    if _decodable(codecs[h.codec_id]) else None
+                raw: bytes | NvError | None = None
+                if _decodable(codecs[h.codec_id]):
+                    try:
+                        raw = decode_chunk(codecs[h.codec_id], h.codec_id, payload, h.raw_length, {})
+                    except NvError as exc:  # 15.2: reported for the tensor, as when it is read
+                        raw = exc
                 chunks[key] = (payload_at, h, raw)
-            else:  # INDEX
+            else:  # INDEX, then the footer (15.2: in this order)
                 footer = self._take(FOOTER_LEN)
-                if self.f.read(1):
-                    raise FormatError("bytes after the footer")
-                file_length = self.pos
-                index_offset, index_length, index_checksum = parse_footer(footer, file_length)
+                index_offset, index_length, index_checksum = parse_footer(footer, self.pos, positions=False)
                 if (index_offset != at or index_length != h.stored_length or index_checksum != h.payload_checksum):
                     raise FormatError("footer does not match the INDEX frame")
+                if self.f.read(1):
+                    raise FormatError("bytes after the footer")
                 index = parse_index(payload, version, at)
                 self._check_against_frames(index, codecs, described, chunks)
+                for cid, value in codec_values.items():
+                    if canon_pipeline(value) != canon_pipeline(index.raw_codecs[cid]):
+                        raise FormatError(f"the CODEC frame of codec id {cid} differs from the index's pipeline")
                 self.index = index
                 self.chunks = chunks
                 self.materializer = Materializer(index, self._chunk)
@@ -805,6 +942,11 @@ class StreamingReader:
             raise FormatError("TENSOR frames do not match the tensor table")
         for e in index.tensors:
             d = described[e.tensor_id]
+            raw = index.raw_entries[e.tensor_id]
+            for key in ("name", "dtype", "shape", "view", "derived", "checksum", "internal"):
+                default = False if key == "internal" else None
+                if canon(d.get(key, default)) != canon(raw.get(key, default)):
+                    raise FormatError(f"tensor {e.name!r}: TENSOR frame {key!r} differs from the index (8.3)")
             nchunks = d.get("nchunks")
             if nchunks != len(e.chunks):
                 raise FormatError(f"tensor {e.name!r}: TENSOR frame nchunks {nchunks} != {len(e.chunks)}")
@@ -821,6 +963,8 @@ class StreamingReader:
 
     def _chunk(self, e: Entry, i: int) -> bytes:
         _, h, raw = self.chunks[(e.tensor_id, i)]
+        if isinstance(raw, NvError):
+            raise raw
         if raw is None:
             cid = h.codec_id
             return decode_chunk(self.index.codecs[cid], cid, b"", h.raw_length, self.index.writer)
@@ -856,6 +1000,17 @@ def node_json(node: Any, names: list[str]) -> Any:
     raise TypeError(type(node))
 
 
+def path_refs(node: Any, parts: tuple = ()) -> list[tuple[str, int]]:
+    """(name, tensor id) of every path to a tensor reference (section 14.1)."""
+    if isinstance(node, TensorRef):
+        return [("/".join(parts), node.tensor_id)]
+    if isinstance(node, Map):
+        return [r for key, v in node for r in path_refs(v, parts + (str(key).replace("~", "~0").replace("/", "~1"),))]
+    if isinstance(node, list):
+        return [r for i, v in enumerate(node) for r in path_refs(v, parts + (str(i),))]
+    return []
+
+
 def path_keys(node: Any, parts: tuple = ()) -> list[str]:
     """Section 14.1: every path to a tensor reference, keys as Python's str(), ~ -> ~0, / -> ~1, joined by /."""
     if isinstance(node, TensorRef):
@@ -879,7 +1034,8 @@ def describe(reader: RandomAccessReader | StreamingReader) -> dict:
         except NvError as exc:
             item.update(error=exc.kind, message=str(exc))
         tensors[e.name] = item
-    return {"status": "ok", "version": list(index.version), "tensors": tensors, "keys": path_keys(index.tree),
+    keys = list(dict.fromkeys(path_keys(index.tree)))  # 14.1: each name once, at its first path
+    return {"status": "ok", "version": list(index.version), "tensors": tensors, "keys": keys,
             "tree": node_json(index.tree, names), "metadata": node_json(index.metadata, names)}
 
 

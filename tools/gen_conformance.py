@@ -282,7 +282,7 @@ class Suite:
               level: str = "must", readers: list[str] = BOTH, requires: list[str] | None = None) -> None:
         if self.only and cid not in self.only:
             return
-        expected = dict(expected, keys=keys_of(expected["tree"]))
+        expected = dict(expected, keys=list(dict.fromkeys(keys_of(expected["tree"]))))  # each name once (SPEC 14.1)
         self.cases.append({
             "id": cid, "file": self._write(cid, data), "result": "valid", "level": level, "flags": flags,
             "section": section, "description": description, "readers": readers, "requires": requires or [],
@@ -553,6 +553,7 @@ def gen_crafted_valid(s: Suite, bases: dict) -> None:
     exp_u = copy.deepcopy(exp)
     exp_u["tensors"]["i"] = {k: v for k, v in exp_u["tensors"]["i"].items() if k not in ("nbytes", "sha256")} | {
         "error": "unsupported-codec"}
+    bases["valid-unknown-codec-src"] = (None, None, craft.build(nv))
     s.valid("valid-unknown-codec", craft.build(nv), exp_u, section="11.8", flags=["unknown-codec"],
             description="tensor 'i' uses an unregistered codec: reading it is UnsupportedCodecError, every other "
                         "tensor loads, the file opens")
@@ -573,6 +574,7 @@ def gen_crafted_valid(s: Suite, bases: dict) -> None:
     exp_d = copy.deepcopy(exp)
     exp_d["tensors"]["future"] = {"dtype": "float7_e3m3", "shape": [3], "internal": False, "error": "unsupported-feature"}
     exp_d["tree"]["$map"].append(["future", {"$tensor": "future"}])
+    bases["valid-unknown-dtype-src"] = (None, None, craft.build(nv))
     s.valid("valid-unknown-dtype", craft.build(nv), exp_d, section="10", flags=["unknown-dtype"], level="should",
             description="a tensor with a dtype name this version does not define: UnsupportedFeatureError when it "
                         "is read, the file opens and the other tensors load")
@@ -708,7 +710,8 @@ def gen_invalid(s: Suite, bases: dict) -> None:
         description="a CHUNK frame header's magic is 'NVCX' (only a streaming reader reads it)",
         danger="a streaming reader that does not check the magic walks into garbage lengths")
     inv("bad-footer-magic", base[:-8] + b"NVCKEND\r", "truncated", section="5", flags=["magic", "footer"],
-        description="the end magic is 'NVCKEND\\r': the file does not end with a footer",
+        description="the end magic is 'NVCKEND\\r': the file does not end with a footer (a streaming reader, which "
+                    "checks the footer after the INDEX frame as SPEC 15.2 says, reports the same TruncatedError)",
         danger="a truncated or appended-to file; the footer's offsets cannot be trusted")
 
     # -- versions and feature bits ------------------------------------------------------------
@@ -884,10 +887,20 @@ def gen_invalid(s: Suite, bases: dict) -> None:
         danger="elements would be split across chunks")
     inv("chunk-codec-id-out-of-range", index_edit(chunk_set("w", 0, 3, 99)), "format", section="8.4", flags=["codec-id"],
         description="a chunk uses codec id 99; the codec table has fewer entries", danger="an out-of-bounds table lookup")
-    inv("raw-chunk-lengths-differ", edit(lambda nv: [setattr(nv.chunk_frame(T["i"], 0), "raw_length", 48),
-                                                     nv.index["tensors"][T["i"]].__setitem__("shape", [6])]),
+    def raw_lengths_differ(nv: craft.NvFile) -> None:
+        # Tensor 'i' (int64 [5]) is two raw chunks of 32 + 8 bytes.  Chunk 0 claims 40 raw bytes for its 32
+        # stored ones; the shape [6] keeps the sum rule (40 + 8 = 48 = 6 x 8), the tensor checksum is dropped
+        # (optional) and the TENSOR frame follows the entry: the raw length is the only fault.
+        assert [c[2] for c in nv.index["tensors"][T["i"]]["chunks"]] == [32, 8]
+        nv.chunk_frame(T["i"], 0).raw_length = 40
+        entry = nv.index["tensors"][T["i"]]
+        entry["shape"] = [6]
+        entry.pop("checksum", None)
+        craft.sync_tensor_frames(nv)
+    inv("raw-chunk-lengths-differ", edit(raw_lengths_differ),
         "format", section="11.3", flags=["lengths", "codec-raw"],
-        description="a raw-coded chunk claims raw_length 48 for 40 stored bytes (shape adjusted to match)",
+        description="a raw-coded chunk claims raw_length 40 for 32 stored bytes; the raw lengths still add up to "
+                    "the shape's 48 bytes, so only the 11.3 check finds it",
         danger="a raw 'decoder' that copies raw_length bytes reads past the payload")
 
     big = (1 << 24) + 4
@@ -994,7 +1007,7 @@ def gen_invalid(s: Suite, bases: dict) -> None:
     payload = craft.parse(base).index_frame().payload
     assert payload[0] == 0x87  # fixmap of 7
     dup = b"\x88" + payload[1:] + craft.pack("format") + craft.pack("nvckpt")
-    inv("index-duplicate-key", raw_index(dup), "format", section="1", level="should", flags=["msgpack", "duplicate-key"],
+    inv("index-duplicate-key", raw_index(dup), "format", section="1", flags=["msgpack", "duplicate-key"],
         description="the index map has the key 'format' twice", danger="two readers could take different values")
 
     def entry_set(name: str, key: str, value: Any) -> Callable:
@@ -1013,18 +1026,26 @@ def gen_invalid(s: Suite, bases: dict) -> None:
         description="an entry with none of 'chunks', 'view', 'derived'", danger="a tensor with no data")
     inv("entry-shape-negative", index_edit(entry_set("i", "shape", [-5]), sync=True), "format", section="8.3",
         flags=["shape"], description="shape [-5]", danger="negative sizes wrap to huge unsigned ones")
-    inv("entry-dim-over-2p63", index_edit(entry_set("i", "shape", [1 << 63]), sync=True), "format", section="8.3",
-        flags=["shape", "overflow"], also=["limit"], description="a dimension of 2^63",
-        danger="beyond the signed 64-bit range every implementation can hold")
+    _, _, empty_base = bases["valid-empty"]
+    E = {e["name"]: i for i, e in enumerate(craft.parse(empty_base).index["tensors"])}
+
+    def empty_shape(name: str, shape: list[int]) -> bytes:
+        """An empty tensor of valid-empty given another empty shape: no chunk, the same (empty) checksum."""
+        return index_edit(lambda ix: ix["tensors"][E[name]].__setitem__("shape", shape), src=empty_base, sync=True)
+
+    inv("entry-dim-over-2p63", empty_shape("c", [1 << 63, 0]), "limit", section="8.3",
+        flags=["shape", "overflow", "limit"], also=["format"],
+        description="float16 shape [2^63, 0]: empty (nbytes 0), but a dimension of 2^63 spans more than 2^62 bytes",
+        danger="beyond the signed 64-bit range every implementation (and torch) can hold")
     inv("entry-shape-product-overflow", index_edit(lambda ix: ix["tensors"][T["i"]].update(
         shape=[1 << 32, 1 << 32, 2], chunks=[]), sync=True), "format", section="8.3",
         flags=["shape", "overflow"], also=["limit"], description="shape [2^32, 2^32, 2] int64: the element count overflows 64 bits",
         danger="a wrapped numel * itemsize (here 0 in u64) passes size checks and under-allocates")
-    inv("entry-shape-overflow-with-zero-dim", index_edit(lambda ix: ix["tensors"][T["i"]].update(
-        shape=[0, 1 << 62, 8], chunks=[]), sync=True), "format", section="8.3",
-        flags=["shape", "overflow"], also=["limit"],
-        description="shape [0, 2^62, 8] int64: empty, but the product of its non-zero dimensions times itemsize exceeds 2^63-1",
-        danger="slicing off the zero dimension gives a tensor whose size overflows")
+    inv("entry-shape-overflow-with-zero-dim", empty_shape("b", [0, 1 << 61, 2]), "limit", section="8.3",
+        flags=["shape", "overflow", "limit"], also=["format"],
+        description="int32 shape [0, 2^61, 2]: empty (nbytes 0), but its span (non-zero dimensions x itemsize, "
+                    "2^64 bytes) exceeds MAX_TENSOR_BYTES; everything else, chunk table and checksum, is an empty tensor's",
+        danger="a row of this tensor (2^61 x 2 x 4 bytes) overflows 64 bits: slicing off the zero dimension wraps")
     inv("entry-rank-65", index_edit(lambda ix: ix["tensors"][T["i"]].update(shape=[5] + [1] * 64), sync=True),
         "limit", section="16", flags=["rank", "limit"], also=["format"], description="a tensor of rank 65",
         danger="rank beyond what implementations can hold on the stack")
@@ -1046,8 +1067,9 @@ def gen_invalid(s: Suite, bases: dict) -> None:
         "format", section="8.5", flags=["view"], description="a view whose last element is past the end of its base",
         danger="an as_strided view out of range reads other memory")
     inv("view-stride-overflow", index_edit(lambda ix: ix["tensors"][T[view]]["view"].__setitem__("stride", [1 << 63, 1])),
-        "format", section="20", flags=["view", "overflow"],
-        description="a view stride of 2^63 on a dimension of 2: the bound check wraps to 0 in u64",
+        "format", section="20", flags=["view", "overflow"], also=["limit"],
+        description="a view stride of 2^63 on a dimension of 2: the bound check wraps to 0 in u64 (strides are "
+                    "limited to 2^62, SPEC 8.5, 16)",
         danger="a wrapped bound passes the range check")
     inv("view-base-self", index_edit(lambda ix: ix["tensors"][T[view]]["view"].__setitem__("base", T[view])),
         "format", section="8.5", flags=["view", "self-reference"], description="a view whose base is itself",
@@ -1106,10 +1128,10 @@ def gen_invalid(s: Suite, bases: dict) -> None:
         section="8.6", flags=["depth", "limit", "metadata"], also=["format"],
         description="metadata nested 65 deep", danger="as for the tree")
     inv("metadata-ext-type", index_edit(lambda ix: ix.__setitem__("metadata", {"m": tensor_ref(0)})), "format",
-        section="8.6", level="should", flags=["metadata", "ext"],
+        section="8.6", flags=["metadata", "ext"],
         description="a tensor reference (ext 1) inside the metadata", danger="metadata is JSON-like: no ext types")
     inv("metadata-nested-int-key", index_edit(lambda ix: ix.__setitem__("metadata", {"m": {1: "x"}})), "format",
-        section="8.6", level="should", flags=["metadata"], description="a nested metadata map with an int key",
+        section="8.6", flags=["metadata"], description="a nested metadata map with an int key",
         danger="metadata maps have str keys (JSON objects)")
     inv("tree-ref-missing", index_edit(tree_set({"x": tensor_ref(99)})), "format", section="9", flags=["tree", "dangling"],
         description="a tensor reference to id 99", danger="an out-of-bounds table lookup")
@@ -1127,12 +1149,387 @@ def gen_invalid(s: Suite, bases: dict) -> None:
     inv("tree-key-array", raw_index(_index_with_raw_tree(craft.parse(base).index, b"\x81\x91\x01\x02")), "format",
         section="9", flags=["tree"], description="a tree map whose key is an array", danger="keys must be scalars")
 
+    gen_second_edition(s, bases, edit, index_edit, raw_index, T)
+
     # -- bool values ----------------------------------------------------------------------------------------
     bool_obj = {"b": torch.tensor([True, False, True])}
     bdata = save(bool_obj, codec="raw", tensor_checksums=False)
     inv("bool-byte-2", edit(lambda nv: setattr(nv.chunk_frame(0, 0), "payload", b"\x01\x02\x00"), bdata), "format",
         section="10", level="should", flags=["dtype", "bool"], description="a bool tensor holding the byte 0x02",
         danger="a bool that is neither true nor false is undefined behaviour in C++ and Rust")
+
+
+# --------------------------------------------------------------------------------------------
+# SPEC.md 1.0, second edition (19.1): the cases for its decisions and for every MUST that had none
+# --------------------------------------------------------------------------------------------
+
+def _pack_map(pairs: list[tuple[bytes, bytes]]) -> bytes:
+    """A msgpack map from already-packed keys and values (keys Python's dict would merge stay apart)."""
+    n = len(pairs)
+    head = bytes([0x80 | n]) if n < 16 else b"\xde" + struct.pack(">H", n)
+    return head + b"".join(k + v for k, v in pairs)
+
+
+def _f32(bits: int) -> bytes:
+    return b"\xca" + struct.pack(">I", bits)
+
+
+def _f64(bits: int) -> bytes:
+    return b"\xcb" + struct.pack(">Q", bits)
+
+
+def _bits(x: float) -> int:
+    return struct.unpack(">Q", struct.pack(">d", x))[0]
+
+
+def gen_second_edition(s: Suite, bases: dict, edit: Callable, index_edit: Callable, raw_index: Callable,
+                       T: dict[str, int]) -> None:
+    inv = s.invalid
+    obj, meta, base = bases["valid-base"]
+    exp = expected_decode(obj, meta, base)
+    nv0 = craft.parse(base)
+
+    def tree_with(extra: bytes, key: str = "k") -> bytes:
+        """valid-base's index with one more tree entry, key -> raw msgpack ``extra``."""
+        tree = nv0.index["tree"]
+        pairs = [(craft.pack(k), craft.pack(v)) for k, v in tree.items()] + [(craft.pack(key), extra)]
+        return raw_index(_index_with_raw_tree(nv0.index, _pack_map(pairs)))
+
+    def exp_with(key: str, value: Any) -> dict:
+        e = copy.deepcopy(exp)
+        e["tree"]["$map"].append([key, value])
+        return e
+
+    # -- "the same key" (SPEC 1) -----------------------------------------------------------------------
+    distinct = [(craft.pack(1), "int 1"), (craft.pack("1"), "str '1'"), (_f64(_bits(2.5)), "2.5"),
+                (craft.pack(2**64 - 1), "int 2^64-1"), (_f64(_bits(2.0**64)), "float 2^64"),
+                (craft.pack(2**53 + 1), "int 2^53+1"), (_f64(_bits(2.0**53)), "float 2^53"),
+                (craft.pack(None), "nil"), (_f64(_bits(-0.0)), "-0.0"), (_f64(0x7FF8000000000000), "one NaN"),
+                (_f64(_bits(float("inf"))), "inf"), (_f32(0x3DCCCCCD), "float32 0.1"),
+                (_f64(_bits(0.1)), "float64 0.1")]
+    key_json = [1, "1", float_json(2.5), 2**64 - 1, float_json(2.0**64), 2**53 + 1, float_json(2.0**53), None,
+                float_json(-0.0), {"$float": "7ff8000000000000"}, float_json(float("inf")),
+                float_json(struct.unpack(">f", struct.pack(">I", 0x3DCCCCCD))[0]), float_json(0.1)]
+    s.valid("valid-keys-distinct-across-types", tree_with(_pack_map([(k, craft.pack(v)) for k, v in distinct])),
+            exp_with("k", {"$map": [[kj, v] for kj, (_, v) in zip(key_json, distinct)]}), section="1",
+            flags=["tree", "keys", "key-equality", "nan-key"],
+            description="one tree map holding 1, '1', 2.5, 2^64-1 and the float 2^64, 2^53+1 and the float 2^53, nil, "
+                        "-0.0, one NaN, inf, float32 0.1 and float64 0.1: all different keys by SPEC 1")
+    same = [("tree-keys-int-float-equal", craft.pack(1), _f64(_bits(1.0)), "the int 1 and the float 1.0"),
+            ("tree-keys-int-bool-equal", craft.pack(1), craft.pack(True), "the int 1 and true"),
+            ("tree-keys-zero-negative-zero", _f64(_bits(0.0)), _f64(_bits(-0.0)), "0.0 and -0.0"),
+            ("tree-keys-two-nans", _f64(0x7FF8000000000000), _f64(0x7FF8000000000001),
+             "two NaNs with different bits"),
+            ("tree-keys-float32-float64-equal", _f32(0x3F000000), _f64(_bits(0.5)), "float32 0.5 and float64 0.5"),
+            ("tree-keys-int-two-encodings", b"\x01", b"\xcf" + struct.pack(">Q", 1),
+             "the int 1 as a fixint and as a uint 64"),
+            ("tree-keys-float-2p53-int-2p53", craft.pack(2**53), _f64(_bits(2.0**53)), "the int 2^53 and the float 2^53")]
+    for cid, k1, k2, what in same:
+        inv(cid, tree_with(_pack_map([(k1, craft.pack("a")), (k2, craft.pack("b"))])), "format", section="1",
+            flags=["tree", "keys", "key-equality", "duplicate-key"],
+            description=f"a tree map whose keys are {what}: the same key by SPEC 1",
+            danger="a reader whose map type merges the two keys silently drops an entry; readers disagree")
+
+    # -- whole-payload rules under unknown keys (SPEC 1), strict UTF-8 (38) ----------------------------
+    def index_with_future(value: bytes) -> bytes:
+        pairs = [(craft.pack(k), craft.pack(v)) for k, v in nv0.index.items()] + [(craft.pack("future"), value)]
+        return raw_index(_pack_map(pairs))
+
+    inv("unknown-key-duplicate-key", index_with_future(_pack_map([(craft.pack("a"), b"\x01"), (craft.pack("a"), b"\x02")])),
+        "format", section="1", flags=["msgpack", "duplicate-key", "unknown-keys"],
+        description="an unknown index key whose map value holds the key 'a' twice",
+        danger="'ignored' is about meaning, not well-formedness: readers that skip the check disagree on the file")
+    inv("unknown-key-invalid-utf8", index_with_future(b"\xa2\xc3\x28"), "format", section="1",
+        flags=["msgpack", "utf-8", "unknown-keys"], description="an unknown index key whose str value is not UTF-8 (c3 28)",
+        danger="as above; a lenient decoder would pass garbage through to tools that copy unknown keys")
+    payload = nv0.index_frame().payload
+    assert payload.count(b"\xa4name\xa1i") == 1
+    for cid, seq, what in (("entry-name-surrogate-utf8", b"\xed\xa0\x80", "an encoded surrogate U+D800 (WTF-8)"),
+                           ("entry-name-overlong-utf8", b"\xc0\xaf", "an overlong encoding of '/' (c0 af)")):
+        inv(cid, raw_index(payload.replace(b"\xa4name\xa1i", b"\xa4name" + bytes([0xa0 | len(seq)]) + seq)), "format",
+            section="1", flags=["name", "utf-8"], description=f"a tensor name holding {what}",
+            danger="not UTF-8: some decoders accept it, others do not, and a '/' hidden in an overlong form defeats "
+                   "path checks")
+    s.valid("valid-unknown-key-depth-64", index_with_future(craft.pack(nest(64, 1))), exp, section="9",
+            flags=["unknown-keys", "depth"],
+            description="an unknown index key holding arrays nested 64 deep: readers must accept it")
+
+    # -- str keys and types in the index's maps (SPEC 1, 8) ---------------------------------------------
+    inv("index-int-key", index_edit(lambda ix: ix.__setitem__(7, "x")), "format", section="1", flags=["index", "keys"],
+        description="the index map has a key 7 (an int) besides its str keys",
+        danger="the index's maps have str keys; readers that ignore the key and readers that reject it disagree")
+    inv("entry-int-key", index_edit(lambda ix: ix["tensors"][T["i"]].__setitem__(7, 1), sync=True), "format",
+        section="1", flags=["entry", "keys"], description="a tensor entry (and its TENSOR frame) with a key 7 (an int)",
+        danger="as above")
+    inv("writer-not-map", index_edit(lambda ix: ix.__setitem__("writer", "nvckpt")), "format", section="8.1",
+        flags=["index", "writer"], description="'writer' is a str, not a map",
+        danger="a present key of the wrong type is damage, not absence")
+    inv("metadata-not-map", index_edit(lambda ix: ix.__setitem__("metadata", [1, 2])), "format", section="8.1",
+        flags=["index", "metadata"], description="'metadata' is an array, not a map", danger="as above")
+    inv("index-version-three-elements", index_edit(lambda ix: ix.__setitem__("version", [1, 0, 0])), "format",
+        section="8.1", flags=["version"], description="index 'version' is [1, 0, 0]",
+        danger="a version that is not [major, minor] cannot be compared")
+    inv("index-version-minor-over-u16", index_edit(lambda ix: ix.__setitem__("version", [1, 65536])), "format",
+        section="8.1", flags=["version"], description="index 'version' is [1, 65536]: the minor is not a u16",
+        danger="the preamble cannot hold it: index and preamble disagree")
+    inv("metadata-bin", index_edit(lambda ix: ix.__setitem__("metadata", {"m": b"\x00"})), "format", section="8.6",
+        flags=["metadata"], description="a bin value inside the metadata", danger="metadata is JSON-like: no bin")
+    md = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf"), "-0": -0.0, "u64": 2**64 - 1,
+          "i64": -(2**63), "f32": 0.5}
+    nv = craft.parse(base)
+    nv.index["metadata"] = md
+    mdp = craft.pack(nv.index)
+    f32 = b"\xa3f32\xcb" + struct.pack(">d", 0.5)
+    assert mdp.count(f32) == 1
+    exp_md = copy.deepcopy(exp)
+    exp_md["metadata"] = node_json(md, {})
+    s.valid("valid-metadata-edge-values", raw_index(mdp.replace(f32, b"\xa3f32\xca" + struct.pack(">f", 0.5))), exp_md,
+            section="8.6", flags=["metadata", "float32"],
+            description="metadata holding NaN, inf, -inf, -0.0, 2^64-1, -2^63 and a float 32: all JSON-like values")
+
+    # -- shapes (SPEC 8.3, 10) ---------------------------------------------------------------------------
+    eobj, emeta, empty_base = bases["valid-empty"]
+    nv = craft.parse(empty_base)
+    E = {e["name"]: i for i, e in enumerate(nv.index["tensors"])}
+    nv.index["tensors"][E["b"]]["shape"] = [0, 1 << 60]
+    nv.index["tensors"][E["c"]]["shape"] = [1 << 60, 0, 2]
+    craft.sync_tensor_frames(nv)
+    exp_e = expected_decode(eobj, emeta, empty_base)
+    exp_e["tensors"]["b"]["shape"] = [0, 1 << 60]
+    exp_e["tensors"]["c"]["shape"] = [1 << 60, 0, 2]
+    s.valid("valid-empty-big-dims", craft.build(nv), exp_e, section="8.3", flags=["shape", "empty", "limit"],
+            description="empty tensors int32 [0, 2^60] and float16 [2^60, 0, 2]: span exactly 2^62 bytes, the limit")
+    nv = craft.parse(bases["valid-unknown-dtype-src"][2])
+    fid = next(i for i, e in enumerate(nv.index["tensors"]) if e["name"] == "future")
+    nv.index["tensors"][fid]["shape"] = [(1 << 62) + 1]
+    craft.sync_tensor_frames(nv)
+    inv("unknown-dtype-huge-shape", craft.build(nv), "limit", section="10", also=["format"],
+        flags=["unknown-dtype", "shape", "limit"],
+        description="an entry of unknown dtype 'float7_e3m3' with shape [2^62 + 1]: the span limit applies with "
+                    "itemsize 1", danger="an unknown dtype must not switch off the size limits")
+
+    # -- views and derived entries (SPEC 8.5) --------------------------------------------------------------
+    inv("view-offset-over-limit", index_edit(lambda ix: ix["tensors"][T["v/0"]]["view"].__setitem__("offset", (1 << 62) + 1)),
+        "limit", section="8.5", also=["format"], flags=["view", "limit"], description="a view offset of 2^62 + 1",
+        danger="offsets are bounded so that offset + strides fit in 64 bits")
+    inv("view-missing-stride", index_edit(lambda ix: ix["tensors"][T["v/0"]]["view"].pop("stride")), "format",
+        section="8.5", flags=["view"], description="a view map with no 'stride'", danger="a required key is missing")
+    for cid, source, what in (("derived-unknown-function-source-self", T["b"], "itself"),
+                              ("derived-unknown-function-source-missing", 99, "a tensor id that does not exist")):
+        def fn(ix: dict, source: int = source) -> None:
+            ix["tensors"][T["b"]]["derived"] = {"function": "future_fn", "source": source}
+        inv(cid, index_edit(fn, sync=True), "format", section="8.5", flags=["derived", "unknown-derived"],
+            description=f"a derived entry with an unknown function whose source is {what}",
+            danger="even an unknown function's source must be a real, other entry: else recursion or a bad lookup")
+    s.valid("valid-tree-refs-internal", tree_with(craft.pack(tensor_ref(T["v/0@base"])), "storage"),
+            exp_with("storage", {"$tensor": "v/0@base"}), section="9", flags=["tree", "internal", "view"],
+            description="the tree refers to the internal storage base too: writers must not, readers must accept")
+
+    # -- names (SPEC 14.1) ----------------------------------------------------------------------------------
+    s.valid("valid-same-tensor-same-name-two-paths",
+            tree_with(_pack_map([(craft.pack(1), craft.pack(tensor_ref(T["w"]))),
+                                 (craft.pack("1"), craft.pack(tensor_ref(T["w"])))]), "dup"),
+            exp_with("dup", {"$map": [[1, {"$tensor": "w"}], ["1", {"$tensor": "w"}]]}), section="14.1",
+            flags=["names", "tied", "keys"],
+            description="one tensor reached by the paths dup/1 (int key) and dup/1 (str key): keys() lists the name once")
+    inv("tree-name-clash", tree_with(_pack_map([(craft.pack(1), craft.pack(tensor_ref(T["w"]))),
+                                                (craft.pack("1"), craft.pack(tensor_ref(T["i"])))]), "dup"),
+        "format", section="14.1", flags=["names", "duplicate-name"],
+        description="paths dup/1 (int key) and dup/1 (str key) refer to two different tensors",
+        danger="get_tensor('dup/1') would return either tensor")
+
+    def path_is_other_name(nv: craft.NvFile) -> None:
+        nv.index["tensors"][T["v/0@base"]]["name"] = "storage"
+        nv.index["tree"]["storage"] = tensor_ref(T["i"])
+        craft.sync_tensor_frames(nv)
+    inv("tree-path-is-other-entry-name", edit(path_is_other_name), "format", section="14.1",
+        flags=["names", "duplicate-name"],
+        description="the tree path 'storage' refers to tensor 'i' while the internal base entry is named 'storage'",
+        danger="get_tensor('storage') would return either tensor")
+
+    # -- codecs (SPEC 11) --------------------------------------------------------------------------------------
+    _, _, sbase = bases["shuffle-base"]
+
+    def codec_edit(pipeline: list, src: bytes = sbase) -> bytes:
+        nv = craft.parse(src)
+        nv.index["codecs"][0] = pipeline
+        next(f for f in nv.frames if f.frame_type == craft.CODEC and f.codec_id == 0).payload = craft.pack(pipeline)
+        return craft.build(nv)
+
+    z = {"name": "zstd", "configuration": {"level": 1}}
+    inv("codec-byteshuffle-no-elementsize", codec_edit([{"name": "byteshuffle", "configuration": {}}, z]), "format",
+        section="11.2", flags=["codec-byteshuffle", "codec-pipeline"], description="byteshuffle with no elementsize",
+        danger="a required parameter is missing: readers would guess different element sizes")
+    inv("codec-configuration-int-key", codec_edit([{"name": "byteshuffle", "configuration": {"elementsize": 4, 1: 2}}, z]),
+        "format", section="1", flags=["codec-pipeline", "keys"], description="a codec configuration with an int key",
+        danger="configurations are maps with str keys")
+    inv("codec-unknown-next-to-bad-step", codec_edit([{"name": "byteshuffle", "configuration": {"elementsize": 17}},
+                                                      {"name": "x-future-coder"}]), "format", section="11.1",
+        flags=["codec-pipeline", "unknown-codec"],
+        description="pipeline [byteshuffle(elementsize 17), x-future-coder]: an unregistered coder does not excuse a "
+                    "bad registered step", danger="a configuration outside the defined range")
+    ans = {"data_type": "<f4", "nvcomp_version": "6.0", "bitstream": "raw"}
+    inv("codec-nvcomp-ans-version-malformed", codec_edit([{"name": "nvcomp-ans", "configuration": ans}]), "format",
+        section="11.6", flags=["codec-nvcomp-ans", "nvcomp-version"],
+        description="an nvcomp-ans codec with nvcomp_version '6.0' (not MAJOR.MINOR.PATCH)",
+        danger="readers would compare versions differently; decided at open as FormatError")
+
+    # A damaged chunk of a codec this reader does not know: either error is conforming (11.8).
+    _, _, udata = bases["valid-unknown-codec-src"]
+    nv = craft.parse(udata)
+    f = nv.chunk_frame(T["i"], 0)
+    f.payload_checksum = craft.xxh3(f.payload)
+    f.payload = bytes([f.payload[0] ^ 1]) + f.payload[1:]
+    inv("checksum-chunk-unknown-codec", craft.build(nv, fix_index=False), "unsupported-codec", section="11.8",
+        also=["checksum"], flags=["checksum", "unknown-codec"],
+        description="a damaged chunk (one bit flipped) of the tensor that uses an unregistered codec",
+        danger="the bytes must never reach a decoder; which error comes first is implementation-defined")
+
+    # -- zstd (SPEC 11.4) ------------------------------------------------------------------------------------
+    _, _, zbase = bases["zstd-base"]
+    zr = bytes(raw_bytes(smooth(256, 13)))
+
+    def zstd_payload(payload: bytes) -> bytes:
+        nv = craft.parse(zbase)
+        nv.chunk_frame(0, 0).payload = payload
+        return craft.build(nv)
+
+    def with_window(exponent: int) -> bytes:
+        frame = bytearray(zstandard.ZstdCompressor(level=3, write_content_size=False).compress(zr))
+        assert frame[4] & 0x20 == 0, "expected a frame with a Window_Descriptor"
+        frame[5] = exponent << 3  # Window_Size = 2^(10 + exponent)
+        return bytes(frame)
+    zexp = expected_decode({"z": smooth(256, 13)}, None, zbase)
+    s.valid("valid-zstd-window-2p24", zstd_payload(with_window(14)), zexp, section="11.4",
+            flags=["codec-zstd", "zstd-window", "limit"],
+            description="a zstd frame with no content size and Window_Size 2^24 (the limit) for a 1 KiB chunk")
+    inv("zstd-window-too-large", zstd_payload(with_window(20)), "format", section="11.4",
+        flags=["codec-zstd", "zstd-window", "limit"],
+        description="a zstd frame with no content size and Window_Size 2^30 for a 1 KiB chunk",
+        danger="streaming decoders refuse it (libzstd's default limit is 2^27) while one-shot ones accept it")
+    frame = bytearray(zstandard.ZstdCompressor(level=3, write_checksum=True).compress(zr))
+    frame[-1] ^= 0xFF
+    inv("zstd-bad-content-checksum", zstd_payload(bytes(frame)), "format", section="11.4",
+        flags=["codec-zstd", "checksum"],
+        description="a zstd frame whose Content_Checksum is wrong (the chunk checksum matches the damaged bytes)",
+        danger="a decoder that skips the content checksum returns data the writer's encoder did not produce")
+
+    # -- streaming readers: frame rules (4.3), duplicates, TENSOR and CODEC frames against the index ----------
+    def move_to_end(sel: Callable) -> Callable:
+        def fn(nv: craft.NvFile) -> None:
+            f = sel(nv)
+            nv.frames.remove(f)
+            nv.frames.insert(len(nv.frames) - 1, f)
+        return fn
+
+    def duplicate(sel: Callable) -> Callable:
+        def fn(nv: craft.NvFile) -> None:
+            nv.frames.insert(len(nv.frames) - 1, copy.copy(sel(nv)))
+        return fn
+
+    first_codec = lambda nv: next(f for f in nv.frames if f.frame_type == craft.CODEC)  # noqa: E731
+    for cid, fn, what in (
+            ("chunk-before-codec-frame", move_to_end(first_codec), "the only CODEC frame comes after every CHUNK frame"),
+            ("chunk-before-tensor-frame", move_to_end(lambda nv: nv.tensor_frame(T["w"])),
+             "tensor 'w''s TENSOR frame comes after its CHUNK frames"),
+            ("duplicate-codec-frame", duplicate(first_codec), "a second CODEC frame for codec id 0"),
+            ("duplicate-tensor-frame", duplicate(lambda nv: nv.tensor_frame(T["i"])), "a second TENSOR frame for 'i'"),
+            ("duplicate-chunk-frame", duplicate(lambda nv: nv.chunk_frame(T["i"], 1)),
+             "a second CHUNK frame for chunk 1 of 'i' (the index points at the second)")):
+        inv(cid, edit(fn), "format", section="15.2", readers=STREAMING, flags=["frame-order", "streaming"],
+            description=what + " (frame rules 3-5 of 4.3)",
+            danger="a streaming reader cannot decode a chunk before its codec and tensor, and two copies of one "
+                   "frame leave it to guess which is right")
+
+    def codec_frame_payload(pipeline: list) -> Callable:
+        return lambda nv: setattr(first_codec(nv), "payload", craft.pack(pipeline))
+    shuffled_raw = [{"name": "byteshuffle", "configuration": {"elementsize": 1}}, {"name": "raw", "configuration": {}}]
+    inv("codec-frame-differs-from-index", edit(codec_frame_payload(shuffled_raw)),
+        "format", section="4.3", readers=STREAMING, flags=["codec-frame", "streaming"],
+        description="the CODEC frame of codec id 0 says [byteshuffle(1), raw], the index's codec table [raw]: the "
+                    "chunks decode alike, only the comparison of rule 3 finds it",
+        danger="a streaming reader and a random-access reader would decode the same chunks with different pipelines")
+    s.valid("valid-codec-frame-same-pipeline", edit(codec_frame_payload([{"name": "raw"}])), exp, section="4.3",
+            flags=["codec-frame", "streaming"],
+            description="the CODEC frame writes [{name: raw}] with no configuration, the index [{name: raw, "
+                        "configuration: {}}]: the same pipeline (rule 3 of 4.3)")
+
+    def tensor_frame_set(name: str, key: str, value: Any, drop: bool = False) -> Callable:
+        def fn(nv: craft.NvFile) -> None:
+            desc = craft.unpack(nv.tensor_frame(T[name]).payload)
+            if drop:
+                desc.pop(key)
+            else:
+                desc[key] = value
+            nv.tensor_frame(T[name]).payload = craft.pack(desc)
+        return fn
+    inv("tensor-frame-differs-from-index", edit(tensor_frame_set("w", "dtype", "int32")), "format", section="8.3",
+        readers=STREAMING, flags=["tensor-frame", "streaming"],
+        description="tensor 'w''s TENSOR frame says dtype int32, its index entry float32",
+        danger="a recovering reader (which trusts TENSOR frames) and a normal one would return different tensors")
+
+    def internal_only_in_index(nv: craft.NvFile) -> None:
+        nv.index["tensors"][T["w"]]["internal"] = False  # the TENSOR frame keeps no 'internal' key
+    s.valid("valid-tensor-frame-internal-absent", edit(internal_only_in_index), exp, section="8.3",
+            flags=["tensor-frame", "streaming"],
+            description="the index entry of 'w' says internal: false, its TENSOR frame has no 'internal': the same")
+    inv("codec-frame-tensor-id-nonzero", edit(lambda nv: setattr(first_codec(nv), "tensor_id", 1)), "format",
+        section="4.1", readers=STREAMING, flags=["frame", "reserved", "streaming"],
+        description="a CODEC frame header with tensor_id 1 (must be 0)", danger="fields that must be 0 are how damage is noticed")
+    inv("chunk-frame-stored-length-over-limit", edit(lambda nv: setattr(nv.chunk_frame(T["w"], 0), "stored_length",
+                                                                        (1 << 24) + 1)),
+        "limit", section="16", also=["format"], readers=STREAMING, flags=["limit", "lengths", "streaming"],
+        description="a CHUNK frame header claims stored_length 2^24 + 1; the reader must refuse it at the header, "
+                    "before reading (the payload is not there)",
+        danger="a streaming reader would allocate or read 16 MiB on a header's word")
+    inv("tensor-frame-over-meta-limit", edit(lambda nv: setattr(nv.tensor_frame(T["w"]), "stored_length", (1 << 24) + 1)),
+        "limit", section="16", also=["format"], readers=STREAMING, flags=["limit", "lengths", "streaming"],
+        description="a TENSOR frame header claims stored_length 2^24 + 1 (MAX_META_FRAME_LENGTH is 2^24), refused at "
+                    "the header", danger="as above")
+    inv("bytes-after-footer", base + b"\0\0\0\0", "format", section="15.2", readers=STREAMING,
+        flags=["footer", "streaming"], description="four bytes after the footer",
+        danger="data after the end is either damage or a second file glued on")
+    inv("bytes-after-footer-random-access", base + b"\0\0\0\0", "truncated", section="15.2", readers=["random-access"],
+        flags=["footer"], description="four bytes after the footer: the last 40 bytes are no footer",
+        danger="as above")
+
+    def orphan_chunk(nv: craft.NvFile) -> None:
+        f = copy.copy(nv.chunk_frame(T["i"], 1))
+        f.chunk_index = 2  # 'i' has chunks 0 and 1 only
+        nv.frames.insert(len(nv.frames) - 1, f)
+    inv("orphan-chunk-frame", edit(orphan_chunk), "format", section="4.3", readers=STREAMING,
+        flags=["frame-order", "streaming"],
+        description="a CHUNK frame for chunk 2 of 'i', which has two chunks: no index entry uses it (rule 5 of 4.3)",
+        danger="bytes a streaming reader decodes but no random-access reader sees: the two would disagree")
+
+    def odd_writer(nv: craft.NvFile) -> None:
+        nv.index["writer"] = {"name": 5, "version": None, "torch": ["2", "13"]}
+    exp_w = copy.deepcopy(exp)
+    s.valid("valid-writer-odd-values", edit(odd_writer), exp_w, section="8.2", flags=["writer"],
+            description="a writer map whose name is an int, version nil and torch an array: readers must not reject it")
+
+    # -- extension frames (SPEC 4.1, 4.2) -------------------------------------------------------------------------
+    def ext_frame(**kw: Any) -> Callable:
+        return lambda nv: nv.frames.insert(2, craft.Frame(130, b"extension data", **kw))
+    s.valid("valid-extension-frame-raw-length", edit(ext_frame(raw_length=999, codec_id=5, tensor_id=6, chunk_index=7)),
+            exp, section="4.1", flags=["optional-frame"],
+            description="an extension frame (type 130) whose raw_length 999 differs from its stored_length: its "
+                        "fields belong to the extension")
+    inv("extension-frame-padding-nonzero", edit(ext_frame(padding_length=4, padding=b"\0\0\x01\0")), "format",
+        section="4.1", readers=STREAMING, flags=["optional-frame", "padding", "streaming"],
+        description="an extension frame whose 4 padding bytes are not zero",
+        danger="bytes that no checksum covers, in a frame a reader skips")
+
+    # float 32 NaN widening (SPEC 1)
+    nv = craft.parse(base)
+    nv.index["tree"]["snan"] = 0.0
+    payload = craft.pack(nv.index)
+    f64 = b"\xa4snan\xcb" + struct.pack(">d", 0.0)
+    assert payload.count(f64) == 1
+    exp_nan = exp_with("snan", {"$float": "7ff8000020000000"})
+    s.valid("valid-msgpack-float32-nan", raw_index(payload.replace(f64, b"\xa4snan" + _f32(0x7F800001))), exp_nan,
+            section="1", flags=["msgpack", "float32", "nan"],
+            description="a float 32 signalling NaN 7f800001 in the tree: widened with the quiet bit set, 7ff8000020000000")
 
 
 def _zstd_with_content_size(data: bytes, declared: int) -> bytes:

@@ -28,6 +28,79 @@ class Raw(Codec):
         return data
 
 
+MAX_ZSTD_WINDOW = 1 << 24  # SPEC 11.4: Window_Size of every frame of a chunk
+_ZSTD_MAGIC = 0xFD2FB528
+
+
+def zstd_window_sizes(data: memoryview | bytes) -> list[int]:
+    """Window_Size of every Zstandard frame in ``data`` (skippable frames left out).
+
+    Walks only frame and block headers (RFC 8878 3.1.1); raises ValueError when
+    the bytes are not a sequence of whole frames."""
+    data = memoryview(data).cast("B")
+    pos, n, sizes = 0, len(data), []
+    while pos < n:
+        if n - pos < 4:
+            raise ValueError(f"zstd: {n - pos} bytes after the last frame are not a frame")
+        magic = int.from_bytes(data[pos:pos + 4], "little")
+        if magic & 0xFFFFFFF0 == 0x184D2A50:  # skippable frame
+            if n - pos < 8:
+                raise ValueError("zstd: skippable frame header cut short")
+            pos += 8 + int.from_bytes(data[pos + 4:pos + 8], "little")
+            if pos > n:
+                raise ValueError("zstd: skippable frame cut short")
+            continue
+        if magic != _ZSTD_MAGIC:
+            raise ValueError(f"zstd: no frame magic at byte {pos}")
+        if pos + 5 > n:
+            raise ValueError("zstd: frame header cut short")
+        fhd = data[pos + 4]
+        single, checksum, dict_flag, fcs_flag = (fhd >> 5) & 1, (fhd >> 2) & 1, fhd & 3, fhd >> 6
+        if fhd & 0x08:
+            raise ValueError("zstd: reserved bit of the frame header descriptor is set")
+        q = pos + 5
+        window = None
+        if not single:
+            wd = data[q]
+            base = 1 << (10 + (wd >> 3))
+            window = base + (base >> 3) * (wd & 7)
+            q += 1
+        q += (0, 1, 2, 4)[dict_flag]
+        fcs_len = (1 if single else 0, 2, 4, 8)[fcs_flag]
+        if q + fcs_len > n:
+            raise ValueError("zstd: frame header cut short")
+        if single:
+            window = int.from_bytes(data[q:q + fcs_len], "little") + (256 if fcs_len == 2 else 0)
+        q += fcs_len
+        while True:  # blocks
+            if q + 3 > n:
+                raise ValueError("zstd: block header cut short")
+            bh = int.from_bytes(data[q:q + 3], "little")
+            last, btype, bsize = bh & 1, (bh >> 1) & 3, bh >> 3
+            if btype == 3:
+                raise ValueError("zstd: reserved block type")
+            q += 3 + (1 if btype == 1 else bsize)
+            if q > n:
+                raise ValueError("zstd: block cut short")
+            if last:
+                break
+        q += 4 * checksum
+        if q > n:
+            raise ValueError("zstd: content checksum cut short")
+        sizes.append(window)
+        pos = q
+    return sizes
+
+
+def check_zstd_window(data: memoryview | bytes) -> None:
+    """SPEC 11.4: refuse a frame whose Window_Size exceeds MAX_ZSTD_WINDOW, before decoding it."""
+    sizes = zstd_window_sizes(data)
+    if not sizes:
+        raise ValueError("zstd: the chunk holds no zstd frame")
+    if max(sizes) > MAX_ZSTD_WINDOW:
+        raise ValueError(f"zstd frame needs a window of {max(sizes)} bytes, more than the limit of {MAX_ZSTD_WINDOW} (SPEC 11.4)")
+
+
 class Zstd(Codec):
     """RFC 8878 Zstandard frames; any zstd library decodes them (nvCOMP Zstd RAW too)."""
 
@@ -58,12 +131,16 @@ class Zstd(Codec):
 
         if not -7 <= self.level <= 22:
             raise ValueError(f"zstd level must be in -7..22 to encode, got {self.level}")
-        # A compressor per call: ZstdCompressor objects are not thread-safe.
-        return zstandard.ZstdCompressor(level=self.level, write_content_size=True).compress(data)
+        # A compressor per call: ZstdCompressor objects are not thread-safe.  With the size known,
+        # libzstd writes one single-segment frame: its window is the chunk, at most 2^24 (SPEC 11.4).
+        out = zstandard.ZstdCompressor(level=self.level, write_content_size=True).compress(data)
+        check_zstd_window(out)
+        return out
 
     def decode(self, data: memoryview, raw_length: int) -> bytes:
         import zstandard
 
+        check_zstd_window(data)
         # Never trust a declared size: the frame header may lie (decompression bomb).
         size = zstandard.frame_content_size(data) if len(data) >= 4 else -1
         if size == raw_length:

@@ -139,8 +139,12 @@ def check_int(value: Any, what: str, lo: int = 0, hi: int = U64_MAX) -> int:
 
 
 def check_map(value: Any, what: str) -> dict:
+    """A map of SPEC 8 or 11: str keys only (SPEC 1)."""
     if not isinstance(value, dict):
         raise FormatError(f"{what} must be a map, got {type(value).__name__}")
+    for key in value:
+        if not isinstance(key, str):
+            raise FormatError(f"{what} has a key of type {type(key).__name__}; its keys must be strings")
     return value
 
 
@@ -173,9 +177,10 @@ def parse_entry(tid: int, raw: Any, *, ncodecs: int | None = None, index_offset:
     if len(shape) > MAX_RANK:
         raise LimitError(f"{where}: rank {len(shape)} exceeds {MAX_RANK}")
     nbytes = math.prod(shape) * dtype.itemsize
-    nonzero = math.prod(d or 1 for d in shape)
-    if max(nbytes, nonzero * dtype.itemsize) > MAX_TENSOR_BYTES:  # SPEC 8.3: an empty tensor may not hide an overflow
-        raise LimitError(f"{where}: {nbytes} bytes exceed the limit of {MAX_TENSOR_BYTES}")
+    # SPEC 8.3: span, the non-zero dimensions times itemsize (1 for an unknown dtype), bounds every sub-product.
+    span = math.prod(d or 1 for d in shape) * (dtype.itemsize or 1)
+    if span > MAX_TENSOR_BYTES:
+        raise LimitError(f"{where}: shape {list(shape)} spans {span} bytes, more than the limit of {MAX_TENSOR_BYTES}")
     kinds = [k for k in ("chunks", "view", "derived") if k in raw]
     if in_index and len(kinds) != 1:
         raise FormatError(f"{where}: needs exactly one of 'chunks', 'view', 'derived', has {kinds}")

@@ -40,14 +40,12 @@ def parse_index(data: dict[str, Any], index_offset: int) -> Index:
     if data.get("format") != "nvckpt":
         raise FormatError(f"index 'format' is {data.get('format')!r:.40}, expected 'nvckpt'")
     version = check_list(data.get("version"), "index 'version'")
-    if len(version) != 2 or any(type(v) is not int for v in version):
+    if len(version) != 2 or any(type(v) is not int or not 0 <= v <= 0xFFFF for v in version):
         raise FormatError(f"index 'version' must be [major, minor], got {version!r:.80}")
     if version[0] != VERSION_MAJOR:
         raise FormatError(f"index version {version[0]}.{version[1]} disagrees with the preamble's {VERSION_MAJOR}.x")
     writer = check_map(data.get("writer", {}), "index 'writer'")
     metadata = check_map(data.get("metadata", {}), "index 'metadata'")
-    if not all(isinstance(k, str) for k in metadata):
-        raise FormatError("metadata keys must be strings")
     _check_metadata(metadata)
 
     codec_list = check_list(data.get("codecs"), "index 'codecs'")
@@ -86,8 +84,11 @@ def parse_index(data: dict[str, Any], index_offset: int) -> Index:
     tree = data["tree"]
     check_tree(tree, len(tensors))
     paths: dict[str, int] = {}
+    by_name = {e.name: e.tensor_id for e in tensors}
     for path, ref in leaf_paths(tree):
-        paths.setdefault(path, ref.tensor_id)
+        # SPEC 14.1: a name identifies one tensor, whether it is an entry's name or a path's.
+        if paths.setdefault(path, ref.tensor_id) != ref.tensor_id or by_name.get(path, ref.tensor_id) != ref.tensor_id:
+            raise FormatError(f"the name {path!r:.200} stands for two different tensors")
     return Index(writer, codecs, tensors, tree, metadata, (version[0], version[1]), paths)
 
 

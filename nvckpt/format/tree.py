@@ -65,16 +65,22 @@ def _ext_hook(code: int, data: bytes) -> Any:
     raise FormatError(f"unknown ext type {code} in the tree")
 
 
-def unique_map(pairs: list[tuple[Any, Any]]) -> dict:
-    """msgpack object_pairs_hook: a map may not hold a key twice (SPEC 9).
+def _is_nan(key: Any) -> bool:
+    return isinstance(key, float) and key != key
 
-    Also catches keys that Python merges (1, 1.0, True), which would
-    otherwise drop an entry silently."""
+
+def unique_map(pairs: list[tuple[Any, Any]]) -> dict:
+    """msgpack object_pairs_hook: a map may not hold the same key twice (SPEC 1).
+
+    "The same key" is Python's dict equality (1, 1.0 and True; 0.0 and -0.0)
+    plus one rule Python's dict lacks: every NaN is the same key as every other."""
     out = dict(pairs)
     if len(out) != len(pairs):
         seen: set = set()
         dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
         raise FormatError(f"a msgpack map holds the key {dup!r:.80} twice")
+    if sum(_is_nan(k) for k, _ in pairs) > 1:
+        raise FormatError("a msgpack map holds two NaN keys (every NaN is the same key, SPEC 1)")
     return out
 
 

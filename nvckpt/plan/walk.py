@@ -125,6 +125,8 @@ def plan_save(
             leaves.append((path, node))
             return len(leaves) - 1  # replaced by a TensorRef below
         if isinstance(node, dict):
+            if sum(isinstance(k, float) and k != k for k in node) > 1:  # SPEC 1: every NaN is the same key
+                raise UnsupportedObjectError(f"dict at {path or '<root>'} has two NaN keys; a map may hold at most one")
             out = {}
             for k, v in node.items():
                 if not isinstance(k, _KEY_TYPES):

@@ -8,6 +8,7 @@ Only nvCOMP on a CUDA GPU decodes it; the GPU engines do that in batches
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from ...errors import UnsupportedCodecError
@@ -27,6 +28,7 @@ def data_type_for(dtype_name: str) -> str:
     if dtype_name == "float8_e4m3fn":
         return "|f1"
     return "|u1"
+_VERSION = re.compile(r"[0-9]+\.[0-9]+\.[0-9]+")  # SPEC 11.6: ASCII digits only (re's \d would take others)
 
 
 class NvcompAns(Codec):
@@ -53,6 +55,9 @@ class NvcompAns(Codec):
         keys = {"data_type", "nvcomp_version", "bitstream"}
         if set(configuration) != keys:
             raise ValueError(f"nvcomp-ans configuration needs exactly {sorted(keys)}, got {sorted(configuration)}")
+        version = configuration["nvcomp_version"]
+        if not isinstance(version, str) or not _VERSION.fullmatch(version):
+            raise ValueError(f"nvcomp-ans nvcomp_version must be 'MAJOR.MINOR.PATCH' (SPEC 11.6), got {version!r:.40}")
         return cls(**configuration)
 
     def device_step(self) -> dict[str, Any]:

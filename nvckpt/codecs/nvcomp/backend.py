@@ -104,8 +104,8 @@ def available() -> bool:
 
 
 def nvcomp_version() -> str:
-    """nvCOMP's version string, e.g. "6.0.0" (what the nvcomp-ans codec records)."""
-    return str(load_nvcomp().__version__)
+    """nvCOMP's version string, e.g. "6.0.0" (what the nvcomp-ans codec records: MAJOR.MINOR.PATCH, SPEC 11.6)."""
+    return ".".join(str(load_nvcomp().__version__).split(".")[:3])
 
 
 def _major(version: str) -> int:

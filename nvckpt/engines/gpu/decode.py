@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from ...codecs.base import DecodeRejected
+from ...codecs.builtin import check_zstd_window
 from ...errors import ChecksumError, FormatError, NvckptError
 from ...format.entry import Chunk, TensorEntry
 from ...format.structs import xxh3
@@ -101,6 +102,13 @@ def _read_and_verify(file: CheckpointFile, reads: DirectReads, span: Any, buf: t
                                 tensor=it.target.entry.name, chunk=it.index, offset=it.offset)
     decoded = {}
     for k, (it, r) in enumerate(zip(span.items, routes)):
+        if getattr(r, "algorithm", None) == "zstd":  # to nvCOMP's zstd (gpu_zstd): SPEC 11.4's window bound first
+            at = it.offset - span.start
+            try:
+                check_zstd_window(mv[at: at + it.stored_length])
+            except ValueError as exc:
+                raise FormatError(str(exc), path=file.path, tensor=it.target.entry.name, chunk=it.index,
+                                  offset=it.offset) from None
         if _on_host(r):
             at = it.offset - span.start
             data = mv[at: at + it.stored_length]

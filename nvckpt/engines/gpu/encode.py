@@ -48,6 +48,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ...codecs.base import Pipeline
+from ...codecs.builtin import check_zstd_window
 from ...codecs.registry import RAW
 from ...format.structs import xxh3
 from ...options import GpuSaveOptions
@@ -161,6 +162,16 @@ class _Group:
         return memoryview(self.view[at: at + n])
 
 
+def _checked_xxh3(payload: memoryview) -> int:
+    """XXH3-64 of a zstd chunk nvCOMP wrote, after checking its frames obey SPEC 11.4's window bound:
+    a file nvckpt writes must be one that every reader (and nvckpt itself) accepts."""
+    try:
+        check_zstd_window(payload)
+    except ValueError as exc:
+        raise RuntimeError(f"nvCOMP wrote a zstd chunk that SPEC 11.4 does not allow: {exc}") from None
+    return xxh3(payload)
+
+
 def encode_batches(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, options: GpuSaveOptions, *,
                    tensor_checksums: bool = True, ready: Any = None,
                    stats: dict[str, Any] | None = None) -> Iterator[TensorReady | EncodedChunk]:
@@ -238,7 +249,9 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
                 t0 = time.perf_counter()
                 dev.wait(g.event)
                 waits["copy_out"] += time.perf_counter() - t0
-                g.hashes = [hasher.submit(xxh3, g.payload(i)) for i in range(g.first, g.stop)]
+                digest = _checked_xxh3 if g.enc.batch.key.coder.name == "zstd" else xxh3
+                g.hashes = [hasher.submit(digest, g.payload(i)) if i not in g.raw else hasher.submit(xxh3, g.payload(i))
+                            for i in range(g.first, g.stop)]
 
         while True:
             while todo and len(encoded) < inflight:
