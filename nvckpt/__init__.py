@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 from .errors import (  # noqa: E402
     ChecksumError,
     FormatError,
+    LeftoverTemporaryWarning,
     LimitError,
     NvckptError,
     TensorNotFoundError,
@@ -35,7 +36,7 @@ __all__ = [
     "save", "async_save", "SaveFuture", "load", "open", "Checkpoint", "TensorSlice", "SaveResult",
     "SaveOptions", "LoadOptions", "GpuSaveOptions", "GpuLoadOptions",
     "NvckptError", "FormatError", "TruncatedError", "ChecksumError", "UnsupportedCodecError",
-    "UnsupportedFeatureError", "LimitError", "UnsupportedObjectError", "TensorNotFoundError",
+    "UnsupportedFeatureError", "LimitError", "UnsupportedObjectError", "TensorNotFoundError", "LeftoverTemporaryWarning",
     "__version__",
 ]
 

@@ -93,9 +93,12 @@ class SaveOptions:
     engine: str = "auto"
     workers: int | None = None
     direct_io: bool = True
+    preemption_grace: float = 30.0  # seconds a save may run on after SIGTERM (nvckpt.session.lifecycle)
     gpu: GpuSaveOptions = field(default_factory=GpuSaveOptions)
 
     def __post_init__(self) -> None:
+        if type(self.preemption_grace) not in (int, float) or not 0 <= self.preemption_grace < float("inf"):
+            raise ValueError(f"preemption_grace must be a non-negative number of seconds, got {self.preemption_grace!r}")
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be 'auto', 'cpu' or 'gpu', got {self.engine!r}")
         check_preset(self.codec)

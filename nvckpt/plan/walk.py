@@ -6,6 +6,7 @@ says which bytes go in which chunk.  Engines (CPU, GPU) turn it into frames.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -154,7 +155,8 @@ def plan_save(
     if len(plan_tensors) > MAX_TENSORS:
         raise LimitError(f"{len(plan_tensors)} tensors exceed the limit of {MAX_TENSORS}")
     tree = _finish(skeleton, leaf_ids)
-    return SavePlan(tree, plan_tensors, dict(metadata or {}))
+    # A copy, as the tree is: an async_save must not see the caller change its metadata afterwards.
+    return SavePlan(tree, plan_tensors, copy.deepcopy(metadata) if metadata else {})
 
 
 # Skeleton nodes keep plain Python values apart from leaf indices.

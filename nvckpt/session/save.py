@@ -8,6 +8,7 @@ import os
 import platform
 import threading
 import time
+import warnings
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
@@ -17,14 +18,15 @@ import torch
 from .. import __version__
 from ..codecs.base import Pipeline
 from ..codecs.presets import GPU_PRESETS, chooser
-from ..errors import UnsupportedCodecError
+from ..errors import LeftoverTemporaryWarning, UnsupportedCodecError
 from ..format.frames import FrameWriter
-from ..io.atomic import AtomicReplace
+from ..io.atomic import AtomicReplace, leftover_temporaries
 from ..io.sink import FileSink
 from ..options import SaveOptions
 from ..plan.chunking import CPU_CHUNK_SIZE, GPU_CHUNK_SIZE
 from ..plan.walk import SavePlan, plan_save
 from ..engines.items import EncodedChunk, TensorReady
+from . import lifecycle
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,7 @@ class SaveSession:
             self.plan.rechunk(GPU_CHUNK_SIZE)  # the GPU engine's own default
         self.ready: Any = None  # per device: what the engine waits for (a snapshot's copies)
         self.stats: dict[str, Any] = {}
+        lifecycle.prepare(async_save=False)
 
     @property
     def engine(self) -> str:
@@ -146,10 +149,31 @@ class SaveSession:
                                tensor_checksums=o.tensor_checksums, ready=self.ready, stats=self.stats)
         return items, {"nvcomp": version}
 
-    def run(self, cancel: threading.Event | None = None) -> SaveResult:
+    def register(self, cancel: threading.Event, future: Any = None) -> lifecycle.Running:
+        """This save as one in progress (finished at exit, given a grace on SIGTERM)."""
+        name = getattr(self.target, "name", "<stream>") if hasattr(self.target, "write") else os.fspath(self.target)
+        return lifecycle.begin(str(name), cancel, float(self.options.preemption_grace), future)
+
+    def run(self, cancel: threading.Event | None = None, running: lifecycle.Running | None = None) -> SaveResult:
+        """Write the file.  ``cancel`` (set by SaveFuture.cancel or a SIGTERM past its grace) stops it and
+        leaves the target as it was; ``running``: the registration an async_save made at its call."""
+        cancel = cancel or (running.cancel if running is not None else threading.Event())
+        running = running or self.register(cancel)
+        try:
+            return self._run(cancel)
+        finally:
+            lifecycle.end(running)
+
+    def _run(self, cancel: threading.Event) -> SaveResult:
+        if not hasattr(self.target, "write"):
+            left = leftover_temporaries(os.fspath(self.target))
+            if left:
+                warnings.warn(LeftoverTemporaryWarning(
+                    f"{len(left)} temporary file(s) of an earlier save to {os.fspath(self.target)} that did not finish: "
+                    f"{', '.join(map(os.path.basename, left))}; `nvckpt recover TMP OUT` salvages their complete "
+                    "tensors (remove them when done)"), stacklevel=4)
         items, extra = self._items()
-        if cancel is not None:
-            items = _cancellable(items, cancel)
+        items = _cancellable(items, cancel)
         info = writer_info(extra)
         raw_bytes = self.plan.stored_raw_bytes
         alignment = self.options.alignment
@@ -160,7 +184,7 @@ class SaveSession:
         out = AtomicReplace(os.fspath(self.target), lambda tmp: FileSink(tmp, direct=direct))
         try:
             size = write_items(out.writer, items, self.plan, alignment=alignment, info=info, progress=self.progress)
-            if cancel is not None and cancel.is_set():
+            if cancel.is_set():
                 raise CancelledError("async save cancelled; the file at the target path was not changed")
         except BaseException:
             out.abort()
@@ -204,6 +228,15 @@ class SaveFuture(Future):
         self._stop.set()
         return True
 
+    def _set_cancelled(self) -> None:
+        """The running save stopped because of cancel(): cancelled() is True and result() raises CancelledError."""
+        from concurrent.futures._base import CANCELLED_AND_NOTIFIED
+
+        with self._condition:
+            self._state = CANCELLED_AND_NOTIFIED
+            self._condition.notify_all()
+        self._invoke_callbacks()
+
 
 def start_async(obj: Any, target: Any, options: SaveOptions) -> SaveFuture:
     """Plan and snapshot in the caller's thread, then save in a thread of its own."""
@@ -218,13 +251,21 @@ def start_async(obj: Any, target: Any, options: SaveOptions) -> SaveFuture:
     finally:
         if collecting:
             gc.enable()
+    lifecycle.prepare(async_save=True)
     future = SaveFuture()
     future.snapshot = dict(session.stats.get("snapshot", {}))
     future.set_running_or_notify_cancel()
 
+    running = session.register(future._stop, future)  # before the thread starts: an exit right now waits for it
+
     def work() -> None:
         try:
-            result = session.run(future._stop)
+            result = session.run(future._stop, running)
+        except CancelledError as exc:
+            if future._stop.is_set():
+                future._set_cancelled()
+            else:
+                future.set_exception(exc)
         except BaseException as exc:
             future.set_exception(exc)
         else:
