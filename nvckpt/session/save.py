@@ -110,27 +110,53 @@ class SaveSession:
         self.device = _gpu_device(self.plan, options)
         if options.chunk_size is None and self.device is not None:
             self.plan.rechunk(GPU_CHUNK_SIZE)  # the GPU engine's own default
-        self.ready: Any = None  # per device: what the engine waits for (a snapshot's copies)
+        self.ready: Any = None  # what the engine's streams wait for (the caller's work, a snapshot's copies)
+        self.tensors_read: threading.Event | None = None  # set once the engine reads the caller's tensors no more
         self.stats: dict[str, Any] = {}
         lifecycle.prepare(async_save=False)
+
+    @property
+    def tensor_checksums(self) -> bool:
+        """Whole-tensor checksums: on unless turned off, or (when not asked for) in a read-ahead async_save,
+        where hashing the raw bytes would keep the caller waiting for a device-to-host copy of the whole
+        state; every stored byte still has its chunk checksum."""
+        asked = self.options.tensor_checksums
+        return asked if asked is not None else self.tensors_read is None
 
     @property
     def engine(self) -> str:
         return "cpu" if self.device is None else "gpu"
 
-    def snapshot(self) -> None:
-        """Copy every tensor, so the caller may change its own right away (async_save)."""
-        if self.device is not None:
-            from ..engines.gpu.snapshot import snapshot
+    def prepare_async(self, lazy: bool = False) -> None:
+        """What async_save does at its call, so that the caller may change its tensors once it returns.
 
-            snap = snapshot(self.plan, self.options.gpu)
+        CPU tensors are copied.  On the GPU engine a state that fits in half the memory budget is copied on
+        the device (a few ms); a larger one -- or any, with ``lazy`` -- is not copied at all: the engine
+        reads it ahead of the writer (compressed chunks into pinned host memory), and the caller is
+        released once every tensor has been read (``tensors_read``)."""
+        if self.device is None:
+            with torch.no_grad():
+                for t in self.plan.tensors:
+                    if t.data is not None:
+                        t.data = torch.empty(t.data.shape, dtype=t.data.dtype, device="cpu").copy_(t.data)
+            return
+        from ..engines.gpu.backend import CudaBackend
+        from ..engines.gpu.snapshot import clone_host_tensors, snapshot
+        from ..options import default_memory_budget
+
+        budget = self.options.gpu.memory_budget or default_memory_budget(CudaBackend(self.device).memory_total())
+        on_gpu = sum(t.nbytes for t in self.plan.tensors if t.data is not None and t.data.device.type == "cuda")
+        if not lazy and on_gpu <= budget // 2:
+            snap = snapshot(self.plan)
             self.ready = snap.events.get(self.device)
             self.stats["snapshot"] = snap.strategies
             return
-        with torch.no_grad():
-            for t in self.plan.tensors:
-                if t.data is not None:
-                    t.data = torch.empty(t.data.shape, dtype=t.data.dtype, device="cpu").copy_(t.data)
+        clone_host_tensors(self.plan)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))  # the caller's work so far, on the caller's stream
+        self.ready = ready
+        self.tensors_read = threading.Event()
+        self.stats["snapshot"] = {str(self.device): "read-ahead"}
 
     def _items(self) -> tuple[Iterator[TensorReady | EncodedChunk], dict[str, Any]]:
         o = self.options
@@ -138,7 +164,7 @@ class SaveSession:
             from ..engines.cpu import encode_cpu
 
             return encode_cpu(self.plan, chooser(o.codec, o.zstd_level), workers=o.workers,
-                              tensor_checksums=o.tensor_checksums), {}
+                              tensor_checksums=o.tensor_checksums is not False), {}
         from ..codecs.nvcomp import backend as nb
         from ..engines.gpu.backend import CudaBackend
         from ..engines.gpu.encode import encode_batches
@@ -146,7 +172,8 @@ class SaveSession:
         version = nb.nvcomp_version()
         items = encode_batches(self.plan, chooser(o.codec, o.zstd_level, gpu=True, nvcomp_version=version),
                                CudaBackend(self.device, timing=o.gpu.timing), o.gpu,
-                               tensor_checksums=o.tensor_checksums, ready=self.ready, stats=self.stats)
+                               tensor_checksums=self.tensor_checksums, ready=self.ready, stats=self.stats,
+                               read_ahead=self.tensors_read)
         return items, {"nvcomp": version}
 
     def register(self, cancel: threading.Event, future: Any = None) -> lifecycle.Running:
@@ -221,6 +248,22 @@ class SaveFuture(Future):
         self.blocked_seconds = 0.0
         self.snapshot: dict[str, str] = {}
         self._stop = threading.Event()
+        self._read: threading.Event | None = None
+
+    def wait_read(self, timeout: float | None = None) -> bool:
+        """Block until the save reads the caller's tensors no more (they may then be changed); True if so.
+
+        A lazy async_save (``fence=``) calls this from the optimizer's step pre-hook; call it yourself
+        before changing the saved tensors in any other way."""
+        if self._read is None:
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._read.wait(0.05):
+            if self.done():
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+        return True
 
     def cancel(self) -> bool:
         if self.done():
@@ -238,22 +281,33 @@ class SaveFuture(Future):
         self._invoke_callbacks()
 
 
-def start_async(obj: Any, target: Any, options: SaveOptions) -> SaveFuture:
-    """Plan and snapshot in the caller's thread, then save in a thread of its own."""
+def _fences(fence: Any) -> list[Any]:
+    fences = list(fence) if isinstance(fence, (list, tuple)) else [fence]
+    for f in fences:
+        if not callable(getattr(f, "register_step_pre_hook", None)):
+            raise TypeError(f"fence must be a torch.optim.Optimizer (or a list of them), got {type(f).__qualname__}: "
+                            "its step pre-hook waits until the save has read the tensors")
+    return fences
+
+
+def start_async(obj: Any, target: Any, options: SaveOptions, fence: Any = None) -> SaveFuture:
+    """Plan (and copy, or arrange to read ahead) in the caller's thread, then save in a thread of its own."""
     start = time.perf_counter()
+    fences = _fences(fence) if fence is not None else []
     # No garbage-collection pass while the caller waits: in a large process (torch,
     # a model, its optimizer) one full pass can take longer than the whole snapshot.
     collecting = gc.isenabled()
     gc.disable()
     try:
         session = SaveSession(obj, target, options)
-        session.snapshot()
+        session.prepare_async(lazy=bool(fences))
     finally:
         if collecting:
             gc.enable()
     lifecycle.prepare(async_save=True)
     future = SaveFuture()
     future.snapshot = dict(session.stats.get("snapshot", {}))
+    future._read = session.tensors_read
     future.set_running_or_notify_cancel()
 
     running = session.register(future._stop, future)  # before the thread starts: an exit right now waits for it
@@ -272,6 +326,21 @@ def start_async(obj: Any, target: Any, options: SaveOptions) -> SaveFuture:
             future.set_result(result)
 
     threading.Thread(target=work, name="nvckpt-async-save", daemon=False).start()
+    if session.tensors_read is not None:
+        if fences:  # lazy: the next optimizer.step() waits for the reads, the forward and backward do not
+            handles: list[Any] = []
+
+            def before_step(*_: Any) -> None:
+                future.wait_read()
+                for h in handles:
+                    h.remove()
+                handles.clear()
+
+            handles.extend(f.register_step_pre_hook(before_step) for f in fences)
+        else:
+            future.wait_read()
+            if future.done() and future.exception() is not None:
+                raise future.exception()  # failed before it had read the tensors: nothing was written
     future.blocked_seconds = time.perf_counter() - start
     return future
 
