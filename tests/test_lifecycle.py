@@ -206,3 +206,28 @@ def test_a_symlinked_target_is_written_through(tmp_path):
     assert link.is_symlink() and os.readlink(link) == str(real)
     assert torch.equal(nvckpt.load(real)["w"], torch.full((2,), 7.0))
     assert sorted(os.listdir(tmp_path)) == ["latest.nvckpt", "store"]
+
+
+def test_lazy_async_save_on_cpu_holds_the_values_at_the_call_and_the_step_waits(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(8, 64)).sum().backward()
+    opt.step()
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": [1]}
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    future = nvckpt.async_save(state, tmp_path / "lazy.nvckpt", fence=opt, metadata={"m": [1]})
+    assert future.blocked_seconds < 0.5
+    state["epoch"].append(2)  # the containers were copied at the call
+    model(torch.randn(8, 64)).sum().backward()
+    opt.step()  # the pre-hook waits until the save has read the tensors
+    future.result(timeout=60)
+    assert not opt._optimizer_step_pre_hooks  # the hook removed itself
+    loaded = nvckpt.load(tmp_path / "lazy.nvckpt")
+    assert all(torch.equal(loaded["model"][k], v) for k, v in expected.items())
+    assert loaded["epoch"] == [1] and int(loaded["optimizer"]["state"][0]["step"]) == 1
+
+
+def test_a_fence_must_be_an_optimizer(tmp_path):
+    with pytest.raises(TypeError, match="fence must be a torch.optim.Optimizer"):
+        nvckpt.async_save({"w": torch.ones(2)}, tmp_path / "x.nvckpt", fence=object())

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import gc
 import os
 import platform
@@ -178,8 +180,21 @@ class SaveSession:
 
     def register(self, cancel: threading.Event, future: Any = None) -> lifecycle.Running:
         """This save as one in progress (finished at exit, given a grace on SIGTERM)."""
-        name = getattr(self.target, "name", "<stream>") if hasattr(self.target, "write") else os.fspath(self.target)
-        return lifecycle.begin(str(name), cancel, float(self.options.preemption_grace), future)
+        return _register(self.target, self.options, cancel, future)
+
+    def prepare_lazy(self, ready: Any, tensors_read: threading.Event) -> None:
+        """A lazy async_save, in its own thread: the GPU engine reads the caller's tensors ahead of the writer
+        (``ready``: an event recorded on the caller's stream at the call); the CPU engine copies them first."""
+        if self.device is None:
+            self.prepare_async()
+            tensors_read.set()
+            return
+        from ..engines.gpu.snapshot import clone_host_tensors
+
+        clone_host_tensors(self.plan)
+        self.ready = ready
+        self.tensors_read = tensors_read
+        self.stats["snapshot"] = {str(self.device): "read-ahead"}
 
     def run(self, cancel: threading.Event | None = None, running: lifecycle.Running | None = None) -> SaveResult:
         """Write the file.  ``cancel`` (set by SaveFuture.cancel or a SIGTERM past its grace) stops it and
@@ -281,6 +296,22 @@ class SaveFuture(Future):
         self._invoke_callbacks()
 
 
+def _register(target: Any, options: SaveOptions, cancel: threading.Event, future: Any = None) -> lifecycle.Running:
+    name = getattr(target, "name", "<stream>") if hasattr(target, "write") else os.fspath(target)
+    return lifecycle.begin(str(name), cancel, float(options.preemption_grace), future)
+
+
+def _containers(node: Any) -> Any:
+    """The object's containers copied, its leaves (tensors, scalars) shared: what a lazy save holds at the call."""
+    if isinstance(node, dict):
+        return {k: _containers(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_containers(v) for v in node]
+    if isinstance(node, tuple):
+        return tuple(_containers(v) for v in node)
+    return node
+
+
 def _fences(fence: Any) -> list[Any]:
     fences = list(fence) if isinstance(fence, (list, tuple)) else [fence]
     for f in fences:
@@ -291,30 +322,51 @@ def _fences(fence: Any) -> list[Any]:
 
 
 def start_async(obj: Any, target: Any, options: SaveOptions, fence: Any = None) -> SaveFuture:
-    """Plan (and copy, or arrange to read ahead) in the caller's thread, then save in a thread of its own."""
+    """Plan (and copy, or arrange to read ahead) in the caller's thread, then save in a thread of its own.
+
+    With a fence (lazy) the call only copies the object's containers and the metadata and records an event
+    on the caller's CUDA stream; planning, reading and writing all happen in the save's thread."""
     start = time.perf_counter()
     fences = _fences(fence) if fence is not None else []
-    # No garbage-collection pass while the caller waits: in a large process (torch,
-    # a model, its optimizer) one full pass can take longer than the whole snapshot.
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        session = SaveSession(obj, target, options)
-        session.prepare_async(lazy=bool(fences))
-    finally:
-        if collecting:
-            gc.enable()
     lifecycle.prepare(async_save=True)
     future = SaveFuture()
-    future.snapshot = dict(session.stats.get("snapshot", {}))
-    future._read = session.tensors_read
     future.set_running_or_notify_cancel()
+    if fences:
+        skeleton = _containers(obj)
+        options = dataclasses.replace(options, metadata=copy.deepcopy(options.metadata))
+        ready = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream())
+        future._read = threading.Event()
+        future.snapshot = {"lazy": "planned and read in the save's thread"}
 
-    running = session.register(future._stop, future)  # before the thread starts: an exit right now waits for it
+        def begin() -> SaveSession:
+            session = SaveSession(skeleton, target, options)
+            session.prepare_lazy(ready, future._read)
+            future.snapshot = dict(session.stats.get("snapshot", {}))
+            return session
+    else:
+        # No garbage-collection pass while the caller waits: in a large process (torch,
+        # a model, its optimizer) one full pass can take longer than the whole snapshot.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            prepared = SaveSession(obj, target, options)
+            prepared.prepare_async()
+        finally:
+            if collecting:
+                gc.enable()
+        future.snapshot = dict(prepared.stats.get("snapshot", {}))
+        future._read = prepared.tensors_read
+
+        def begin() -> SaveSession:
+            return prepared
+    running = _register(target, options, future._stop, future)  # before the thread starts: an exit now waits for it
 
     def work() -> None:
         try:
-            result = session.run(future._stop, running)
+            result = begin().run(future._stop, running)
         except CancelledError as exc:
             if future._stop.is_set():
                 future._set_cancelled()
@@ -324,23 +376,26 @@ def start_async(obj: Any, target: Any, options: SaveOptions, fence: Any = None) 
             future.set_exception(exc)
         else:
             future.set_result(result)
+        finally:
+            lifecycle.end(running)
+            if future._read is not None:
+                future._read.set()  # also when it failed before reading: whoever waits sees the outcome
 
     threading.Thread(target=work, name="nvckpt-async-save", daemon=False).start()
-    if session.tensors_read is not None:
-        if fences:  # lazy: the next optimizer.step() waits for the reads, the forward and backward do not
-            handles: list[Any] = []
+    if fences:  # lazy: the next optimizer.step() waits for the reads, the forward and backward do not
+        handles: list[Any] = []
 
-            def before_step(*_: Any) -> None:
-                future.wait_read()
-                for h in handles:
-                    h.remove()
-                handles.clear()
-
-            handles.extend(f.register_step_pre_hook(before_step) for f in fences)
-        else:
+        def before_step(*_: Any) -> None:
             future.wait_read()
-            if future.done() and future.exception() is not None:
-                raise future.exception()  # failed before it had read the tensors: nothing was written
+            for h in handles:
+                h.remove()
+            handles.clear()
+
+        handles.extend(f.register_step_pre_hook(before_step) for f in fences)
+    elif future._read is not None:
+        future.wait_read()
+        if future.done() and future.exception() is not None:
+            raise future.exception()  # failed before it had read the tensors: nothing was written
     future.blocked_seconds = time.perf_counter() - start
     return future
 
