@@ -222,7 +222,9 @@ def test_lazy_async_save_on_cpu_holds_the_values_at_the_call_and_the_step_waits(
     model(torch.randn(8, 64)).sum().backward()
     opt.step()  # the pre-hook waits until the save has read the tensors
     future.result(timeout=60)
-    assert not opt._optimizer_step_pre_hooks  # the hook removed itself
+    assert len(opt._optimizer_step_pre_hooks) == 1  # spent, removed by the next lazy save
+    nvckpt.async_save({"w": torch.ones(2)}, tmp_path / "next.nvckpt", fence=opt).result(timeout=60)
+    assert len(opt._optimizer_step_pre_hooks) == 1  # the first one is gone, the new one waits for its step
     loaded = nvckpt.load(tmp_path / "lazy.nvckpt")
     assert all(torch.equal(loaded["model"][k], v) for k, v in expected.items())
     assert loaded["epoch"] == [1] and int(loaded["optimizer"]["state"][0]["step"]) == 1

@@ -312,6 +312,18 @@ def _containers(node: Any) -> Any:
     return node
 
 
+_hooks: list[tuple[Any, SaveFuture]] = []  # step pre-hooks of lazy saves, with their futures
+_hooks_lock = threading.Lock()
+
+
+def _remove_spent_hooks() -> None:
+    with _hooks_lock:
+        spent = [(h, f) for h, f in _hooks if f.wait_read(0)]
+        for h, f in spent:
+            h.remove()
+            _hooks.remove((h, f))
+
+
 def _fences(fence: Any) -> list[Any]:
     fences = list(fence) if isinstance(fence, (list, tuple)) else [fence]
     for f in fences:
@@ -383,15 +395,14 @@ def start_async(obj: Any, target: Any, options: SaveOptions, fence: Any = None) 
 
     threading.Thread(target=work, name="nvckpt-async-save", daemon=False).start()
     if fences:  # lazy: the next optimizer.step() waits for the reads, the forward and backward do not
-        handles: list[Any] = []
+        _remove_spent_hooks()
 
         def before_step(*_: Any) -> None:
-            future.wait_read()
-            for h in handles:
-                h.remove()
-            handles.clear()
+            future.wait_read()  # a no-op once read; the hook is removed at the next lazy save (not while torch
+            # iterates over the hooks, which a removal from inside one would break)
 
-        handles.extend(f.register_step_pre_hook(before_step) for f in fences)
+        with _hooks_lock:
+            _hooks.extend((f.register_step_pre_hook(before_step), future) for f in fences)
     elif future._read is not None:
         future.wait_read()
         if future.done() and future.exception() is not None:

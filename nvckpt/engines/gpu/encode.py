@@ -146,9 +146,12 @@ def _on_stream(stream: Any, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
 # -- the pipeline ---------------------------------------------------------------------------
 @dataclass
 class _Group:
-    """Chunks [first, stop) of an encoded batch, on their way through one pinned slot."""
+    """Chunks [first, stop) of an encoded batch, on their way through one pinned slot.
 
-    enc: Encoded
+    ``enc`` keeps the batch's device buffers alive until the copy into the slot is done
+    (``detach``); the group then needs only host-side facts about its chunks."""
+
+    enc: Encoded | None
     first: int
     stop: int
     slot: int
@@ -158,6 +161,20 @@ class _Group:
     hashes: list[Future] | None = None
     left: int = 0
     pool: SlotPool | None = field(default=None, repr=False)
+    capacity: int = 0
+    sizes: list[int] = field(default_factory=list)
+    jobs: list[ChunkJob] = field(default_factory=list)
+    pipeline: Pipeline | None = None
+
+    def __post_init__(self) -> None:
+        self.capacity, self.sizes, self.jobs, self.pipeline = (self.enc.capacity, self.enc.sizes(), self.enc.batch.jobs,
+                                                               self.enc.batch.key)
+
+    def detach(self, dev: Backend) -> None:
+        """Wait for the copy into the slot, then let the batch's device memory go."""
+        if self.enc is not None:
+            dev.wait(self.event)
+            self.enc = None
 
     def release_one(self) -> None:
         self.left -= 1
@@ -165,8 +182,8 @@ class _Group:
             self.pool.give(self.slot)
 
     def payload(self, i: int) -> memoryview:
-        at = (i - self.first) * self.enc.capacity
-        n = self.enc.batch.jobs[i].length if i in self.raw else self.enc.sizes()[i]
+        at = (i - self.first) * self.capacity
+        n = self.jobs[i].length if i in self.raw else self.sizes[i]
         return memoryview(self.view[at: at + n])
 
 
@@ -199,10 +216,11 @@ def encode_batches(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backe
 def batch_bytes_for(options: GpuSaveOptions, dev: Backend) -> tuple[int, int]:
     """(batch_bytes, budget): batches shrunk so that the engine's device memory stays within the budget.
 
-    Per batch in flight the engine holds its output (batch_bytes) and at most as much scratch (byte planes
-    or staged inputs); inflight + 1 batches are alive at once."""
+    Per batch alive the engine holds its output (batch_bytes), at most as much scratch (byte planes or
+    staged inputs), and nvCOMP's own temporary memory (measured on the H200: up to about half a batch);
+    inflight + 1 batches are alive at once."""
     budget = options.memory_budget or default_memory_budget(dev.memory_total())
-    return min(options.batch_bytes, budget // (2 * (options.inflight + 1))), budget
+    return min(options.batch_bytes, budget * 2 // (5 * (options.inflight + 1))), budget
 
 
 def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, options: GpuSaveOptions,
@@ -221,7 +239,7 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
     biggest = max((dev.capacity(j.key, j.length) for j in jobs), default=0)
     if biggest > batch_bytes:
         raise ValueError(f"GpuSaveOptions.memory_budget {budget} is too small for this save: one chunk needs "
-                         f"{biggest} bytes of output, so the budget must be at least {2 * (inflight + 1) * biggest} "
+                         f"{biggest} bytes of output, so the budget must be at least {5 * (inflight + 1) * biggest // 2} "
                          "(or use smaller chunks, or fewer batches in flight)")
     batches = plan_batches(jobs, dev.capacity, batch_bytes=batch_bytes, max_chunks=options.max_batch_chunks)
     for b in batches:
@@ -265,6 +283,11 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
         copied: deque[_Group] = deque()
 
         def submit() -> None:
+            # Batches alive on the device: those not yet copied out, and those whose copy is still running.
+            holding = [g for g in copied if g.enc is not None]
+            while holding and len(encoded) + len({id(g.enc) for g in holding}) > inflight:
+                holding.pop(0).detach(dev)
+                holding = [g for g in holding if g.enc is not None]
             b = todo.popleft()
             for j in b.jobs:
                 if j.tensor_id not in sources:
@@ -280,7 +303,7 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
                 t0 = time.perf_counter()
                 dev.wait(g.event)
                 waits["copy_out"] += time.perf_counter() - t0
-                digest = _checked_xxh3 if g.enc.batch.key.coder.name == "zstd" else xxh3
+                digest = _checked_xxh3 if g.pipeline.coder.name == "zstd" else xxh3
                 g.hashes = [hasher.submit(digest, g.payload(i)) if i not in g.raw else hasher.submit(xxh3, g.payload(i))
                             for i in range(g.first, g.stop)]
 
@@ -318,6 +341,9 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
                 if not pool.free:
                     raise RuntimeError("every pinned slot is held but none is being written")
                 continue
+            for g in copied:
+                if g.enc is not None and dev.ready(g.event):
+                    g.detach(dev)
             if read_ahead is not None and not read_ahead.is_set():
                 if (todo or encoded) and pool.free:
                     continue  # read every tensor before writing anything
@@ -332,11 +358,11 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
                     read_ahead.set()
             group = copied.popleft()
             start_hashing(group)
+            group.detach(dev)
             if copied and dev.ready(copied[0].event):
                 start_hashing(copied[0])  # overlap the next group's checksums with this group's writes
-            enc = group.enc
             for k, i in enumerate(range(group.first, group.stop)):
-                job = enc.batch.jobs[i]
+                job = group.jobs[i]
                 if job.tensor_id not in announced:
                     announced.add(job.tensor_id)
                     yield TensorReady(job.tensor_id, checks.get(job.tensor_id) if checks else None)
@@ -349,7 +375,7 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
                 checksum = group.hashes[k].result()
                 t1 = time.perf_counter()
                 waits["chunk_xxh3"] += t1 - t0
-                yield EncodedChunk(job.tensor_id, job.chunk_index, RAW if is_raw else enc.batch.key, payload,
+                yield EncodedChunk(job.tensor_id, job.chunk_index, RAW if is_raw else group.pipeline, payload,
                                    job.length, checksum, group.release_one)
                 waits["writer"] += time.perf_counter() - t1  # the writer copying it out (and waiting for the disk)
         stats.update(batches=len(batches), chunks=len(jobs), raw_chunks=nraw, raw_bytes=raw_bytes, stored_bytes=stored)
