@@ -175,7 +175,10 @@ def run(tr: Any, name: str, level: str, k: int, n_ckpt: int, base_step: float, w
             if pending is not None and not pending.done():
                 step_times_bg.append(dt)
         if pending is not None:
-            pending.result()
+            result = pending.result()
+            if result is not None and getattr(result, "stats", None):
+                out["engine_stats"] = {k: result.stats.get(k) for k in ("tensors_read_seconds", "waits", "batches",
+                                                                        "batch_bytes", "memory_budget", "pinned_bytes", "seconds")}
         torch.cuda.synchronize()
         wall = time.perf_counter() - t_all
     out.update(
@@ -234,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default="/tmp/nvckpt_bench_training")
     ap.add_argument("--steps", type=int, default=150, help="training steps before the measured runs")
     ap.add_argument("--levels", default="1,3,plenty", help="GB left free (comma separated; 'plenty' = no filler)")
-    ap.add_argument("--k", type=int, default=40, help="steps between checkpoints (the save finishes between them)")
+    ap.add_argument("--k", type=int, default=100, help="steps between checkpoints (the save finishes between them)")
     ap.add_argument("--k-short", type=int, default=2, help="steps between checkpoints where it does not")
     ap.add_argument("--checkpoints", type=int, default=2)
     ap.add_argument("--methods", default="none,torch.save,dcp.async_save,nvckpt.save,nvckpt.async_save,nvckpt.async_save(fence=opt)")
