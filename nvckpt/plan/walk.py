@@ -249,13 +249,12 @@ def _view_key(t: torch.Tensor) -> tuple:
 
 def _dedupe(leaves: list[tuple[str, torch.Tensor]], chunk_size: int) -> tuple[list[PlannedTensor], list[int]]:
     """One entry per distinct tensor; views of one storage share a base entry."""
-    groups: dict[tuple, list[int]] = {}
+    groups: dict[tuple, list[int]] = {}  # in order of each group's first leaf (dicts keep insertion order)
     for i, (_, t) in enumerate(leaves):
-        storage = t.untyped_storage()
-        if t.numel() == 0 or storage.nbytes() == 0:
+        if t.numel() == 0:
             key: tuple = ("leaf", i)
-        else:
-            key = ("storage", t.device, storage.data_ptr())
+        else:  # the storage's start address, without making a storage object (this loop runs once per tensor)
+            key = ("storage", t.get_device(), t.data_ptr() - t.storage_offset() * t.element_size())
         groups.setdefault(key, []).append(i)
 
     names_seen: dict[str, int] = {}
@@ -281,7 +280,11 @@ def _dedupe(leaves: list[tuple[str, torch.Tensor]], chunk_size: int) -> tuple[li
         return {"name": path, "dtype": name_of(t.dtype), "shape": list(t.shape)}
 
     # Walk groups in order of their first leaf, so names follow tree order.
-    for members in sorted(groups.values(), key=lambda m: m[0]):
+    for members in groups.values():
+        if len(members) == 1:  # the common case: a tensor that shares its storage with no other leaf
+            path, t = leaves[members[0]]
+            leaf_ids[members[0]] = add(base_entry(path, t), t)
+            continue
         views: dict[tuple, list[int]] = {}
         for i in members:
             views.setdefault(_view_key(leaves[i][1]), []).append(i)
