@@ -29,7 +29,10 @@ from ..engines.items import EncodedChunk, TensorReady
 
 @dataclass(frozen=True)
 class SaveResult:
-    """What a save wrote: sizes, time, and what the engine measured (``stats``)."""
+    """What a save wrote: sizes, time, and what the engine measured (``stats``).
+
+    ``raw_bytes`` counts every tensor a load restores (views and derived tensors with their own
+    bytes, not the internal bases), so ``ratio`` is what the file saves over holding the state."""
 
     path: str | None
     raw_bytes: int
@@ -103,7 +106,8 @@ class SaveSession:
         self.options = options
         self.target = target
         self.progress = progress
-        self.plan = plan_save(obj, metadata=options.metadata, derive_bf16=options.derive_bf16,
+        bf16, copies = options.derives
+        self.plan = plan_save(obj, metadata=options.metadata, derive=bf16, copies=copies,
                               chunk_size=options.chunk_size or CPU_CHUNK_SIZE)
         self.device = _gpu_device(self.plan, options)
         if options.chunk_size is None and self.device is not None:
@@ -151,8 +155,10 @@ class SaveSession:
         if cancel is not None:
             items = _cancellable(items, cancel)
         info = writer_info(extra)
-        raw_bytes = self.plan.stored_raw_bytes
+        raw_bytes = self.plan.raw_bytes  # every tensor the file restores: views and derived ones too
         alignment = self.options.alignment
+        if alignment is None:  # O_DIRECT / GPUDirect reads of single chunks want 4 KiB; the CPU reader nothing
+            alignment = 1 if self.device is None else 4096
         if hasattr(self.target, "write"):
             size = write_items(self.target, items, self.plan, alignment=alignment, info=info, progress=self.progress)
             return self._result(None, raw_bytes, size)
