@@ -404,6 +404,13 @@ def parse_pipeline(value: Any, cid: int) -> list[Step]:
                 raise FormatError(f"codec {cid}: byteshuffle needs exactly 'elementsize'")
             _uint(config["elementsize"], f"codec {cid}: byteshuffle elementsize", 16, 1)
             steps.append(Step(name, config, "filter"))
+        elif name == "signshift":  # 11.9: elementsize 2, 4 or 8, required, no other key
+            if set(config) != {"elementsize"}:
+                raise FormatError(f"codec {cid}: signshift needs exactly 'elementsize'")
+            k = config["elementsize"]
+            if isinstance(k, bool) or not isinstance(k, int) or k not in (2, 4, 8):
+                raise FormatError(f"codec {cid}: signshift elementsize must be 2, 4 or 8")
+            steps.append(Step(name, config, "filter"))
         elif name == "nvcomp-ans":  # 11.6: all three keys, checked when the codec table is parsed
             if set(config) != {"data_type", "nvcomp_version", "bitstream"}:
                 raise FormatError(f"codec {cid}: nvcomp-ans needs exactly data_type, nvcomp_version, bitstream")
@@ -521,11 +528,18 @@ def decode_chunk(steps: list[Step], cid: int, stored: bytes, raw_length: int, wr
         data = stored
     else:
         data = zstd_decode(stored, raw_length)
-    for f in reversed(filters):  # byteshuffle is the only filter
+    for f in reversed(filters):
         k = f.configuration["elementsize"]
         if len(data) % k:
-            raise FormatError(f"byteshuffle: {len(data)} bytes is not a multiple of elementsize {k}")
-        data = np.frombuffer(data, np.uint8).reshape(k, -1).T.tobytes()
+            raise FormatError(f"{f.name}: {len(data)} bytes is not a multiple of elementsize {k}")
+        if f.name == "byteshuffle":
+            data = np.frombuffer(data, np.uint8).reshape(k, -1).T.tobytes()
+        else:  # signshift, 11.9: raw[k-1] = (l' & 0x80) | (h' >> 1), raw[k-2] = ((h' << 7) & 0xFF) | (l' & 0x7F)
+            e = np.frombuffer(data, np.uint8).reshape(-1, k).astype(np.int64)
+            h, lo = e[:, k - 1].copy(), e[:, k - 2].copy()
+            e[:, k - 1] = (lo & 0x80) | (h >> 1)
+            e[:, k - 2] = ((h << 7) & 0xFF) | (lo & 0x7F)
+            data = e.astype(np.uint8).tobytes()
     return data
 
 
@@ -697,9 +711,13 @@ def check_references(entries: list[Entry]) -> None:
             s = e.derived["source"]
             if s >= len(entries) or s == e.tensor_id:
                 raise FormatError(f"tensor {e.name!r}: derived source {s} does not exist or is the entry itself")
-            if e.derived["function"] != "bf16_rne":
+            if e.derived["function"] not in ("bf16_rne", "copy"):
                 continue  # unknown function: UnsupportedFeatureError when read
             src = entries[s]
+            if e.derived["function"] == "copy":  # 14.2: a data tensor of the same dtype and shape
+                if src.kind != "chunks" or src.dtype != e.dtype or src.shape != e.shape:
+                    raise FormatError(f"tensor {e.name!r}: copy source must be a data tensor of the same dtype and shape")
+                continue
             if e.dtype != "bfloat16":
                 raise FormatError(f"tensor {e.name!r}: bf16_rne tensors have dtype bfloat16")
             if src.kind != "chunks" or src.dtype != "float32" or src.shape != e.shape:
@@ -797,9 +815,11 @@ class Materializer:
                     idx = idx + (np.arange(d, dtype=np.int64) * s).reshape(shape)
                 data = elems[idx.reshape(-1)].tobytes()
         else:
-            if e.derived["function"] != "bf16_rne":
+            if e.derived["function"] not in ("bf16_rne", "copy"):
                 raise UnsupportedFeatureError(f"tensor {e.name!r}: unknown derived function {e.derived['function']!r}")
-            data = bf16_rne(self.raw(self.index.tensors[e.derived["source"]]))
+            data = self.raw(self.index.tensors[e.derived["source"]])
+            if e.derived["function"] == "bf16_rne":
+                data = bf16_rne(data)
         if e.checksum is not None and xxh3(data) != e.checksum:
             raise ChecksumError(f"tensor {e.name!r}: tensor checksum mismatch")
         if e.dtype == "bool" and data and np.frombuffer(data, np.uint8).max() > 1:

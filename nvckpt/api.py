@@ -19,14 +19,17 @@ def save(obj: Any, target: str | os.PathLike | Any, **options: Any) -> SaveResul
     ``target`` is a path (written atomically: temporary file, fsync, rename)
     or a binary stream (written front to back, never seeking).
     ``codec``: "auto" (nvcomp-ans on a GPU with nvCOMP, else portable),
-    "portable" (byteshuffle+zstd, readable by any zstd library), "zstd",
+    "portable" (signshift+byteshuffle+zstd, one frame per byte plane, readable by
+    any zstd library), "portable-1.0" (byteshuffle+zstd as nvckpt 0.1 wrote it), "zstd",
     "raw", "ans" (GPU only), or a ``nvckpt.codecs.Pipeline``.
     ``metadata``: a JSON-like dict with str keys, stored in the index.
-    ``derive_bf16``: store a bf16 tensor that is exactly the rounding of a
-    saved fp32 tensor as derived from it (zero bytes; verified bit for bit).
+    ``derive`` (default True): store a bf16 tensor that is exactly the rounding of a
+    saved fp32 tensor, and an exact copy of another tensor, as derived (zero bytes;
+    verified bit for bit on their device).  ``derive_bf16``: the former option (bf16 only).
     ``chunk_size``: target raw bytes per chunk (default: 1 MiB on the CPU
     engine, 4 MiB on the GPU engine).
-    ``alignment``: large chunk payloads start at a multiple of it (power of two).
+    ``alignment``: large chunk payloads start at a multiple of it (power of two;
+    default: 1 on the CPU engine, 4096 on the GPU engine).
     ``zstd_level``: -7..22.  ``tensor_checksums``: store each tensor's XXH3-64.
     ``engine``: "auto" (the GPU engine for CUDA tensors where nvCOMP is), "cpu", "gpu".
     ``workers``: CPU encode threads (default: all cores).

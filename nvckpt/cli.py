@@ -150,7 +150,7 @@ def main_parser(prog: str = "nvckpt") -> argparse.ArgumentParser:
     p.add_argument("--no-minilm", dest="minilm", action="store_false", help="skip the all-MiniLM-L6-v2 weights")
     p.set_defaults(run=_demo)
 
-    p = command("bench", "time nvckpt against torch.save and safetensors, on the CPU or a GPU",
+    p = command("bench", "time nvckpt against torch.save, safetensors and ZipNN (if installed), on the CPU or a GPU",
                 "Time save (with fsync) and load (from the page cache) of one state with nvckpt, torch.save "
                 "and safetensors (if installed), and report sizes and ratios: FILE (nvckpt, safetensors or "
                 "torch.save, by extension) or the demo's training state. With --gpu the state is moved to "
@@ -386,8 +386,8 @@ def _bench(args: argparse.Namespace) -> int:
     table = []
     for r in rows:
         mb = r.raw_bytes / (1 << 20)
-        table.append([r.format, human_bytes(r.file_bytes), ratio_text(r.ratio), seconds_text(r.save_s),
-                      f"{mb / r.save_s:.0f} MiB/s" if r.save_s else "-", seconds_text(r.load_s),
+        table.append([r.format, human_bytes(r.file_bytes), ratio_text(r.ratio), seconds_text(r.save_s) if r.save_s else "-",
+                      f"{mb / r.save_s:.0f} MiB/s" if r.save_s else "-", seconds_text(r.load_s) if r.load_s else "-",
                       f"{mb / r.load_s:.0f} MiB/s" if r.load_s else "-",
                       "-" if r.exact is None else "yes" if r.exact else "NO", r.note])
     print(render_table(["format", "file", "ratio", "save", "save rate", "load", "load rate", "bit-exact", "note"],

@@ -99,10 +99,11 @@ class SaveOptions:
     codec: str | Pipeline = "auto"
     metadata: dict[str, Any] | None = None
     chunk_size: int | None = None  # None: the engine's own (nvckpt.plan.chunking)
-    alignment: int = 4096
+    alignment: int | None = None  # None: the engine's own (4096 on the GPU engine, 1 on the CPU engine)
     zstd_level: int = 1
-    derive_bf16: bool = False
-    tensor_checksums: bool | None = None  # None: yes, except in an async_save that reads the caller's tensors lazily
+    derive: bool = True  # bf16 roundings of fp32 tensors and exact copies, stored as derived (SPEC 14.2)
+    derive_bf16: bool | None = None  # the former option (bf16 roundings only); when given, it wins over ``derive``
+    tensor_checksums: bool | None = None  # None: yes, except in an async_save that reads the caller's tensors ahead
     engine: str = "auto"
     workers: int | None = None
     direct_io: bool = True
@@ -115,7 +116,10 @@ class SaveOptions:
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be 'auto', 'cpu' or 'gpu', got {self.engine!r}")
         check_preset(self.codec)
-        check_alignment(self.alignment)
+        if self.alignment is not None:
+            check_alignment(self.alignment)
+        if type(self.derive) is not bool or (self.derive_bf16 is not None and type(self.derive_bf16) is not bool):
+            raise ValueError(f"derive must be True or False, got {self.derive!r}")
         if self.chunk_size is not None:
             check_chunk_size(self.chunk_size)
         if type(self.zstd_level) is not int or not -7 <= self.zstd_level <= 22:
@@ -124,6 +128,13 @@ class SaveOptions:
             _positive(self, "workers")
         if not isinstance(self.gpu, GpuSaveOptions):
             raise TypeError(f"gpu must be a nvckpt.GpuSaveOptions, got {type(self.gpu).__qualname__}")
+
+    @property
+    def derives(self) -> tuple[bool, bool]:
+        """(look for bf16 roundings, look for exact copies): ``derive``, or the former ``derive_bf16``."""
+        if self.derive_bf16 is not None:
+            return self.derive_bf16, False
+        return self.derive, self.derive
 
 
 @dataclass(frozen=True)

@@ -58,11 +58,11 @@ def test_failure_in_an_encoder_keeps_old_file(old_file, monkeypatch):
     original = encode_cpu.encode_chunk
     calls = [0]
 
-    def failing_encode(pipeline, raw):
+    def failing_encode(pipeline, raw, buffers=None):
         calls[0] += 1
         if calls[0] == 7:
             raise RuntimeError("encoder crashed")
-        return original(pipeline, raw)
+        return original(pipeline, raw, buffers)
 
     monkeypatch.setattr(encode_cpu, "encode_chunk", failing_encode)
     with pytest.raises(RuntimeError, match="encoder crashed"):  # an encoder failure propagates as itself

@@ -46,7 +46,7 @@ import zstandard  # noqa: E402
 
 import nvckpt  # noqa: E402
 from conformance import craft  # noqa: E402
-from nvckpt.codecs import ByteShuffle, Pipeline, Zstd  # noqa: E402
+from nvckpt.codecs import ByteShuffle, Pipeline, SignShift, Zstd  # noqa: E402
 from nvckpt.plan.derived import bf16_rne  # noqa: E402
 
 WRITER = {"name": "nvckpt-conformance", "version": "1"}
@@ -168,9 +168,21 @@ def pin_writer(data: bytes) -> bytes:
     return craft.build(nv)
 
 
+def pinned(kw: dict) -> dict:
+    """The options the suite's files were made with before nvckpt 0.2 changed its defaults (portable
+    codec, alignment, derived tensors), so that regenerating gives the committed bytes."""
+    kw = dict(kw)
+    if kw.get("codec", "auto") in ("auto", "portable"):
+        kw["codec"] = "portable-1.0"
+    kw.setdefault("alignment", 4096)
+    if "derive_bf16" not in kw:
+        kw.setdefault("derive", False)
+    return kw
+
+
 def save(obj: Any, **kw: Any) -> bytes:
     buf = io.BytesIO()
-    nvckpt.save(obj, buf, **kw)
+    nvckpt.save(obj, buf, **pinned(kw))
     return pin_writer(buf.getvalue())
 
 
@@ -191,7 +203,7 @@ def save_through_pipe(obj: Any, **kw: Any) -> bytes:
     reader.start()
     with os.fdopen(w, "wb") as f:
         assert not f.seekable()
-        nvckpt.save(obj, f, **kw)
+        nvckpt.save(obj, f, **pinned(kw))
     reader.join()
     return pin_writer(b"".join(chunks))
 
@@ -313,12 +325,12 @@ def codec_label(data: bytes) -> str:
         names = ["+".join(s["name"] for s in codecs[i]) for i in used if isinstance(i, int) and i < len(codecs)]
     except Exception:
         return "none"
-    known = {"nvcomp-ans", "byteshuffle+zstd", "zstd", "raw", "byteshuffle+zstd"}
+    known = {"nvcomp-ans", "signshift+byteshuffle+zstd", "byteshuffle+zstd", "zstd", "raw"}
     if "nvcomp-ans" in names:
         return "nvcomp-ans"
     if any(n not in known for n in names):
         return "unknown-codec"
-    for label in ("byteshuffle+zstd", "zstd", "raw"):
+    for label in ("signshift+byteshuffle+zstd", "byteshuffle+zstd", "zstd", "raw"):
         if label in names:
             return label
     return "none"
@@ -1150,6 +1162,7 @@ def gen_invalid(s: Suite, bases: dict) -> None:
         section="9", flags=["tree"], description="a tree map whose key is an array", danger="keys must be scalars")
 
     gen_second_edition(s, bases, edit, index_edit, raw_index, T)
+    gen_issue11(s, edit, index_edit)
 
     # -- bool values ----------------------------------------------------------------------------------------
     bool_obj = {"b": torch.tensor([True, False, True])}
@@ -1180,6 +1193,86 @@ def _f64(bits: int) -> bytes:
 
 def _bits(x: float) -> int:
     return struct.unpack(">Q", struct.pack(">d", x))[0]
+
+
+def gen_issue11(s: Suite, edit: Callable, index_edit: Callable) -> None:
+    """The third edition's additions: the signshift filter (SPEC 11.9), one zstd frame per byte plane
+    (11.4, informative) and the copy derived function (14.2)."""
+    def valid(cid: str, obj: Any, *, section: str, flags: list[str], description: str, **kw: Any) -> bytes:
+        buf = io.BytesIO()
+        nvckpt.save(obj, buf, alignment=4096, **kw)  # this edition's writer, options as given
+        data = pin_writer(buf.getvalue())
+        s.valid(cid, data, expected_decode(obj, None, data), section=section, flags=flags, description=description)
+        return data
+
+    bf = (smooth(4096, 1101) * 3).to(torch.bfloat16).reshape(64, 64)
+    f32 = smooth(2048, 1102).reshape(32, 64) * 0.02
+    f64 = smooth(512, 1103).double()
+    valid("valid-codec-signshift-bfloat16", {"w": bf}, section="11.9",
+          flags=["codec-signshift", "codec-byteshuffle", "codec-zstd", "zstd-frames"], codec="portable",
+          derive=False, chunk_size=4096,
+          description="the portable preset on bfloat16: [signshift(2), byteshuffle(2), zstd], one zstd frame per byte plane")
+    valid("valid-codec-signshift-float32", {"w": f32, "tiny": torch.tensor([1.0, -2.0, 0.5, -0.0])}, section="11.9",
+          flags=["codec-signshift", "codec-byteshuffle", "codec-zstd", "zstd-frames"], codec="portable",
+          derive=False, chunk_size=2048,
+          description="the portable preset on float32: [signshift(4), byteshuffle(4), zstd] (a 16-byte tensor stored raw)")
+    shift8 = Pipeline((SignShift(8), ByteShuffle(8), Zstd(1)), planar=True)
+    valid("valid-codec-signshift-elementsize-8", {"d": f64}, section="11.9", flags=["codec-signshift", "codec-zstd"],
+          codec=shift8, derive=False, chunk_size=1024, description="signshift(8) then byteshuffle(8) then zstd on float64")
+    shift_only = Pipeline((SignShift(2), Zstd(3)))
+    valid("valid-codec-signshift-then-zstd", {"h": bf.to(torch.float16)}, section="11.9",
+          flags=["codec-signshift", "codec-zstd"], codec=shift_only, derive=False, chunk_size=4096,
+          description="[signshift(2), zstd(3)] on float16: one frame per chunk, no byteshuffle")
+    w = smooth(96, 1104).reshape(8, 12)
+    copy_obj = {"w": w, "w_copy": w.clone(), "ids": torch.arange(24, dtype=torch.int32),
+                "ids_copy": torch.arange(24, dtype=torch.int32), "m": f32[:4].clone(), "m_bf16": bf16_rne(f32[:4])}
+    cdata = valid("valid-derived-copy", copy_obj, section="14.2", flags=["derived", "copy", "bf16-rne"], codec="raw",
+                  chunk_size=64,
+                  description="exact copies stored as derived 'copy' entries of their sources (and one bf16_rne)")
+
+    inv = s.invalid
+    ss = {"name": "byteshuffle", "configuration": {"elementsize": 2}}
+    z = {"name": "zstd", "configuration": {"level": 1}}
+    bdata = io.BytesIO()
+    nvckpt.save({"w": bf}, bdata, codec="portable", derive=False, chunk_size=4096, alignment=4096)
+    bdata = pin_writer(bdata.getvalue())
+
+    def codec_edit(step: dict, src: bytes = bdata) -> bytes:
+        nv = craft.parse(src)
+        pipeline = [step, ss, z]
+        nv.index["codecs"][0] = pipeline
+        next(f for f in nv.frames if f.frame_type == craft.CODEC and f.codec_id == 0).payload = craft.pack(pipeline)
+        return craft.build(nv)
+
+    for cid, config, what in (("codec-signshift-elementsize-3", {"elementsize": 3}, "elementsize 3 (allowed: 2, 4, 8)"),
+                              ("codec-signshift-elementsize-16", {"elementsize": 16}, "elementsize 16 (allowed: 2, 4, 8)"),
+                              ("codec-signshift-elementsize-bool", {"elementsize": True}, "elementsize true (a bool, not an int)"),
+                              ("codec-signshift-no-elementsize", {}, "no elementsize"),
+                              ("codec-signshift-extra-key", {"elementsize": 2, "order": 1}, "a key other than elementsize")):
+        inv(cid, codec_edit({"name": "signshift", "configuration": config}), "format", section="11.9",
+            flags=["codec-signshift", "codec-pipeline"], description=f"signshift with {what}",
+            danger="a configuration outside the registered range must not be guessed at")
+    odd_w = (smooth(1026, 1105) * 3).to(torch.bfloat16)  # 2052 bytes: a multiple of 2 and 4, not of 8
+    odd = io.BytesIO()
+    nvckpt.save({"w": odd_w}, odd, codec="portable", derive=False, alignment=4096)
+    inv("codec-signshift-length-not-multiple", codec_edit({"name": "signshift", "configuration": {"elementsize": 8}},
+                                                          pin_writer(odd.getvalue())),
+        "format", section="11.9", flags=["codec-signshift", "lengths"],
+        description="signshift elementsize 8 on a chunk of 2052 bytes (not a multiple of 8)",
+        danger="an element cut by the chunk's end has no top two bytes to move")
+    nv = craft.parse(cdata)
+    tid = {e["name"]: i for i, e in enumerate(nv.index["tensors"])}
+    assert nv.index["tensors"][tid["w_copy"]]["derived"] == {"function": "copy", "source": tid["w"]}
+
+    def set_entry(name: str, key: str, value: Any) -> Callable:
+        return lambda ix: ix["tensors"][tid[name]].__setitem__(key, value)
+
+    inv("derived-copy-dtype-differs", index_edit(set_entry("ids_copy", "dtype", "float32"), cdata, sync=True), "format",
+        section="8.5", flags=["derived", "copy"], description="a copy of an int32 tensor whose entry says float32",
+        danger="a copy changes no byte, so it cannot change the dtype either: the values would be reinterpreted")
+    inv("derived-copy-shape-differs", index_edit(set_entry("w_copy", "shape", [12, 8]), cdata, sync=True), "format",
+        section="8.5", flags=["derived", "copy"], description="a copy of an 8x12 tensor whose entry says 12x8",
+        danger="same bytes, other shape: rows would be cut at other places")
 
 
 def gen_second_edition(s: Suite, bases: dict, edit: Callable, index_edit: Callable, raw_index: Callable,

@@ -44,4 +44,5 @@ EXT_TUPLE = 2
 
 # Derived tensor functions (SPEC 8.5).
 BF16_RNE = "bf16_rne"
-DERIVED_FUNCTIONS = (BF16_RNE,)
+COPY = "copy"  # SPEC 14.2: the source's elements, as a tensor of its own
+DERIVED_FUNCTIONS = (BF16_RNE, COPY)

@@ -85,6 +85,28 @@ class Source:
         self.count(length)
         return data
 
+    def pread_into(self, offset: int, buf: Any) -> None:
+        """Exactly ``len(buf)`` bytes from ``offset`` into the writable buffer ``buf`` (no copy through bytes)."""
+        view = memoryview(buf).cast("B")
+        length = view.nbytes
+        if self._fd is None:
+            view[:] = self.pread(offset, length)
+            return
+        if offset < 0 or offset + length > self.size:
+            raise TruncatedError(f"read of {length} bytes at {offset} runs past the end of the file ({self.size} bytes)", path=self.name, offset=offset)
+        got = 0
+        while got < length:
+            try:
+                n = os.preadv(self._fd, [view[got:]], offset + got)
+            except (OSError, TypeError):
+                if self.closed:
+                    raise NvckptError("read from a closed checkpoint", path=self.name) from None
+                raise
+            if n <= 0:
+                raise TruncatedError(f"file ended while reading {length} bytes", path=self.name, offset=offset)
+            got += n
+        self.count(length)
+
     def close(self) -> None:
         """Close a file this Source opened; a caller's file object is only let go of."""
         fd, self._fd = self._fd, None

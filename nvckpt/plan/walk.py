@@ -18,7 +18,7 @@ from ..format.constants import MAX_NAME_BYTES, MAX_RANK, MAX_TENSORS, MAX_TREE_D
 from ..format.dtypes import DTYPES
 from ..format.tree import TensorRef, escape
 from .chunking import CPU_CHUNK_SIZE, check_chunk_size, chunk_ranges
-from .derived import find_derived
+from .derived import find_copies, find_derived
 from .dtypes import name_of
 
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
@@ -108,7 +108,8 @@ def plan_save(
     *,
     metadata: dict[str, Any] | None = None,
     chunk_size: int = CPU_CHUNK_SIZE,
-    derive_bf16: bool = False,
+    derive: bool = False,
+    copies: bool = False,
 ) -> SavePlan:
     check_chunk_size(chunk_size)
     leaves: list[tuple[str, torch.Tensor]] = []  # (path, tensor) in tree order
@@ -150,8 +151,10 @@ def plan_save(
         _check_metadata(metadata)
 
     plan_tensors, leaf_ids = _dedupe(leaves, chunk_size)
-    if derive_bf16:
-        find_derived(plan_tensors)
+    if derive:
+        find_derived(plan_tensors)  # bf16 roundings of fp32 tensors, then exact copies among what is left
+    if copies:
+        find_copies(plan_tensors)
     if len(plan_tensors) > MAX_TENSORS:
         raise LimitError(f"{len(plan_tensors)} tensors exceed the limit of {MAX_TENSORS}")
     tree = _finish(skeleton, leaf_ids)

@@ -33,7 +33,10 @@ from . import lifecycle
 
 @dataclass(frozen=True)
 class SaveResult:
-    """What a save wrote: sizes, time, and what the engine measured (``stats``)."""
+    """What a save wrote: sizes, time, and what the engine measured (``stats``).
+
+    ``raw_bytes`` counts every tensor a load restores (views and derived tensors with their own
+    bytes, not the internal bases), so ``ratio`` is what the file saves over holding the state."""
 
     path: str | None
     raw_bytes: int
@@ -107,7 +110,8 @@ class SaveSession:
         self.options = options
         self.target = target
         self.progress = progress
-        self.plan = plan_save(obj, metadata=options.metadata, derive_bf16=options.derive_bf16,
+        bf16, copies = options.derives
+        self.plan = plan_save(obj, metadata=options.metadata, derive=bf16, copies=copies,
                               chunk_size=options.chunk_size or CPU_CHUNK_SIZE)
         self.device = _gpu_device(self.plan, options)
         if options.chunk_size is None and self.device is not None:
@@ -203,6 +207,10 @@ class SaveSession:
         running = running or self.register(cancel)
         try:
             return self._run(cancel)
+        except CancelledError:
+            lifecycle.end(running)
+            lifecycle.cancelled_by_sigterm(running)
+            raise
         finally:
             lifecycle.end(running)
 
@@ -217,8 +225,10 @@ class SaveSession:
         items, extra = self._items()
         items = _cancellable(items, cancel)
         info = writer_info(extra)
-        raw_bytes = self.plan.stored_raw_bytes
+        raw_bytes = self.plan.raw_bytes  # every tensor the file restores: views and derived ones too
         alignment = self.options.alignment
+        if alignment is None:  # O_DIRECT / GPUDirect reads of single chunks want 4 KiB; the CPU reader nothing
+            alignment = 1 if self.device is None else 4096
         if hasattr(self.target, "write"):
             size = write_items(self.target, items, self.plan, alignment=alignment, info=info, progress=self.progress)
             return self._result(None, raw_bytes, size)
@@ -227,7 +237,7 @@ class SaveSession:
         try:
             size = write_items(out.writer, items, self.plan, alignment=alignment, info=info, progress=self.progress)
             if cancel.is_set():
-                raise CancelledError("async save cancelled; the file at the target path was not changed")
+                raise CancelledError("the save was cancelled; the file at the target path was not changed")
         except BaseException:
             out.abort()
             raise
@@ -242,7 +252,7 @@ def _cancellable(items: Iterator, cancel: threading.Event) -> Iterator:
     try:
         for item in items:
             if cancel.is_set():
-                raise CancelledError("async save cancelled; the file at the target path was not changed")
+                raise CancelledError("the save was cancelled; the file at the target path was not changed")
             yield item
     finally:
         close = getattr(items, "close", None)
