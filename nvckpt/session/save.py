@@ -57,7 +57,8 @@ def write_items(stream: Any, items: Iterable[TensorReady | EncodedChunk], plan: 
                 info: dict[str, Any], progress: Callable[[int], None] | None = None) -> int:
     """Frame an engine's items onto ``stream``; returns the file's length.  ``progress(raw bytes)`` per chunk."""
     try:
-        writer = FrameWriter(stream, plan.entries(), plan.chunk_lengths(), alignment=alignment)
+        writer = FrameWriter(stream, plan.entries(), plan.chunk_lengths(), alignment=alignment,
+                             required_features=plan.required_features)
         for item in items:
             if isinstance(item, TensorReady):
                 writer.tensor(item.tensor_id, item.checksum)
