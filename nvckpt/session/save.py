@@ -210,14 +210,10 @@ class SaveSession:
             return self._result(None, raw_bytes, size)
         direct = self.options.direct_io
         out = AtomicReplace(os.fspath(self.target), lambda tmp: FileSink(tmp, direct=direct))
-        try:
+        with out:  # commits on success; on an error removes the temporary file, naming the target in OSErrors
             size = write_items(out.writer, items, self.plan, alignment=alignment, info=info, progress=self.progress)
             if cancel.is_set():
                 raise CancelledError("async save cancelled; the file at the target path was not changed")
-        except BaseException:
-            out.abort()
-            raise
-        out.commit()
         return self._result(out.path, raw_bytes, size)
 
     def _result(self, path: str | None, raw_bytes: int, size: int) -> SaveResult:
