@@ -158,3 +158,15 @@ def test_stream_load_keeps_working():
     nvckpt.save({"w": torch.ones(2)}, stream)
     stream.seek(0)
     assert torch.equal(nvckpt.load(stream, keys="w"), torch.ones(2))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("where", [0, "cuda", torch.device("cuda", 0), {"cpu": "cuda:0"},
+                                   lambda storage, location: storage.cuda(0)])
+def test_map_location_onto_a_gpu(ckpt, where):
+    path, state = ckpt
+    back = nvckpt.load(path, map_location=where)
+    assert back["model"]["weight"].device == torch.device("cuda", 0)
+    assert torch.equal(back["model"]["weight"].cpu(), state["model"]["weight"])
+    assert torch.equal(nvckpt.load(path, device=0, keys="model/bias").cpu(), state["model"]["bias"])

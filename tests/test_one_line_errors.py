@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import nvckpt
-from nvckpt.cli import EXIT_IO, EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE
+from nvckpt.cli import EXIT_IO, EXIT_OK, EXIT_PROBLEMS, EXIT_UNSUPPORTED, EXIT_USAGE
 from nvckpt.io.atomic import AtomicReplace
 from nvckpt.tools.bench import touch
 
@@ -44,6 +44,7 @@ def files(tmp_path_factory):
     data = (d / "big.nvckpt").read_bytes()
     (d / "damaged.nvckpt").write_bytes(data[: len(data) // 2])
     (d / "adir").mkdir()
+    torch.save({"w": {("a", 1): torch.ones(1)}}, d / "tuplekey.pt")  # torch.load accepts it; a tree key cannot be a tuple
     return d
 
 
@@ -72,6 +73,7 @@ def test_a_full_disk_is_one_line_and_exit_4(files, dst):
     (["ls", "model.pt"], EXIT_PROBLEMS, "it is a torch.save file"),
     (["info", "missing.nvckpt"], EXIT_IO, "missing.nvckpt"),
     (["bench", "--smoke"], EXIT_USAGE, "unrecognized arguments: --smoke"),
+    (["convert", "tuplekey.pt", "tuplekey.nvckpt"], EXIT_UNSUPPORTED, "tuplekey.pt: dict key ('a', 1) at w has type tuple"),
     (["verify"], EXIT_USAGE, "the following arguments are required: file"),
 ])
 def test_each_failure_is_one_line_with_its_exit_code(files, args, code, says):
