@@ -32,6 +32,7 @@ def save(obj: Any, target: str | os.PathLike | Any, **options: Any) -> SaveResul
     ``engine``: "auto" (the GPU engine for CUDA tensors where nvCOMP is), "cpu", "gpu".
     ``workers``: CPU encode threads (default: all cores).
     ``direct_io``: write with O_DIRECT where the filesystem allows it.
+    ``preemption_grace``: seconds a save may still run after SIGTERM before it is cancelled (README).
     ``gpu``: the GPU engine's knobs (``nvckpt.GpuSaveOptions``).
 
     Returns a ``SaveResult`` (path, raw_bytes, file_bytes, seconds, ratio, stats).

@@ -121,13 +121,14 @@ def main_parser(prog: str = "nvckpt") -> argparse.ArgumentParser:
 
     p = command("convert", "convert between nvckpt, safetensors and torch.save files",
                 "Convert between nvckpt (.nvckpt), safetensors (.safetensors) and torch.save files "
-                "(.pt, .pth, .bin; read with torch.load(weights_only=True)), in any direction, nvckpt to "
+                "(.pt, .pth, .bin, Lightning's .ckpt; read with torch.load(weights_only=True)), in any direction, "
+                "nvckpt to "
                 "nvckpt included (to change the codec). safetensors holds only tensors: the tree is "
                 "flattened to tensor names and non-tensor values are dropped unless --keep-tree; nvckpt "
                 "metadata is kept in the safetensors metadata. torch.save files hold no metadata.")
     p.add_argument("src")
     p.add_argument("dst")
-    p.add_argument("--from", dest="src_format", choices=("nvckpt", "safetensors", "torch"), help="format of SRC (default: from its extension)")
+    p.add_argument("--from", dest="src_format", choices=("nvckpt", "safetensors", "torch"), help="format of SRC (default: from its content, else its extension)")
     p.add_argument("--to", dest="dst_format", choices=("nvckpt", "safetensors", "torch"), help="format of DST (default: from its extension)")
     p.add_argument("--codec", choices=PRESETS, default="auto",
                    help="codec of an nvckpt DST (default: auto = " + DESCRIPTIONS["auto"] + ")")

@@ -42,17 +42,20 @@ class Net(pl.LightningModule):
 
 def trainer(tmp_path, epochs: int, plugin, **kw) -> "pl.Trainer":
     return pl.Trainer(default_root_dir=tmp_path, max_epochs=epochs, plugins=[plugin], accelerator="cpu", devices=1,
-                      logger=False, enable_progress_bar=False, enable_model_summary=False, deterministic=True,
+                      logger=False, enable_progress_bar=False, enable_model_summary=False,
                       callbacks=[pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)], **kw)
 
 
 @pytest.fixture(autouse=True)
 def quiet_lightning():
     # Lightning warns about its own defaults (few dataloader workers, ...): not what this test checks.
+    # A Trainer also sets process-wide torch flags: give them back to the other tests.
+    deterministic = torch.are_deterministic_algorithms_enabled()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", module=r"lightning\..*")
         warnings.filterwarnings("ignore", message=r".*(num_workers|does not have many workers|LeafSpec).*")
         yield
+    torch.use_deterministic_algorithms(deterministic)
 
 
 @pytest.mark.parametrize("async_save", [False, True])
