@@ -9,6 +9,7 @@ an unexpected exception (a bug) keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -16,9 +17,10 @@ from typing import Any, Sequence
 
 from . import __version__
 from .codecs.presets import DESCRIPTIONS, PRESETS
-from .errors import NvckptError, UnsupportedCodecError, UnsupportedFeatureError, UnsupportedObjectError
+from .errors import FormatError, NvckptError, UnsupportedCodecError, UnsupportedFeatureError, UnsupportedObjectError
 from .tools._util import (
     UsageError,
+    convert_hint,
     human_bytes,
     printable,
     progress_bar,
@@ -48,6 +50,15 @@ exit codes:
 
 Run `nvckpt COMMAND --help` for the options of a command.
 """
+COMMAND_EPILOG = "exit codes: 0 ok, 1 damage or problems, 2 usage, 3 unsupported here, 4 I/O (see `nvckpt --help`)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr like every other error (exit 2)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        _error(f"{message} (see `{self.prog} --help`)")
+        raise SystemExit(EXIT_USAGE)
 
 
 def _int_in(lo: int, hi: int):
@@ -73,7 +84,7 @@ def _add_quiet(p: argparse.ArgumentParser) -> None:
 
 
 def main_parser(prog: str = "nvckpt") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=prog,
         description="Inspect, verify, convert and recover nvckpt checkpoint files.",
         epilog=EPILOG,
@@ -83,7 +94,7 @@ def main_parser(prog: str = "nvckpt") -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     def command(name: str, help: str, description: str | None = None) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help, description=description or help, epilog=EPILOG,
+        return sub.add_parser(name, help=help, description=description or help, epilog=COMMAND_EPILOG,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
 
     p = command("info", "sizes, compression ratio per dtype, codecs, writer and metadata of a file")
@@ -110,13 +121,14 @@ def main_parser(prog: str = "nvckpt") -> argparse.ArgumentParser:
 
     p = command("convert", "convert between nvckpt, safetensors and torch.save files",
                 "Convert between nvckpt (.nvckpt), safetensors (.safetensors) and torch.save files "
-                "(.pt, .pth, .bin; read with torch.load(weights_only=True)), in any direction, nvckpt to "
+                "(.pt, .pth, .bin, Lightning's .ckpt; read with torch.load(weights_only=True)), in any direction, "
+                "nvckpt to "
                 "nvckpt included (to change the codec). safetensors holds only tensors: the tree is "
                 "flattened to tensor names and non-tensor values are dropped unless --keep-tree; nvckpt "
                 "metadata is kept in the safetensors metadata. torch.save files hold no metadata.")
     p.add_argument("src")
     p.add_argument("dst")
-    p.add_argument("--from", dest="src_format", choices=("nvckpt", "safetensors", "torch"), help="format of SRC (default: from its extension)")
+    p.add_argument("--from", dest="src_format", choices=("nvckpt", "safetensors", "torch"), help="format of SRC (default: from its content, else its extension)")
     p.add_argument("--to", dest="dst_format", choices=("nvckpt", "safetensors", "torch"), help="format of DST (default: from its extension)")
     p.add_argument("--codec", choices=PRESETS, default="auto",
                    help="codec of an nvckpt DST (default: auto = " + DESCRIPTIONS["auto"] + ")")
@@ -188,10 +200,22 @@ def _shape(shape: Sequence[int]) -> str:
 
 # -- commands ----------------------------------------------------------------
 
+@contextlib.contextmanager
+def _nvckpt_file(path: str):
+    """Add what a file is when it is not an nvckpt file (a torch.save or safetensors file: convert reads it)."""
+    try:
+        yield
+    except FormatError as exc:
+        if exc.offset == 0 and "not an nvckpt file" in exc.reason:
+            exc.reason += convert_hint(path)
+            exc.located()
+        raise
+
 def _info(args: argparse.Namespace) -> int:
     from .tools.info import describe
 
-    d = describe(args.file)
+    with _nvckpt_file(args.file):
+        d = describe(args.file)
     if args.json:
         _print_json(d)
         return EXIT_OK
@@ -236,7 +260,8 @@ def _info(args: argparse.Namespace) -> int:
 def _ls(args: argparse.Namespace) -> int:
     from .tools.info import list_tensors
 
-    rows = list_tensors(args.file)
+    with _nvckpt_file(args.file):
+        rows = list_tensors(args.file)
     if args.json:
         _print_json(rows)
         return EXIT_OK
@@ -252,7 +277,14 @@ def _ls(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from .tools.verify import verify
 
-    report = verify(args.file, progress=_bars(args), workers=args.workers)
+    try:
+        with _nvckpt_file(args.file):
+            report = verify(args.file, progress=_bars(args), workers=args.workers)
+    except NvckptError as exc:
+        if args.json:  # a script reading stdout learns the verdict there too (the error line goes to stderr)
+            _print_json({"path": args.file, "ok": False, "error": type(exc).__name__, "message": str(exc),
+                         "exit_code": _exit_code(exc)})
+        raise
     code = EXIT_PROBLEMS if report.problems else EXIT_UNSUPPORTED if (args.strict and report.undecoded) else EXIT_OK
     if args.json:
         _print_json(dict(report.to_json(), exit_code=code))
@@ -369,7 +401,7 @@ def _bench(args: argparse.Namespace) -> int:
         from .tools.convert import format_of, read_nvckpt, read_safetensors, read_torch
         from .tools._util import null_bar
 
-        fmt = format_of(args.file)
+        fmt = format_of(args.file, sniff=True)
         obj = (read_nvckpt(args.file, null_bar) if fmt == "nvckpt" else
                read_safetensors(args.file, null_bar) if fmt == "safetensors" else read_torch(args.file)).tree
         label = args.file
@@ -392,12 +424,18 @@ def _bench(args: argparse.Namespace) -> int:
                       "-" if r.exact is None else "yes" if r.exact else "NO", r.note])
     print(render_table(["format", "file", "ratio", "save", "save rate", "load", "load rate", "bit-exact", "note"],
                        table, right=(1, 2, 3, 4, 5, 6)))
-    print(f"\nbest of {args.repeat}; saves end with fsync; loads come from the page cache (CPU decode speed, not disk); "
+    print(f"\nbest of {args.repeat}; saves end with fsync; loads come from the page cache (CPU decode speed, not disk) "
+          "and are timed until every page of the data was read (safetensors maps a file lazily); "
           f"rates are raw tensor bytes per second on {os.cpu_count()} CPUs. Full GPU benchmark: benchmarks/ in the repository.")
     return EXIT_OK
 
 
 # -- entry points --------------------------------------------------------------
+
+def _exit_code(exc: NvckptError) -> int:
+    unsupported = (UnsupportedCodecError, UnsupportedFeatureError, UnsupportedObjectError)
+    return EXIT_UNSUPPORTED if isinstance(exc, unsupported) else EXIT_PROBLEMS
+
 
 def _error(message: str) -> None:
     print(f"nvckpt: error: {' '.join(str(message).split())}", file=sys.stderr)
@@ -421,12 +459,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "nvckpt") -> int:
     except UsageError as exc:
         _error(str(exc))
         return EXIT_USAGE
-    except (UnsupportedCodecError, UnsupportedFeatureError, UnsupportedObjectError) as exc:
-        _error(str(exc))
-        return EXIT_UNSUPPORTED
     except NvckptError as exc:
         _error(str(exc))
-        return EXIT_PROBLEMS
+        return _exit_code(exc)
     except BrokenPipeError:
         # Output piped into a command that stopped reading (e.g. `nvckpt ls big | head`).
         devnull = os.open(os.devnull, os.O_WRONLY)

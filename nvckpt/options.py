@@ -146,8 +146,19 @@ class LoadOptions:
     untrusted: bool = False
     max_tensor_bytes: int | None = None
     gpu: GpuLoadOptions = field(default_factory=GpuLoadOptions)
+    # torch.load's keywords, for code migrating from it (see ``open``'s docstring).
+    map_location: Any = None
+    weights_only: bool | None = None
+    mmap: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.mmap:
+            raise ValueError("mmap=True is not available: nvckpt's chunks are compressed and checksummed, so tensors "
+                             "cannot be mapped from the file; nvckpt.open(path) reads tensors lazily instead")
+        if self.weights_only not in (None, True, False):
+            raise TypeError(f"weights_only must be a bool or None, got {self.weights_only!r}")
+        if self.map_location is not None and self.device != "cpu":
+            raise ValueError("give device= or map_location=, not both")
         if self.max_tensor_bytes is not None and (type(self.max_tensor_bytes) is not int or self.max_tensor_bytes < 0):
             raise ValueError(f"max_tensor_bytes must be a non-negative integer or None, got {self.max_tensor_bytes!r}")
         if self.workers is not None:

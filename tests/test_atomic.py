@@ -85,9 +85,9 @@ def test_failure_in_fsync_or_rename_keeps_old_file(old_file, monkeypatch):
 
 
 @pytest.mark.parametrize("bad", [
-    {"deep": [1, {"x": (torch.ones(3), {1, 2})}]},
+    {"deep": [1, {"x": (torch.ones(3), {1, torch.ones(2)})}]},  # a set cannot hold a tensor
     {"w": torch.randn(1000, 100), "z": object()},
-    {"w": torch.randn(10), "big": 2**70},
+    {"w": torch.randn(10), "big": {2**70: 1}},  # an int beyond 64 bits is a value, never a key
 ])
 def test_unsupported_object_deep_in_tree_keeps_old_file(old_file, bad):
     path, old_bytes = old_file

@@ -103,6 +103,15 @@ def node_json(node: Any, names: dict[int, str]) -> Any:
         return float_json(node)
     if isinstance(node, bytes):
         return {"$bytes": node.hex()}
+    if isinstance(node, (set, frozenset)):  # SPEC 9.2 (the runner compares set items unordered; sorted: reproducible)
+        items = sorted((node_json(x, names) for x in node), key=lambda x: json.dumps(x, sort_keys=True))
+        return {"$frozenset" if isinstance(node, frozenset) else "$set": items}
+    if isinstance(node, torch.dtype):
+        return {"$dtype": str(node).removeprefix("torch.")}
+    if isinstance(node, torch.device):
+        return {"$device": str(node)}
+    if isinstance(node, complex):
+        return {"$complex": [float_json(node.real)["$float"], float_json(node.imag)["$float"]]}
     return node  # None, bool, int, str
 
 
@@ -1663,6 +1672,119 @@ def _index_with_raw_tree(index: dict, tree: bytes) -> bytes:
 
 
 # --------------------------------------------------------------------------------------------
+# SPEC.md 1.1: the typed extensions of the tree (9.2), required feature bit 1 (3)
+# --------------------------------------------------------------------------------------------
+
+def gen_issue13(s: Suite) -> None:
+    obj = {"w": smooth(64, 13).reshape(8, 8), "config": {
+        "dtype": torch.bfloat16, "dtypes": [torch.float8_e4m3fn, torch.complex64, torch.uint16],
+        "device": torch.device("cuda", 1), "cpu": torch.device("cpu"),
+        "z": complex(1.5, -2.0), "z_bits": complex(-0.0, float("inf")),
+        "big": 2**64, "neg": -(2**63) - 1, "huge": 3**200, "min_neg": -(2**71),
+        "tags": {"a", b"b", 3, 2.5, None, True, (1, "x"), frozenset({1, 2}), torch.float16, 1j},
+        "empty": set(), "frozen": frozenset({torch.device("cpu")}), "mixed": (torch.int8, 2**70, {0})}}
+    data = save(obj, codec="raw")
+    nv = craft.parse(data)
+    assert (nv.preamble.version_minor, nv.preamble.required_features) == (1, 2)
+    exp = expected_decode(obj, None, data)
+    s.valid("valid-typed-tree", data, exp, section="9.2", flags=["tree", "typed", "required-feature"],
+            description="torch.dtype, torch.device, complex, ints beyond 64 bits, set and frozenset in the tree "
+                        "(ext types 3-8; required_features bit 1, version 1.1)")
+
+    def with_tree(tree: bytes, *, required: int = 2, minor: int = 1) -> bytes:
+        f = craft.parse(data)
+        f.preamble.required_features, f.preamble.version_minor = required, minor
+        f.index["version"] = [1, minor]
+        f.index_frame().payload = _index_with_raw_tree(f.index, tree)
+        return craft.build(f, fix_index=False)
+
+    def ext(code: int, body: bytes) -> bytes:
+        return craft.pack(msgpack.ExtType(code, body))
+
+    def one(value: bytes) -> bytes:
+        return _pack_map([(craft.pack("w"), craft.pack(msgpack.ExtType(1, struct.pack("<I", 0)))),
+                          (craft.pack("x"), value)])
+
+    w_exp = {"$tensor": "w"}
+
+    def exp_one(value: Any) -> dict:
+        e = copy.deepcopy(exp)
+        e["tree"] = {"$map": [["w", w_exp], ["x", value]]}
+        return e
+
+    unsorted = ext(7, b"\x93" + craft.pack("z") + craft.pack(1) + ext(5, struct.pack("<dd", 0.0, 1.0)))
+    s.valid("valid-typed-set-any-order", with_tree(one(unsorted)),
+            exp_one({"$set": ["z", 1, {"$complex": [float_json(0.0)["$float"], float_json(1.0)["$float"]]}]}),
+            section="9.2", flags=["tree", "typed", "set"],
+            description="a set whose items are not sorted by their encoding (a writer SHOULD sort them; a reader "
+                        "MUST accept any order)")
+    s.valid("valid-typed-bit-without-typed-values", with_tree(one(craft.pack(1))), exp_one(1), section="3",
+            flags=["required-feature", "typed"],
+            description="required_features bit 1 set, version 1.1, but no typed extension in the tree")
+    s.valid("valid-typed-bigint-9-bytes", with_tree(one(ext(6, (2**64).to_bytes(9, "little", signed=True)))),
+            exp_one(2**64), section="9.2", flags=["tree", "typed", "bigint"],
+            description="2^64, the smallest int beyond msgpack's range: 9 bytes, 00 x8 then 01")
+
+    inv = s.invalid
+    cases = [
+        ("typed-without-feature-bit", with_tree(one(ext(3, b"float32")), required=0, minor=0), "format",
+         "a dtype ext (3) in a file whose preamble does not set required_features bit 1",
+         "a 1.0 reader and a 1.1 reader must agree on a file that does not declare what it needs"),
+        ("typed-without-feature-bit-minor-1", with_tree(one(ext(5, bytes(16))), required=0), "format",
+         "a complex ext (5) in a version 1.1 file whose required_features is 0",
+         "version_minor is never a reason to accept or refuse: only the feature bit is"),
+        ("typed-dtype-uppercase", with_tree(one(ext(3, b"Float32"))), "format",
+         "a dtype ext whose name is 'Float32' (names are [a-z][a-z0-9_]*)",
+         "a name that is not a torch attribute name; getattr on arbitrary text reaches more than dtypes"),
+        ("typed-dtype-dunder", with_tree(one(ext(3, b"__class__"))), "format",
+         "a dtype ext whose name is '__class__'", "getattr(torch, name) on a name like this reaches non-dtypes"),
+        ("typed-dtype-empty", with_tree(one(ext(3, b""))), "format", "a dtype ext with no bytes",
+         "an empty name"),
+        ("typed-dtype-65-bytes", with_tree(one(ext(3, b"a" * 65))), "format", "a dtype ext of 65 bytes",
+         "names are at most 64 bytes"),
+        ("typed-device-leading-zero", with_tree(one(ext(4, b"cuda:01"))), "format",
+         "a device ext 'cuda:01' (an index has no leading zero)", "two spellings of one device"),
+        ("typed-device-no-index", with_tree(one(ext(4, b"cuda:"))), "format", "a device ext 'cuda:'",
+         "a colon with no index"),
+        ("typed-complex-15-bytes", with_tree(one(ext(5, bytes(15)))), "format", "a complex ext of 15 bytes",
+         "a reader that reads 16 bytes reads past the ext's data"),
+        ("typed-bigint-in-range", with_tree(one(ext(6, b"\x05"))), "format", "an int ext (6) holding 5",
+         "one value with two encodings (msgpack's int and ext 6)"),
+        ("typed-bigint-not-shortest", with_tree(one(ext(6, (2**64).to_bytes(10, "little", signed=True)))), "format",
+         "an int ext holding 2^64 in 10 bytes (the shortest is 9)", "one value with two encodings"),
+        ("typed-bigint-negative-not-shortest", with_tree(one(ext(6, (-(2**64)).to_bytes(10, "little", signed=True)))),
+         "format", "an int ext holding -2^64 in 10 bytes (ff padding; the shortest is 9)", "as above"),
+        ("typed-bigint-1025-bytes", with_tree(one(ext(6, b"\x01" * 1025))), "limit",
+         "an int ext of 1025 bytes (MAX_BIGINT_BYTES is 1024)",
+         "converting a huge integer to text or doing arithmetic on it is quadratic"),
+        ("typed-set-duplicate-int-float", with_tree(one(ext(7, craft.pack([1, 1.0])))), "format",
+         "a set holding 1 and 1.0 (the same value by SPEC 1)", "a set that loads with fewer items than stored"),
+        ("typed-set-duplicate-complex-real", with_tree(one(ext(8, b"\x92\x02" + ext(5, struct.pack("<dd", 2.0, 0.0))))),
+         "format", "a frozenset holding 2 and complex(2, 0) (the same value by SPEC 9.2)", "as above"),
+        ("typed-set-duplicate-nan", with_tree(one(ext(7, b"\x92" + _f64(0x7FF8000000000000) + _f64(0x7FF8000000000001)))),
+         "format", "a set holding two NaNs with different bits (every NaN is the same value)", "as above"),
+        ("typed-set-holds-tensor", with_tree(one(ext(7, b"\x91" + craft.pack(msgpack.ExtType(1, struct.pack("<I", 0)))))),
+         "format", "a set holding a tensor reference", "a tensor in a set has no name and no hash by value"),
+        ("typed-set-holds-array", with_tree(one(ext(7, craft.pack([[1]])))), "format", "a set holding an array",
+         "a list is not hashable: a Python reader cannot build the set"),
+        ("typed-set-holds-set", with_tree(one(ext(7, b"\x91" + ext(7, b"\x90")))), "format",
+         "a set holding a set (only frozensets nest)", "as above"),
+        ("typed-set-tuple-holds-map", with_tree(one(ext(8, b"\x91" + ext(2, craft.pack([{"a": 1}]))))), "format",
+         "a frozenset holding a tuple that holds a map", "as above"),
+        ("typed-set-not-array", with_tree(one(ext(7, craft.pack({"a": 1})))), "format", "a set ext whose data is a map",
+         "malformed set"),
+        ("typed-ext-as-map-key", with_tree(_pack_map([(craft.pack("w"), craft.pack(msgpack.ExtType(1, bytes(4)))),
+                                                      (ext(3, b"float32"), craft.pack(1))])), "format",
+         "a tree map whose key is a dtype ext", "typed extensions are values, never keys"),
+        ("typed-ext-9", with_tree(one(ext(9, b"x"))), "format", "ext type 9 in a file with required_features bit 1",
+         "types version 1.1 does not define"),
+    ]
+    for cid, payload, error, description, danger in cases:
+        inv(cid, payload, error, section="9.2" if "bit" not in cid else "3", flags=["tree", "typed"],
+            description=description, danger=danger, also=["format"] if error == "limit" else None)
+
+
+# --------------------------------------------------------------------------------------------
 
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
@@ -1709,8 +1831,9 @@ def main(argv: list[str] | None = None) -> int:
     s = Suite(args.out, set(args.only) if args.only else None)
     bases = gen_valid(s)
     gen_invalid(s, bases)
+    gen_issue13(s)
     manifest = {
-        "suite": "nvckpt conformance", "suite_version": SUITE_VERSION, "format_version": [1, 0],
+        "suite": "nvckpt conformance", "suite_version": SUITE_VERSION, "format_version": [1, 1],
         "generator": {"tool": "tools/gen_conformance.py", "writer": WRITER, "zstd": ".".join(map(str, zstandard.ZSTD_VERSION))},
         "errors": list(ERRORS),
         "cases": s.cases,

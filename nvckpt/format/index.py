@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import FormatError, LimitError, NvckptError
-from .constants import EXT_TENSOR, EXT_TUPLE, MAX_CODECS, MAX_TENSORS, MAX_TREE_DEPTH, VERSION_MAJOR
+from .constants import EXT_TENSOR, EXT_TUPLE, FEATURE_TYPED_TREE, MAX_CODECS, MAX_TENSORS, MAX_TREE_DEPTH, VERSION_MAJOR
 from .entry import TensorEntry, check_list, check_map, parse_entry, reference_problem
 from .tree import TensorRef, check_tree, leaf_paths, unpackb
 
@@ -35,8 +35,9 @@ def unpack_index(payload: bytes) -> dict[str, Any]:
     return check_map(data, "index")
 
 
-def parse_index(data: dict[str, Any], index_offset: int) -> Index:
-    """Validate a decoded index.  Chunk payloads must lie in [preamble end, index_offset)."""
+def parse_index(data: dict[str, Any], index_offset: int, required_features: int = FEATURE_TYPED_TREE) -> Index:
+    """Validate a decoded index.  Chunk payloads must lie in [preamble end, index_offset).
+    ``required_features``: the preamble's (the tree's typed extensions need FEATURE_TYPED_TREE)."""
     if data.get("format") != "nvckpt":
         raise FormatError(f"index 'format' is {data.get('format')!r:.40}, expected 'nvckpt'")
     version = check_list(data.get("version"), "index 'version'")
@@ -82,7 +83,7 @@ def parse_index(data: dict[str, Any], index_offset: int) -> Index:
     if "tree" not in data:
         raise FormatError("index has no 'tree'")
     tree = data["tree"]
-    check_tree(tree, len(tensors))
+    check_tree(tree, len(tensors), required_features)
     paths: dict[str, int] = {}
     by_name = {e.name: e.tensor_id for e in tensors}
     for path, ref in leaf_paths(tree):

@@ -22,6 +22,8 @@ import os
 import secrets
 from typing import Any, Callable, Iterator
 
+from ..errors import NvckptError
+
 TMP_SUFFIX = ".nvckpt-tmp"
 _TOKEN = 8  # hex digits of the random part
 _NAME_MAX = 255
@@ -91,6 +93,17 @@ def _lock(tmp: str) -> int | None:
     except OSError:
         pass
     return fd
+
+
+def about_target(exc: BaseException, path: str, tmp: str) -> BaseException:
+    """An OSError as the user should read it: naming the file they asked for, not the temporary file
+    beside it (nor nothing: a write that fails for a full disk names no file)."""
+    if isinstance(exc, OSError) and exc.filename in (None, tmp) and exc.filename2 is None:
+        return _named(exc, path)
+    if isinstance(exc, NvckptError) and exc.path == tmp:
+        exc.path = None
+        return exc.located(path=path)  # the same exception, renamed: raised as it is
+    return exc
 
 
 class AtomicReplace:
@@ -179,11 +192,14 @@ class AtomicReplace:
     def __enter__(self) -> "AtomicReplace":
         return self
 
-    def __exit__(self, exc_type: Any, *exc: object) -> None:
-        if exc_type is None:
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: object) -> None:
+        if exc is None:
             self.commit()
-        else:
-            self.abort()
+            return
+        self.abort()
+        renamed = about_target(exc, self.given, self.tmp)
+        if renamed is not exc:
+            raise renamed from None
 
 
 @contextlib.contextmanager

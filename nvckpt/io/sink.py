@@ -155,7 +155,7 @@ class FileSink:
         if self._error is not None:
             err = self._error
             if isinstance(err, OSError):
-                raise OSError(err.errno, f"writing {self.path}: {err.strerror}") from err
+                raise type(err)(err.errno, err.strerror, self.path) from err  # the caller may name its target instead
             raise NvckptError(f"writing failed: {err}", path=self.path) from err
 
     def _submit(self) -> None:

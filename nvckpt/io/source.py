@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import threading
 from typing import Any
 
@@ -28,7 +29,12 @@ class Source:
         if isinstance(target, (str, os.PathLike)):
             self.name = os.fspath(target)
             self._fd = os.open(self.name, os.O_RDONLY | getattr(os, "O_BINARY", 0))
-            self.size = os.fstat(self._fd).st_size
+            st = os.fstat(self._fd)
+            if stat.S_ISDIR(st.st_mode):  # Linux opens a folder read-only; its reads then fail naming no file
+                os.close(self._fd)
+                self._fd = None
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), self.name)
+            self.size = st.st_size
         elif isinstance(target, (bytes, bytearray)):
             raise TypeError("a checkpoint is opened from a path (str or os.PathLike) or a binary file object, "
                             f"not {type(target).__name__}: use os.fsdecode(path) for a bytes path")
@@ -65,9 +71,11 @@ class Source:
             while got < length:  # pread may return short reads
                 try:
                     part = os.pread(self._fd, length - got, offset + got)
-                except (OSError, TypeError):
+                except (OSError, TypeError) as exc:
                     if self.closed:  # closed by another thread meanwhile
                         raise NvckptError("read from a closed checkpoint", path=self.name) from None
+                    if isinstance(exc, OSError) and exc.filename is None and exc.errno is not None:
+                        raise type(exc)(exc.errno, exc.strerror, self.name) from None  # name the file (EIO)
                     raise
                 if not part:
                     raise TruncatedError(f"file ended while reading {length} bytes", path=self.name, offset=offset)

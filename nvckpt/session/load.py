@@ -4,15 +4,16 @@ materialized from raw bytes (dtype, shape, bools, views on their base, derived t
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 
-from ..errors import ChecksumError, FormatError, UnsupportedCodecError
+from ..errors import ChecksumError, FormatError, TensorNotFoundError, UnsupportedCodecError, UnsupportedFeatureError
 from ..format.constants import COPY
 from ..format.entry import TensorEntry
 from ..format.structs import xxh3
-from ..format.tree import resolve_refs
+from ..format.tree import DeviceName, DtypeName, TensorRef, find_path, resolve_refs, tensor_refs
 from ..options import LoadOptions
 from ..plan.derived import bf16_rne
 from ..plan.dtypes import to_torch
@@ -41,8 +42,63 @@ def _typed(entry: TensorEntry, raw: torch.Tensor, shape: tuple[int, ...], path: 
     return raw.view(dtype).reshape(shape)
 
 
-class Checkpoint:
+def torch_device(where: Any) -> torch.device:
+    """``device=`` as a torch.device that exists here (a string, a torch.device, or a CUDA device index)."""
+    if type(where) is int and where >= 0:
+        where = f"cuda:{where}"  # an index is a CUDA device, as in torch.load (torch.device(0) needs one present)
+    try:
+        device = torch.device(where)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be a torch.device, a string such as 'cpu' or 'cuda:0', or a CUDA device "
+                         f"index, got {where!r}") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise UnsupportedFeatureError(f"cannot load onto {device}: this torch ({torch.__version__}) sees no CUDA "
+                                          "device; load with device='cpu'")
+        if device.index is not None and device.index >= count:
+            raise UnsupportedFeatureError(f"cannot load onto {device}: this machine has {count} CUDA device(s)")
+    return device
+
+
+def target_device(options: LoadOptions) -> tuple[torch.device, Callable[[Any, str], Any] | None]:
+    """Where tensors are materialized, and torch.load's relocation function if ``map_location`` is one.
+
+    nvckpt does not record which device a tensor was saved from, so every tensor loads onto one device:
+    a ``map_location`` dict is accepted when all its values name one device."""
+    where = options.device if options.map_location is None else options.map_location
+    if isinstance(where, dict):
+        targets = {str(torch_device(v)) for v in where.values()}
+        if len(targets) != 1:
+            raise ValueError("map_location as a dict needs all its values to be one device: nvckpt does not record "
+                             "which device a tensor was saved from, and loads every tensor onto one device "
+                             "(give device= instead)")
+        return torch.device(targets.pop()), None
+    if callable(where) and not isinstance(where, (str, torch.device)):
+        return torch.device("cpu"), where
+    return torch_device(where), None
+
+
+def torch_value(node: DtypeName | DeviceName) -> Any:
+    """A typed extension of the tree (SPEC 9.2) as the torch object it stands for."""
+    if isinstance(node, DtypeName):
+        dtype = getattr(torch, node.name, None)
+        if not isinstance(dtype, torch.dtype):
+            raise UnsupportedFeatureError(f"the saved object holds torch.{node.name}, a dtype this torch "
+                                          f"({torch.__version__}) does not have")
+        return dtype
+    try:
+        return torch.device(node.spec)
+    except RuntimeError:
+        raise UnsupportedFeatureError(f"the saved object holds the device {node.spec!r}, which this torch "
+                                      f"({torch.__version__}) does not know") from None
+
+
+class Checkpoint(Mapping):
     """An open nvckpt file: lazy, random access, safe to share between threads.
+
+    A read-only Mapping of tensor names to tensors (``ck["model/weight"]``, ``ck.items()``, ``ck.get(name)``,
+    ``name in ck``), like safetensors' ``safe_open``; each access reads that tensor from the file.
 
     ``untrusted=True`` decodes with the hardened CPU decoders only, never
     nvCOMP (SPEC.md 20: checksums are not signatures, and nvCOMP's decoders
@@ -54,7 +110,7 @@ class Checkpoint:
     def __init__(self, target: Any, options: LoadOptions | None = None) -> None:
         options = options or LoadOptions()
         self.options = options
-        self.device = torch.device(options.device)
+        self.device, self._relocate = target_device(options)
         self.untrusted = options.untrusted
         self._file = CheckpointFile(target, workers=options.workers, max_tensor_bytes=options.max_tensor_bytes)
         self._gpu = None if options.untrusted else self._gpu_backend()
@@ -72,6 +128,12 @@ class Checkpoint:
         from ..engines.gpu.backend import CudaBackend
 
         return CudaBackend(self.device, gpu_zstd=self.options.gpu.gpu_zstd, timing=self.options.gpu.timing)
+
+    # A Mapping compares by contents: an open file is equal only to itself (comparing would read both files).
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    __hash__ = object.__hash__
 
     # context manager
     def __enter__(self) -> "Checkpoint":
@@ -108,7 +170,12 @@ class Checkpoint:
             return dict(self._stats, bytes_read=self.bytes_read)
 
     def keys(self) -> list[str]:
+        """Every tensor's name (its path in the saved object, SPEC 14.1), in the order it was saved."""
         return list(self._file.index.paths)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        """``ck[name]``: the same as ``get_tensor(name)``."""
+        return self.get_tensor(name)
 
     def __contains__(self, name: object) -> bool:
         return name in self._file.index.paths
@@ -120,9 +187,11 @@ class Checkpoint:
         return len(self._file.index.paths)
 
     def metadata(self) -> dict[str, Any]:
+        """The ``metadata=`` dict given to ``save`` (JSON-like; read-only)."""
         return self._file.index.metadata
 
     def writer(self) -> dict[str, Any]:
+        """What wrote the file: {"name", "version", ...} (SPEC 8.2; "nvcomp" when ANS chunks were written)."""
         return self._file.index.writer
 
     # -- materializing ------------------------------------------------------
@@ -265,31 +334,76 @@ class Checkpoint:
             elif e.derived is not None:
                 source = out[e.derived["source"]]
                 out[tid] = source.clone() if e.derived["function"] == COPY else bf16_rne(source)
+        return out if self._relocate is None else self._relocated(out)
+
+    def _relocated(self, tensors: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """torch.load's callable ``map_location(storage, "cpu")``, once per storage (views keep sharing)."""
+        moved: dict[Any, Any] = {}
+        out = {}
+        for tid, t in tensors.items():
+            storage = t.untyped_storage()
+            key = storage.data_ptr() if storage.nbytes() else ("empty", tid)
+            if key not in moved:
+                new = self._relocate(storage, "cpu")  # type: ignore[misc]
+                if isinstance(new, torch.TypedStorage):
+                    new = new.untyped()
+                if not isinstance(new, torch.UntypedStorage):
+                    raise TypeError(f"map_location returned a {type(new).__qualname__}, not a storage")
+                moved[key] = new
+            new = moved[key]
+            out[tid] = torch.empty(0, dtype=t.dtype, device=new.device).set_(new, t.storage_offset(), t.shape, t.stride())
         return out
 
     # -- public reads ---------------------------------------------------------
     def get_tensor(self, name: str) -> torch.Tensor:
+        """The tensor named ``name`` (one of ``keys()``), on this checkpoint's device; raises
+        TensorNotFoundError (a KeyError) for an unknown name."""
         tid = self._file.entry(name).tensor_id
         return self._load([tid])[tid]
 
     def get_slice(self, name: str) -> "TensorSlice":
+        """A lazy handle on tensor ``name``: ``get_slice(name)[a:b]`` reads only the chunks holding rows a..b-1;
+        ``get_shape()`` and ``get_dtype()`` read nothing."""
         from .slicing import TensorSlice
 
         return TensorSlice(self, self._file.entry(name))
 
-    def load(self, keys: Iterable[str] | None = None, *, progress: Callable[[int], None] | None = None) -> Any:
-        """The whole saved object (or, with ``keys``, a dict of just those tensors).
-
-        ``progress(n)`` is called with the raw bytes of the stored tensors as they are decoded."""
-        if keys is not None:
-            keys = list(keys)
-            ids = [self._file.entry(k).tensor_id for k in keys]
-            loaded = self._load(ids, progress)
-            return {k: loaded[t] for k, t in zip(keys, ids)}
+    def _node(self, key: str) -> Any:
+        """The tree node a ``load(keys=...)`` key names: a tensor's name, or the path of any value in the tree."""
         index = self._file.index
-        # Every entry the tree refers to (a reference to an "internal" entry is legal, SPEC 9).
-        loaded = self._load({*index.paths.values(), *(e.tensor_id for e in index.tensors if not e.internal)}, progress)
-        return resolve_refs(index.tree, loaded.__getitem__)
+        if key in index.paths:
+            return TensorRef(index.paths[key])
+        try:
+            return find_path(index.tree, key)
+        except KeyError:
+            pass
+        try:
+            return TensorRef(self._file.entry(key).tensor_id)  # an internal base is reachable by name too
+        except TensorNotFoundError:
+            raise TensorNotFoundError(f"nothing is saved at {key!r}: it is neither a tensor's name (keys()) nor the "
+                                      "path of a value in the saved object", path=self.path) from None
+
+    def load(self, keys: Iterable[str] | None = None, *, progress: Callable[[int], None] | None = None) -> Any:
+        """The whole saved object; with ``keys``, only part of it, reading only the tensors that part holds.
+
+        ``keys``: one path (a str: "model" gives the model's state_dict, "model/weight" one tensor, "step"
+        a scalar) returns the value at that path; a list of paths returns a dict path -> value.  Paths are
+        those of ``keys()`` (SPEC 14.1), or of any value in the saved object.
+        ``progress(n)`` is called with the raw bytes of the stored tensors as they are decoded."""
+        index = self._file.index
+        if keys is None:
+            # Every entry the tree refers to (a reference to an "internal" entry is legal, SPEC 9).
+            loaded = self._load({*index.paths.values(), *(e.tensor_id for e in index.tensors if not e.internal)}, progress)
+            return resolve_refs(index.tree, loaded.__getitem__, torch_value)
+        one = isinstance(keys, str)
+        wanted = [keys] if one else list(keys)
+        for k in wanted:
+            if not isinstance(k, str):
+                raise TypeError(f"keys must be a str or an iterable of str, got an item {k!r}")
+        nodes = {k: self._node(k) for k in wanted}
+        loaded = self._load({r.tensor_id for n in nodes.values() for r in tensor_refs(n)}, progress)
+        values = {k: resolve_refs(n, loaded.__getitem__, torch_value) for k, n in nodes.items()}
+        return values[keys] if one else values
 
 
 __all__ = ["Checkpoint"]

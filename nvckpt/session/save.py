@@ -62,7 +62,8 @@ def write_items(stream: Any, items: Iterable[TensorReady | EncodedChunk], plan: 
                 info: dict[str, Any], progress: Callable[[int], None] | None = None) -> int:
     """Frame an engine's items onto ``stream``; returns the file's length.  ``progress(raw bytes)`` per chunk."""
     try:
-        writer = FrameWriter(stream, plan.entries(), plan.chunk_lengths(), alignment=alignment)
+        writer = FrameWriter(stream, plan.entries(), plan.chunk_lengths(), alignment=alignment,
+                             required_features=plan.required_features)
         for item in items:
             if isinstance(item, TensorReady):
                 writer.tensor(item.tensor_id, item.checksum)
@@ -234,14 +235,10 @@ class SaveSession:
             return self._result(None, raw_bytes, size)
         direct = self.options.direct_io
         out = AtomicReplace(os.fspath(self.target), lambda tmp: FileSink(tmp, direct=direct))
-        try:
+        with out:  # commits on success; on an error removes the temporary file, naming the target in OSErrors
             size = write_items(out.writer, items, self.plan, alignment=alignment, info=info, progress=self.progress)
             if cancel.is_set():
                 raise CancelledError("the save was cancelled; the file at the target path was not changed")
-        except BaseException:
-            out.abort()
-            raise
-        out.commit()
         return self._result(out.path, raw_bytes, size)
 
     def _result(self, path: str | None, raw_bytes: int, size: int) -> SaveResult:

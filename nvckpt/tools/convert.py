@@ -19,10 +19,12 @@ and tensors) and written in the target format:
 from __future__ import annotations
 
 import base64
+import errno
 import json
 import os
 import pickle
 import re
+import shutil
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,10 +38,11 @@ from ..io.atomic import atomic_output
 from ..options import LoadOptions, SaveOptions
 from ..session.load import Checkpoint
 from ..session.save import SaveSession
-from ._util import ProgressFactory, UsageError, check_output_folder, nest_by_name, null_bar, on_device
+from ._util import ProgressFactory, UsageError, check_output_folder, nest_by_name, null_bar, on_device, sniff_format
 
 FORMATS = ("nvckpt", "safetensors", "torch")
-EXTENSIONS = {".nvckpt": "nvckpt", ".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch"}
+EXTENSIONS = {".nvckpt": "nvckpt", ".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch",
+              ".ckpt": "torch"}  # .ckpt: Lightning's (torch.save inside, or nvckpt with NvckptCheckpointIO: sniffed)
 CODECS = PRESETS
 
 # safetensors metadata keys written by nvckpt (SPEC-independent convention of this tool).
@@ -48,11 +51,15 @@ META_TREE = "nvckpt.tree"  # base64 of the msgpack tree (as in the index), tenso
 META_TREE_NAMES = "nvckpt.tree_names"  # ...this JSON list of safetensors tensor names
 
 
-def format_of(path: str | os.PathLike, explicit: str | None = None) -> str:
+def format_of(path: str | os.PathLike, explicit: str | None = None, *, sniff: bool = False) -> str:
+    """The format of ``path``: ``explicit``; else (``sniff``, for a source) what its content is; else its extension."""
     if explicit is not None:
         if explicit not in FORMATS:
             raise UsageError(f"unknown format {explicit!r} (choose from {', '.join(FORMATS)})")
         return explicit
+    found = sniff_format(path) if sniff else None
+    if found is not None:
+        return found
     ext = os.path.splitext(os.fspath(path))[1].lower()
     if ext not in EXTENSIONS:
         raise UsageError(
@@ -310,10 +317,7 @@ def write_safetensors(loaded: Loaded, dst: str | os.PathLike, *, keep_tree: bool
     unsupported = sorted({str(t.dtype) for t in out.values() if t.dtype not in _safetensors_dtypes(st)})
     if unsupported:
         raise UnsupportedObjectError(f"safetensors cannot store dtype {', '.join(unsupported)}")
-    with atomic_output(dst) as tmp:
-        st.save_file(out, tmp, metadata=meta)
-        size = os.path.getsize(tmp)
-    return size, notes
+    return written("safetensors", dst, lambda tmp: st.save_file(out, tmp, metadata=meta)), notes
 
 
 def _safetensors_dtypes(st) -> set[torch.dtype]:
@@ -330,10 +334,30 @@ def write_torch(loaded: Loaded, dst: str | os.PathLike) -> tuple[int, list[str]]
     if loaded.metadata:
         notes.append(f"the metadata ({', '.join(map(repr, list(loaded.metadata)[:5]))}) is dropped: "
                      "torch.save files have no metadata")
+    return written("torch.save", dst, lambda tmp: torch.save(loaded.tree, tmp)), notes
+
+
+def written(writer: str, dst: str | os.PathLike, write: Any) -> int:
+    """``write(tmp)`` through the atomic replace; returns the file's size.  A foreign writer's failure to
+    write (safetensors' SafetensorError, torch's RuntimeError from its zip writer) is the OSError it is."""
     with atomic_output(dst) as tmp:
-        torch.save(loaded.tree, tmp)
-        size = os.path.getsize(tmp)
-    return size, notes
+        try:
+            write(tmp)
+        except OSError:
+            raise
+        except Exception as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            named = re.search(r"os error (\d+)", str(exc))  # safetensors (Rust) quotes the OS error's number
+            code = int(named.group(1)) if named else errno.ENOSPC if _disk_full(tmp) else errno.EIO
+            raise OSError(code, f"{os.strerror(code)} ({writer} failed: {first[:160]})", os.fspath(dst)) from None
+        return os.path.getsize(tmp)
+
+
+def _disk_full(path: str) -> bool:
+    try:
+        return shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free < (1 << 20)
+    except OSError:
+        return False
 
 
 # -- the tool --------------------------------------------------------------
@@ -351,7 +375,7 @@ def convert(
 ) -> ConvertReport:
     """Convert ``src`` to ``dst``; formats from the extensions unless given."""
     start = time.perf_counter()
-    src_format = format_of(src, src_format)
+    src_format = format_of(src, src_format, sniff=True)
     dst_format = format_of(dst, dst_format)
     if os.path.abspath(os.fspath(src)) == os.path.abspath(os.fspath(dst)):
         raise UsageError("source and destination are the same file")
@@ -367,7 +391,10 @@ def convert(
     if dst_format != "nvckpt":
         loaded.tree = on_device(loaded.tree, "cpu")
     if dst_format == "nvckpt":
-        size = write_nvckpt(loaded, dst, codec=codec, zstd_level=zstd_level, make_bar=make_bar)
+        try:
+            size = write_nvckpt(loaded, dst, codec=codec, zstd_level=zstd_level, make_bar=make_bar)
+        except UnsupportedObjectError as exc:  # what the source holds: name it
+            raise exc.located(path=os.fspath(src))
     elif dst_format == "safetensors":
         size, more = write_safetensors(loaded, dst, keep_tree=keep_tree)
         notes += more
