@@ -297,11 +297,9 @@ def test_rank_files_are_ordinary_nvckpt_files(saved):
     assert emb.shape == (VOCAB, WIDTH) and emb.coverage_gaps() == 0 and len(emb.shards) == 2
 
 
-def test_corrupt_shard_names_rank_file_and_tensor(saved, tmp_path):
-    copy = str(tmp_path / "A")
-    shutil.copytree(os.path.join(saved, "A"), copy)
-    shard = read_manifest(copy).tensors["model.0.weight"].shards[1]
-    path = os.path.join(copy, shard.file)
+def _flip_a_byte(directory: str, shard) -> str:
+    """Damage the first chunk of a stored shard; returns its rank file."""
+    path = os.path.join(directory, shard.file)
     with nvckpt.open(path) as ck:
         chunk = ck.file.entry(shard.tensor).chunks[0]
     with open(path, "r+b") as f:
@@ -309,6 +307,14 @@ def test_corrupt_shard_names_rank_file_and_tensor(saved, tmp_path):
         byte = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([byte[0] ^ 0x40]))
+    return path
+
+
+def test_corrupt_shard_names_rank_file_and_tensor(saved, tmp_path):
+    copy = str(tmp_path / "A")
+    shutil.copytree(os.path.join(saved, "A"), copy)
+    shard = read_manifest(copy).tensors["model.0.weight"].shards[1]
+    path = _flip_a_byte(copy, shard)
     from torch.distributed.checkpoint.api import CheckpointException
 
     with pytest.raises(CheckpointException) as info:  # DCP's wrapper (a BaseException) of each rank's error
@@ -328,3 +334,59 @@ def test_stale_staging_is_removed_by_the_next_save(saved, tmp_path):
         dcp.save({"x": torch.arange(5)}, storage_writer=nvckpt.dcp.Writer(target))
     assert sorted(os.listdir(tmp_path)) == ["C"]  # the stale staging directory is gone
     assert torch.equal(_load_single(target, {"x": torch.zeros(5, dtype=torch.long)})["x"], torch.arange(5))
+
+
+# -- the command line on a DCP directory -------------------------------------------------------------
+def _cli(capsys, *argv):
+    from nvckpt.cli import main
+
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def test_cli_info_ls_verify_on_a_directory(saved, capsys):
+    a = os.path.join(saved, "A")
+    code, out = _cli(capsys, "info", a)
+    assert code == 0 and "world size 2" in out and "__1.nvckpt" in out
+    code, out = _cli(capsys, "ls", a)
+    assert code == 0 and "model.0.weight" in out and "[50, 16]" in out
+    code, out = _cli(capsys, "verify", a)
+    assert code == 0 and out.startswith("OK")
+
+
+def test_cli_verify_names_missing_and_damaged_rank_files(saved, tmp_path, capsys):
+    copy = str(tmp_path / "A")
+    shutil.copytree(os.path.join(saved, "A"), copy)
+    shard = read_manifest(copy).tensors["model.0.weight"].shards[0]
+    _flip_a_byte(copy, shard)
+    code, out = _cli(capsys, "verify", copy)
+    assert code == 1 and f"{shard.file}: " in out and repr(shard.tensor) in out and "checksum" in out
+    other = "__1.nvckpt" if shard.file == "__0.nvckpt" else "__0.nvckpt"
+    os.unlink(os.path.join(copy, other))
+    code, out = _cli(capsys, "verify", copy)
+    assert code == 1 and f"rank file {other} is missing" in out
+    code, out = _cli(capsys, "info", copy)
+    assert code == 1 and f"rank file {other} is missing" in out
+
+
+def test_merge_and_split(saved, tmp_path, capsys):
+    want = _full_a(saved)
+    merged = str(tmp_path / "merged.nvckpt")
+    code, out = _cli(capsys, "merge", os.path.join(saved, "A"), merged)
+    assert code == 0, out
+    got = nvckpt.load(merged)
+    _assert_same(got["model"], want["model"], "merge")
+    _assert_same(got["optim"]["state"], want["optim"]["state"], "merge")
+    assert got["optim"]["param_groups"][0]["lr"] == want["optim"]["param_groups"][0]["lr"]
+    split = str(tmp_path / "split")
+    code, out = _cli(capsys, "split", merged, split)
+    assert code == 0, out
+    assert read_manifest(split).world_size == 1
+    _assert_same(_load_single(split, want), want, "merge then split")
+    st = str(tmp_path / "a.safetensors")
+    code, out = _cli(capsys, "convert", os.path.join(saved, "A"), st)
+    assert code == 0, out
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(st)["model/0.weight"], want["model"]["0.weight"])

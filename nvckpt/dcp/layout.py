@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import FormatError
-from ..format.tree import escape
+from ..format.dtypes import DTYPES
 
 MANIFEST = "nvckpt-dcp.json"
 METADATA = ".metadata"
@@ -37,14 +37,16 @@ def rank_file(index: int) -> str:
     return f"__{index}.nvckpt"
 
 
-def shard_name(fqn: str, offsets: Any) -> str:
-    """The stored name of the shard of ``fqn`` at global ``offsets`` (None for a non-tensor value)."""
-    key = fqn if offsets is None or not any(offsets) else f"{fqn}@{','.join(str(int(o)) for o in offsets)}"
-    return escape(key)
+def shard_key(fqn: str, offsets: Any) -> str:
+    """The key, in a rank file's flat map, of the shard of ``fqn`` at global ``offsets`` (None: a
+    non-tensor value); its stored name is ``escape(key)``."""
+    return fqn if offsets is None or not any(offsets) else f"{fqn}@{','.join(str(int(o)) for o in offsets)}"
 
 
 @dataclass(frozen=True)
 class Shard:
+    """One stored piece of a global tensor: where it is and which box of the tensor it holds."""
+
     file: str
     tensor: str
     offsets: tuple[int, ...]
@@ -53,10 +55,20 @@ class Shard:
 
 @dataclass(frozen=True)
 class GlobalTensor:
+    """A tensor of the saved state dict, as the shards that form it."""
+
     fqn: str
     dtype: str
     shape: tuple[int, ...]
     shards: tuple[Shard, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the global tensor (0 for a dtype this reader does not know)."""
+        n = DTYPES[self.dtype].itemsize if self.dtype in DTYPES else 0
+        for s in self.shape:
+            n *= s
+        return n
 
     def coverage_gaps(self) -> int:
         """Elements of the global tensor no shard holds (0 for a complete tensor; shards do not overlap)."""
@@ -143,4 +155,4 @@ def read_manifest(path: str | os.PathLike) -> Manifest:
 
 
 __all__ = ["MANIFEST", "METADATA", "Manifest", "GlobalTensor", "Shard", "is_dcp_directory", "read_manifest",
-           "rank_file", "shard_name"]
+           "rank_file", "shard_key"]

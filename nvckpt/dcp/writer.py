@@ -37,7 +37,8 @@ from ..io.publish import publish_directory, remove_stale, staging_name
 from ..options import SaveOptions, options_from
 from ..plan.dtypes import name_of
 from ..session.save import SaveSession
-from .layout import MANIFEST, METADATA, GlobalTensor, Manifest, Shard, rank_file, shard_name
+from ..format.tree import escape
+from .layout import MANIFEST, METADATA, GlobalTensor, Manifest, Shard, rank_file, shard_key
 
 DCP_VERSION = "1.0.0"  # the Metadata.version FileSystemWriter writes (torch 2.11 to 2.13)
 
@@ -55,10 +56,6 @@ class RankPlan:
 
     staging: str
     file: str
-
-
-def _key(fqn: str, offsets: Any) -> str:
-    return fqn if offsets is None or not any(offsets) else f"{fqn}@{','.join(str(int(o)) for o in offsets)}"
 
 
 class Writer(StorageWriter):
@@ -168,15 +165,15 @@ class Writer(StorageWriter):
             if item.type == WriteItemType.BYTE_IO:
                 raw = bytes(data.getbuffer()) if isinstance(data, io.BytesIO) else bytes(data)
                 tensor = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-                key, size = _key(item.index.fqn, None), len(raw)
+                key, size = shard_key(item.index.fqn, None), len(raw)
             else:
                 tensor = data.detach()
-                key, size = _key(item.index.fqn, item.tensor_data.chunk.offsets), tensor.numel() * tensor.element_size()
+                key, size = shard_key(item.index.fqn, item.tensor_data.chunk.offsets), tensor.numel() * tensor.element_size()
             if key in state:
                 raise ValueError(f"two items of this rank would be stored as {key!r}: rename the state dict key")
             state[key] = tensor
             results.append(WriteResult(index=item.index, size_in_bytes=size,
-                                       storage_data=_Written(where.staging, where.file, shard_name(key, None))))
+                                       storage_data=_Written(where.staging, where.file, escape(key))))
         meta = dict(self.options.metadata or {})
         meta["nvckpt.dcp"] = {"save_id": self.save_id, "file": where.file, "rank": self.rank}
         options = dataclasses.replace(self.options, metadata=meta)
