@@ -108,22 +108,58 @@ class Reader(StorageReader):
 
         try:
             for file, items in per_file.items():
+                whole: list[tuple[Any, Any]] = []  # boxes spanning all rows of their stored tensor
                 for item, loc in items:
                     if item.type == LoadItemType.BYTE_IO:
                         raw = checkpoint(file, torch.device("cpu")).get_tensor(loc.tensor)
                         planner.load_bytes(item, io.BytesIO(raw.numpy().tobytes()))
                         continue
                     target = planner.resolve_tensor(item).detach()
-                    box = checkpoint(file, target.device).read_box(loc.tensor, item.storage_offsets, item.lengths)
-                    if box.shape != target.shape:
-                        raise FormatError(f"stored box of shape {list(box.shape)} for a target of shape "
-                                          f"{list(target.shape)}", path=os.path.join(self.path, file), tensor=loc.tensor)
-                    target.copy_(box)
-                    planner.commit_tensor(item, target)
+                    ck = checkpoint(file, target.device)
+                    rows = ck.file.entry(loc.tensor).shape[:1]
+                    if not rows or (item.storage_offsets[0] == 0 and item.lengths[0] == rows[0]):
+                        whole.append((item, loc, target))
+                    else:
+                        self._commit(planner, item, target,
+                                     ck.read_box(loc.tensor, item.storage_offsets, item.lengths), file, loc)
+                self._read_whole(file, whole, checkpoint, planner)
         finally:
             for ck in opened.values():
                 self.bytes_read += ck.bytes_read
                 ck.close()
+
+    def _read_whole(self, file: str, items: list[tuple[Any, Any, torch.Tensor]], checkpoint: Any,
+                    planner: LoadPlanner) -> None:
+        """Whole stored tensors, decoded in batches of about ``gpu.decode_batch_bytes`` (one GPU loader
+        run per batch, not per tensor), then cut to each box in the other dims."""
+        limit = self.options.gpu.decode_batch_bytes
+        by_device: dict[torch.device, list[tuple[Any, Any, torch.Tensor]]] = {}
+        for entry in items:
+            by_device.setdefault(entry[2].device, []).append(entry)
+        for device, group in by_device.items():
+            ck = checkpoint(file, device)
+            batch: list[tuple[Any, Any, torch.Tensor]] = []
+            size = 0
+            for k, entry in enumerate(group):
+                batch.append(entry)
+                size += ck.file.entry(entry[1].tensor).nbytes
+                if size >= limit or k == len(group) - 1:
+                    loaded = ck.load(dict.fromkeys(loc.tensor for _, loc, _ in batch))
+                    for item, loc, target in batch:
+                        box = loaded[loc.tensor]
+                        for d in range(1, box.dim()):
+                            box = box.narrow(d, item.storage_offsets[d], item.lengths[d])
+                        self._commit(planner, item, target, box, file, loc)
+                    del loaded
+                    batch, size = [], 0
+
+    def _commit(self, planner: LoadPlanner, item: Any, target: torch.Tensor, box: torch.Tensor, file: str,
+                loc: Any) -> None:
+        if box.shape != target.shape:
+            raise FormatError(f"stored box of shape {list(box.shape)} for a target of shape {list(target.shape)}",
+                              path=os.path.join(self.path, file), tensor=loc.tensor)
+        target.copy_(box)
+        planner.commit_tensor(item, target)
 
 
 __all__ = ["Reader"]

@@ -76,6 +76,7 @@ class Writer(StorageWriter):
         self.rank: int | None = None
         self.is_coordinator = False
         self.last_result: Any = None  # this rank's SaveResult (sizes, seconds, engine) after write_data
+        self._staging: str | None = None  # the coordinator's staging directory of the save in progress
 
     # -- StorageWriter --------------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -105,7 +106,7 @@ class Writer(StorageWriter):
         self._check_target()
         remove_stale(self.path)
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        staging = staging_name(self.path)
+        staging = self._staging = staging_name(self.path)
         os.mkdir(staging)
         return [dataclasses.replace(p, storage_data=RankPlan(staging, rank_file(i))) for i, p in enumerate(plans)]
 
@@ -120,12 +121,11 @@ class Writer(StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Every rank succeeded: write the metadata and the manifest, then publish the directory."""
         located = {wr.index: wr.storage_data for wrs in results for wr in wrs}
-        staging = next((loc.staging for loc in _staging_of(results)), None)
-        if staging is None:  # no rank wrote anything: an empty state dict
-            staging = staging_name(self.path)
-            os.mkdir(staging)
+        staging = self._staging
+        if staging is None:
+            raise RuntimeError("nvckpt.dcp.Writer.finish before prepare_global_plan (not the coordinator?)")
         metadata.version = DCP_VERSION
-        metadata.storage_data = {k: Location(v.file, v.tensor) for k, v in located.items()}
+        metadata.storage_data = located
         metadata.storage_meta = self.storage_meta()
         manifest = self._manifest(metadata, staging, world_size=len(results))
         with atomic_output(os.path.join(staging, METADATA)) as tmp:
@@ -173,7 +173,7 @@ class Writer(StorageWriter):
                 raise ValueError(f"two items of this rank would be stored as {key!r}: rename the state dict key")
             state[key] = tensor
             results.append(WriteResult(index=item.index, size_in_bytes=size,
-                                       storage_data=_Written(where.staging, where.file, escape(key))))
+                                       storage_data=Location(where.file, escape(key))))
         meta = dict(self.options.metadata or {})
         meta["nvckpt.dcp"] = {"save_id": self.save_id, "file": where.file, "rank": self.rank}
         options = dataclasses.replace(self.options, metadata=meta)
@@ -200,20 +200,6 @@ class Writer(StorageWriter):
                 if isinstance(path, (tuple, list)) and all(isinstance(p, (str, int)) for p in path):
                     paths[fqn] = list(path)
         return Manifest(self.path, world_size, self.save_id, files, tensors, objects, paths)
-
-
-class _Written(NamedTuple):
-    """What a rank returns (the staging directory too); ``finish`` keeps only a ``Location``."""
-
-    staging: str
-    file: str
-    tensor: str
-
-
-def _staging_of(results: list[list[WriteResult]]):
-    for wrs in results:
-        for wr in wrs:
-            yield wr.storage_data
 
 
 __all__ = ["Writer", "Location", "RankPlan"]
