@@ -3,11 +3,12 @@
 DCP's default stager copies every shard into CPU memory before
 ``async_save`` returns: the caller waits for a device-to-host copy of the
 whole state.  This one copies CUDA shards into new device memory (the
-snapshot of ``nvckpt.async_save``: grouped device-to-device copies at HBM
-speed), so the background save compresses them on the GPU with
-``nvckpt.dcp.Writer``; a device without room for the copy (free memory less
-than the state + ``GpuSaveOptions.snapshot_reserve`` + the engine's batches)
-falls back to host memory for that device.  CPU tensors are cloned.
+device snapshot of ``nvckpt.async_save``: grouped device-to-device copies at
+HBM speed), so the background save compresses them on the GPU with
+``nvckpt.dcp.Writer``.  A device without room for the copy (its free and
+cached memory, less the engine's ``GpuSaveOptions.memory_budget``, or more
+than the ``device_limit`` given) is staged to host memory instead.  CPU
+tensors are cloned.
 DTensors keep their mesh and placements, so DCP plans the staged state as
 it would the original.
 """
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 
 from ..engines.gpu.snapshot import snapshot
-from ..options import GpuSaveOptions
+from ..options import GpuSaveOptions, default_memory_budget
 from ..plan.walk import PlannedTensor, SavePlan
 
 _IMMUTABLE = (int, float, bool, str, bytes, type(None), complex)
@@ -49,17 +50,21 @@ def _map_leaves(node: Any, fn: Any) -> Any:
 class Stager:
     """``dcp.async_save(state, storage_writer=nvckpt.dcp.Writer(DIR), async_stager=nvckpt.dcp.Stager())``.
 
-    ``gpu``: the snapshot's knobs (``snapshot_reserve`` and the engine batch
-    sizes that bound its GPU memory).  After each ``stage``,
-    ``last_seconds`` is how long it held the caller and ``last_strategies``
-    what it did per device ("device" or "host")."""
+    ``gpu``: the GPU engine's options the save will use (its ``memory_budget``
+    is left free on the device); ``device_limit``: stage at most this many
+    bytes per device on the device (None: as many as fit).  After each
+    ``stage``, ``last_seconds`` is how long it held the caller and
+    ``last_strategies`` what it did per device ("device" or "host")."""
 
     _synchronize_after_execute = False  # stage() returns once the copies are complete
 
-    def __init__(self, gpu: GpuSaveOptions | None = None) -> None:
+    def __init__(self, gpu: GpuSaveOptions | None = None, device_limit: int | None = None) -> None:
         self.gpu = gpu or GpuSaveOptions()
         if not isinstance(self.gpu, GpuSaveOptions):
             raise TypeError(f"gpu must be a nvckpt.GpuSaveOptions, got {type(self.gpu).__qualname__}")
+        if device_limit is not None and (type(device_limit) is not int or device_limit < 0):
+            raise ValueError(f"device_limit must be a non-negative integer or None, got {device_limit!r}")
+        self.device_limit = device_limit
         self.last_seconds = 0.0
         self.last_strategies: dict[str, str] = {}
 
@@ -89,9 +94,13 @@ class Stager:
             return node if isinstance(node, _IMMUTABLE) else copy.deepcopy(node)
 
         skeleton = _map_leaves(state_dict, leaf)
-        snap = snapshot(SavePlan(None, planned, {}), self.gpu)
+        moved: set[int] = set()
+        strategies = self._to_host_where_no_room(planned, moved)
+        on_device = [t for t in planned if t.tensor_id not in moved]  # (and CPU tensors, which it clones)
+        snap = snapshot(SavePlan(None, on_device, {}))
         for ev in snap.events.values():
             ev.synchronize()  # the writer's streams read the copies: they must be complete
+        strategies.update(snap.strategies)
 
         def fill(node: Any) -> Any:
             if not isinstance(node, _Slot):
@@ -103,9 +112,31 @@ class Stager:
                                       shape=src.shape, stride=src.stride())
 
         staged = _map_leaves(skeleton, fill)
-        self.last_strategies = dict(snap.strategies)
+        self.last_strategies = strategies
         self.last_seconds = time.perf_counter() - start
         return staged
+
+    def _to_host_where_no_room(self, planned: list[PlannedTensor], moved: set[int]) -> dict[str, str]:
+        """Copy to host memory the tensors of each CUDA device that has no room for them (their ids into
+        ``moved``); returns {device: "host"}."""
+        need: dict[torch.device, int] = {}
+        for t in planned:
+            if t.data.device.type == "cuda":
+                need[t.data.device] = need.get(t.data.device, 0) + t.nbytes
+        out = {}
+        for device, nbytes in need.items():
+            free, total = torch.cuda.mem_get_info(device)
+            cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+            budget = self.gpu.memory_budget or default_memory_budget(total)
+            limit = free + max(0, cached) - budget if self.device_limit is None else self.device_limit
+            if nbytes > limit:
+                with torch.no_grad():
+                    for t in planned:
+                        if t.data.device == device:
+                            t.data = t.data.to("cpu", memory_format=torch.contiguous_format)
+                            moved.add(t.tensor_id)
+                out[str(device)] = "host"
+        return out
 
     def synchronize_staging(self) -> None:
         """Nothing to wait for: ``stage`` returns once its copies are done."""
