@@ -233,6 +233,13 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, store: str, resul
 
     mesh = DeviceMesh(device.type, list(range(world)))
     out: dict[str, Any] = {"rank": rank, "methods": {}, "async": {}, "errors": {}}
+
+    def save_out() -> None:  # after every figure: a run killed at its time limit still reports what it measured
+        tmp = os.path.join(results, f".rank{rank}.json")
+        with open(tmp, "w") as f:
+            json.dump(out, f)
+        os.replace(tmp, os.path.join(results, f"rank{rank}.json"))
+
     t0 = time.perf_counter()
     weights, moments, loss = train_state(args, device)
     out["train_seconds"], out["loss_last"] = round(time.perf_counter() - t0, 2), loss
@@ -240,6 +247,7 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, store: str, resul
     local_bytes = sum(t.to_local().numel() * t.element_size()
                       for g in (state["model"], *state["optim"].values()) for t in g.values())
     out["local_state_bytes"] = local_bytes
+    save_out()
     for method in METHODS:
         path = os.path.join(args.workdir, f"ck-{method}")
         m: dict[str, Any] = {}
@@ -273,6 +281,7 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, store: str, resul
                 del full
         except Exception as exc:  # one method failing does not stop the others
             out["errors"][method] = "".join(traceback.format_exception_only(type(exc), exc)).strip()[:2000]
+        save_out()
         dist.barrier()
         if rank == 0:
             shutil.rmtree(path, ignore_errors=True)
@@ -298,11 +307,12 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, store: str, resul
             a["total_s"] = time.perf_counter() - t0
         except Exception as exc:
             out["errors"][label] = "".join(traceback.format_exception_only(type(exc), exc)).strip()[:2000]
+        save_out()
         dist.barrier()
         if rank == 0:
             shutil.rmtree(path, ignore_errors=True)
-    with open(os.path.join(results, f"rank{rank}.json"), "w") as f:
-        json.dump(out, f)
+    out["done"] = True
+    save_out()
     dist.barrier()
     dist.destroy_process_group()
 
@@ -334,6 +344,8 @@ def summarize(ranks: list[dict], raw_bytes: int) -> dict[str, Any]:
     """Per method: the slowest rank's seconds (every call ends in a barrier), bytes, ratio, exactness."""
     table: dict[str, Any] = {}
     for method in METHODS:
+        if not any(method in r["methods"] for r in ranks):
+            continue
         rows = [r["methods"].get(method, {}) for r in ranks]
         row: dict[str, Any] = {"bytes": rows[0].get("bytes")}
         for key in ("save_s", "load_s", "load_reshard_s"):
@@ -348,7 +360,7 @@ def summarize(ranks: list[dict], raw_bytes: int) -> dict[str, Any]:
         row["save_GBps"] = round(raw_bytes / row["save_s"] / GB, 3) if row["save_s"] else None
         table[method] = row
     asyncs = {}
-    for label in ranks[0]["async"]:
+    for label in {k: None for r in ranks for k in r["async"]}:
         vals = [r["async"].get(label, {}) for r in ranks]
         asyncs[label] = {k: round(max(v[k] for v in vals), 4) if all(k in v for v in vals) else None
                          for k in ("blocked_s", "total_s")}
@@ -364,7 +376,7 @@ def markdown(R: dict[str, Any]) -> str:
     lines = [f"# torch.distributed.checkpoint storage: nvckpt vs FileSystemWriter ({env['date']})", "",
              f"- device: {env['device']}; {env['cpus']} CPUs; torch {env['torch']}; nvCOMP {env.get('nvcomp')}; "
              f"python {env['python']}; workdir {env['workdir_fs']}",
-             f"- command: `{env['command']}`",
+             f"- command: `{env['command']}`" + ("" if R.get("complete") else " (cut short: partial results)"),
              f"- {R['ranks']} ranks (gloo) sharing the device; state: {R['params']:,} parameters, fp32 weights + AdamW "
              f"exp_avg + exp_avg_sq after {R['steps']} steps, Shard(0) DTensors: {R['raw_bytes'] / GB:.3f} GB in all",
              f"- disk: write+fsync {R['disk'].get('write_fsync_GBps')} GB/s, read {R['disk'].get('read_GBps')} GB/s "
@@ -445,10 +457,11 @@ def main(argv: list[str] | None = None) -> int:
         R["raw_bytes"] = raw
         R["params"] = raw // 12  # fp32 weights + two fp32 moments
         R["train"] = {"seconds": [r["train_seconds"] for r in ranks], "loss_last": ranks[0]["loss_last"]}
-        R["cache_dropped"] = ranks[0]["methods"]["nvckpt"].get("cache_dropped")
+        R["cache_dropped"] = ranks[0]["methods"].get("nvckpt", {}).get("cache_dropped")
         for r in ranks:
             for k, v in r["errors"].items():
                 R["errors"][f"rank {r['rank']}: {k}"] = v
+        R["complete"] = all(r.get("done") for r in ranks)
         R["summary"] = summarize(ranks, raw)
         R["per_rank"] = ranks
     with open(os.path.join(args.out, "bench_dcp.json"), "w") as f:
