@@ -25,6 +25,7 @@ if not dist.is_available() or not dist.is_gloo_available():
 
 import torch.distributed.checkpoint as dcp  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+from torch.multiprocessing.spawn import ProcessException  # noqa: E402
 
 import nvckpt  # noqa: E402
 import nvckpt.dcp  # noqa: E402
@@ -202,9 +203,14 @@ def _spawn(fn, world: int, root: str, *, expect_exit: dict[int, int] | None = No
             try:
                 if ctx.join(timeout=max(1.0, deadline - time.monotonic())):
                     break
-            except mp.ProcessExitedException as exc:
-                if expect_exit and expect_exit.get(exc.error_index) == exc.exit_code:
-                    return
+            except ProcessException:
+                # The first failure join() saw: the killed rank, or the rank left waiting for it (either may
+                # be reported first).  What counts is that the expected rank exited with its code.
+                if expect_exit:
+                    for i in expect_exit:
+                        ctx.processes[i].join(10)
+                    if all(ctx.processes[i].exitcode == code for i, code in expect_exit.items()):
+                        return
                 raise
             if time.monotonic() > deadline:
                 pytest.fail(f"{fn.__name__} on {world} processes did not finish in {SPAWN_TIMEOUT} s")
