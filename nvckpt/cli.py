@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 from . import __version__
 from .codecs.presets import DESCRIPTIONS, PRESETS
-from .errors import FormatError, NvckptError, UnsupportedCodecError, UnsupportedFeatureError, UnsupportedObjectError
+from .errors import FormatError, NvckptError, UnsupportedCodecError, UnsupportedFeatureError, UnsupportedObjectError, located_message
 from .tools._util import (
     UsageError,
     convert_hint,
@@ -97,13 +97,18 @@ def main_parser(prog: str = "nvckpt") -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help, description=description or help, epilog=COMMAND_EPILOG,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
 
-    p = command("info", "sizes, compression ratio per dtype, codecs, writer and metadata of a file")
-    p.add_argument("file")
+    p = command("info", "sizes, compression ratio per dtype, codecs, writer and metadata of a file",
+                "Sizes, compression ratio per dtype, codecs, writer and metadata of a file; of a DCP "
+                "directory (nvckpt.dcp.Writer's): its rank files, the global tensors they form, and what is "
+                "missing.")
+    p.add_argument("file", help="an nvckpt file or a DCP directory")
     _add_json(p)
     p.set_defaults(run=_info)
 
-    p = command("ls", "one line per tensor: name, dtype, shape, sizes, ratio, codecs, kind")
-    p.add_argument("file")
+    p = command("ls", "one line per tensor: name, dtype, shape, sizes, ratio, codecs, kind",
+                "One line per tensor: name, dtype, shape, sizes, ratio, codecs, kind; of a DCP directory, "
+                "one line per global tensor with its shards and the rank files holding them.")
+    p.add_argument("file", help="an nvckpt file or a DCP directory")
     _add_json(p)
     p.set_defaults(run=_ls)
 
@@ -111,8 +116,10 @@ def main_parser(prog: str = "nvckpt") -> argparse.ArgumentParser:
                 "Check every chunk's checksum, decode every chunk that this machine can decode, "
                 "check tensor checksums, and check that the frames agree with the index. Chunks coded "
                 "with a codec that cannot run here (nvcomp-ans without nvCOMP and a GPU) are checksum-"
-                "verified and reported as not decoded; with --strict that fails (exit 3).")
-    p.add_argument("file")
+                "verified and reported as not decoded; with --strict that fails (exit 3). On a DCP "
+                "directory: every rank file, and the manifest against them (missing or damaged rank files, "
+                "shards that do not cover their tensor), each problem naming its rank file.")
+    p.add_argument("file", help="an nvckpt file or a DCP directory")
     p.add_argument("--strict", action="store_true", help="fail (exit 3) when some chunks cannot be decoded here")
     p.add_argument("--workers", type=_int_in(1, 1024), default=None, help="decoding threads (default: one per CPU)")
     _add_json(p)
@@ -139,6 +146,26 @@ def main_parser(prog: str = "nvckpt") -> argparse.ArgumentParser:
     _add_json(p)
     _add_quiet(p)
     p.set_defaults(run=_convert)
+
+    for name, help, description in (
+            ("merge", "assemble a DCP directory's global tensors into one file",
+             "Assemble the global tensors of a DCP directory written by nvckpt.dcp.Writer from its rank "
+             "files (every checksum checked) into one file, nested as the saved state dict: nvckpt, "
+             "safetensors or torch.save by DST's extension. Holds the whole state in memory."),
+            ("split", "write one file's state as a DCP directory that dcp.load reads at any world size",
+             "Write the state in SRC (nvckpt, safetensors or torch.save; a dict at its top) as a DCP "
+             "directory through nvckpt.dcp.Writer, from this one process: one rank file, which "
+             "torch.distributed.checkpoint.load with nvckpt.dcp.Reader reshards to any world size.")):
+        p = command(name, help, description)
+        p.add_argument("src")
+        p.add_argument("dst")
+        p.add_argument("--codec", choices=PRESETS, default="auto",
+                       help="codec of nvckpt output (default: auto = " + DESCRIPTIONS["auto"] + ")")
+        p.add_argument("--level", type=_int_in(-7, 22), default=1, help="zstd level of nvckpt output (default: 1)")
+        _add_json(p)
+        _add_quiet(p)
+        p.set_defaults(run=_convert, keep_tree=False, src_format="dcp" if name == "merge" else None,
+                       dst_format="dcp" if name == "split" else None)
 
     p = command("recover", "rebuild a valid file from a truncated or damaged one",
                 "Walk the frames of SRC front to back without its index (e.g. the temporary file left by a "
@@ -211,7 +238,29 @@ def _nvckpt_file(path: str):
             exc.located()
         raise
 
+def _info_directory(args: argparse.Namespace) -> int:
+    from .tools.dcpdir import describe_directory
+
+    d = describe_directory(args.file)
+    if args.json:
+        _print_json(d)
+        return EXIT_PROBLEMS if d["problems"] else EXIT_OK
+    print(f"directory  {d['path']} ({d['format']}, world size {d['world_size']})")
+    print(f"tensors    {d['tensors']} global tensors in {d['shards']} shards, {d['objects']} other values")
+    print(f"data       {human_bytes(d['raw_bytes'])} raw, {human_bytes(d['stored_bytes'])} in "
+          f"{len(d['files'])} rank files, ratio {ratio_text(d['ratio'])}")
+    print()
+    rows = [[f["file"], "-" if f.get("rank") is None else str(f["rank"]), human_bytes(f["bytes"]),
+             human_bytes(f.get("raw_bytes", 0)), ratio_text(f.get("ratio")), f.get("error", "")] for f in d["files"]]
+    print(render_table(["rank file", "rank", "bytes", "raw", "ratio", "error"], rows, right=(1, 2, 3, 4)))
+    for p in d["problems"]:
+        print(f"problem: {located_message(p['message'], tensor=p['tensor'])}")
+    return EXIT_PROBLEMS if d["problems"] else EXIT_OK
+
+
 def _info(args: argparse.Namespace) -> int:
+    if os.path.isdir(args.file):
+        return _info_directory(args)
     from .tools.info import describe
 
     with _nvckpt_file(args.file):
@@ -257,7 +306,24 @@ def _info(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _ls_directory(args: argparse.Namespace) -> int:
+    from .tools.dcpdir import list_directory
+
+    rows = list_directory(args.file)
+    if args.json:
+        _print_json(rows)
+        return EXIT_OK
+    table = [[printable(r["name"]), r["dtype"], _shape(r["shape"]) if r["kind"] == "tensor" else "-",
+              human_bytes(r["nbytes"]), human_bytes(r["stored_bytes"]), ratio_text(r["ratio"]), str(r["shards"]),
+              ", ".join(r["files"]), r["kind"]] for r in rows]
+    print(render_table(["name", "dtype", "shape", "raw", "stored", "ratio", "shards", "rank files", "kind"], table,
+                       right=(3, 4, 5, 6)))
+    return EXIT_OK
+
+
 def _ls(args: argparse.Namespace) -> int:
+    if os.path.isdir(args.file):
+        return _ls_directory(args)
     from .tools.info import list_tensors
 
     with _nvckpt_file(args.file):
@@ -275,7 +341,10 @@ def _ls(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from .tools.verify import verify
+    if os.path.isdir(args.file):
+        from .tools.dcpdir import verify_directory as verify
+    else:
+        from .tools.verify import verify
 
     try:
         with _nvckpt_file(args.file):

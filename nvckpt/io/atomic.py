@@ -70,7 +70,8 @@ def _named(exc: OSError, given: str) -> OSError:
     return OSError(exc.errno, exc.strerror, given)
 
 
-def _fsync(path: str) -> None:
+def fsync_path(path: str) -> None:
+    """fsync a file or a directory by path."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -162,7 +163,7 @@ class AtomicReplace:
             if close is not None:
                 close(sync=True)
             else:
-                _fsync(self.tmp)
+                fsync_path(self.tmp)
             self._keep_attributes()
             os.replace(self.tmp, self.path)
         except OSError as exc:
@@ -172,7 +173,7 @@ class AtomicReplace:
             self.abort()
             raise
         self._unlock()
-        _fsync(os.path.dirname(self.path))
+        fsync_path(os.path.dirname(self.path))
 
     def abort(self) -> None:
         try:
@@ -209,4 +210,4 @@ def atomic_output(path: str | os.PathLike) -> Iterator[str]:
         yield out.tmp
 
 
-__all__ = ["AtomicReplace", "atomic_output", "temporary_name", "leftover_temporaries", "TMP_SUFFIX"]
+__all__ = ["AtomicReplace", "atomic_output", "fsync_path", "temporary_name", "leftover_temporaries", "TMP_SUFFIX"]

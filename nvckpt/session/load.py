@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -92,6 +92,20 @@ def torch_value(node: DtypeName | DeviceName) -> Any:
     except RuntimeError:
         raise UnsupportedFeatureError(f"the saved object holds the device {node.spec!r}, which this torch "
                                       f"({torch.__version__}) does not know") from None
+
+
+def _check_box(entry: TensorEntry, offsets: Sequence[int], lengths: Sequence[int],
+               path: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Offsets and lengths as int tuples, one per dim, inside the tensor (ValueError otherwise)."""
+    offsets, lengths = tuple(offsets), tuple(lengths)
+    shape = tuple(entry.shape)
+    if len(offsets) != len(shape) or len(lengths) != len(shape):
+        raise ValueError(f"{path}, tensor {entry.name!r}: a box of {len(offsets)} offsets and {len(lengths)} "
+                         f"lengths for a tensor of {len(shape)} dims {list(shape)}")
+    for d, (o, n, size) in enumerate(zip(offsets, lengths, shape)):
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (o, n)) or o < 0 or n < 0 or o + n > size:
+            raise ValueError(f"{path}, tensor {entry.name!r}: box [{o}, {o}+{n}) is outside dim {d} of size {size}")
+    return tuple(map(int, offsets)), tuple(map(int, lengths))
 
 
 class Checkpoint(Mapping):
@@ -360,6 +374,30 @@ class Checkpoint(Mapping):
         TensorNotFoundError (a KeyError) for an unknown name."""
         tid = self._file.entry(name).tensor_id
         return self._load([tid])[tid]
+
+    def read_box(self, name: str, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+        """The n-d box ``[offsets[d], offsets[d] + lengths[d])`` of every dim ``d`` of a stored tensor.
+
+        Decodes only the chunks holding the box's rows of dim 0 (chunks are
+        whole rows: nvckpt.plan.chunking).  A row box therefore costs its own
+        bytes; a box narrower than the tensor in a later dim (a column box)
+        decodes whole rows of its row range and keeps its columns, so it costs
+        rows x full row bytes (loading Shard(1) from a Shard(0) save decodes
+        every stored row once per reader).  Views and derived tensors are
+        built whole, then cut."""
+        entry = self._file.entry(name)
+        offsets, lengths = _check_box(entry, offsets, lengths, self.path)
+        if not entry.shape:
+            return self._load([entry.tensor_id])[entry.tensor_id]
+        if entry.chunks is None:  # a view or a derived tensor: it has no rows of its own to read
+            whole = self._load([entry.tensor_id])[entry.tensor_id]
+            rows = whole.narrow(0, offsets[0], lengths[0])
+        else:
+            rows = self._rows(entry, offsets[0], offsets[0] + lengths[0])
+        for d in range(1, len(offsets)):
+            if lengths[d] != entry.shape[d]:
+                rows = rows.narrow(d, offsets[d], lengths[d])
+        return rows
 
     def get_slice(self, name: str) -> "TensorSlice":
         """A lazy handle on tensor ``name``: ``get_slice(name)[a:b]`` reads only the chunks holding rows a..b-1;

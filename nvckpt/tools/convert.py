@@ -1,4 +1,4 @@
-"""`nvckpt convert`: between nvckpt, safetensors and torch.save files, in every direction.
+"""`nvckpt convert`: between nvckpt, safetensors and torch.save files and DCP directories, in every direction.
 
 A source is read into memory as the object it holds (a tree of dicts, lists
 and tensors) and written in the target format:
@@ -14,6 +14,11 @@ and tensors) and written in the target format:
   tensors).
 - torch.save files are read with ``torch.load(weights_only=True)``: a file that
   needs arbitrary code to load is refused.  They hold no metadata.
+- a DCP directory (format "dcp": nvckpt.dcp.Writer's, recognised by its
+  manifest) is read as its global tensors assembled from the rank files
+  (nvckpt.dcp.assemble), nested as the saved state dict; as a target it is
+  written from this one process (one rank file, loadable at any world size).
+  ``nvckpt merge`` and ``nvckpt split`` are these two directions to nvckpt.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from ..session.load import Checkpoint
 from ..session.save import SaveSession
 from ._util import ProgressFactory, UsageError, check_output_folder, nest_by_name, null_bar, on_device, sniff_format
 
-FORMATS = ("nvckpt", "safetensors", "torch")
+FORMATS = ("nvckpt", "safetensors", "torch", "dcp")
 EXTENSIONS = {".nvckpt": "nvckpt", ".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch",
               ".ckpt": "torch"}  # .ckpt: Lightning's (torch.save inside, or nvckpt with NvckptCheckpointIO: sniffed)
 CODECS = PRESETS
@@ -57,6 +62,10 @@ def format_of(path: str | os.PathLike, explicit: str | None = None, *, sniff: bo
         if explicit not in FORMATS:
             raise UsageError(f"unknown format {explicit!r} (choose from {', '.join(FORMATS)})")
         return explicit
+    from ..dcp.layout import is_dcp_directory
+
+    if is_dcp_directory(path):
+        return "dcp"
     found = sniff_format(path) if sniff else None
     if found is not None:
         return found
@@ -230,6 +239,58 @@ def read_torch(path: str | os.PathLike) -> Loaded:
 
 # -- writers ---------------------------------------------------------------
 
+def read_dcp(path: str | os.PathLike, make_bar: ProgressFactory) -> Loaded:
+    """The state in a DCP directory, its global tensors assembled from the shards (on the GPU where the
+    rank files hold GPU-only chunks and there is one)."""
+    from ..dcp.assemble import assemble
+    from ..dcp.layout import read_manifest
+
+    m = read_manifest(path)
+    needs_gpu = False
+    for name in m.files:
+        with Checkpoint(os.path.join(m.directory, name)) as probe:
+            needs_gpu = needs_gpu or any(p.needs_gpu for p in probe.file.pipelines)
+    device = "cuda" if needs_gpu and torch.cuda.is_available() else "cpu"
+    bar = make_bar("reading", sum(t.nbytes for t in m.tensors.values()))
+    try:
+        tree = assemble(path, device=device, progress=bar.update)
+    finally:
+        bar.close()
+    return Loaded(tree, {"nvckpt.dcp": {"world_size": m.world_size, "save_id": m.save_id}})
+
+
+def write_dcp(loaded: Loaded, dst: str | os.PathLike, *, codec: str, zstd_level: int) -> tuple[int, list[str]]:
+    from ..dcp.assemble import write_directory
+    from ..dcp.layout import read_manifest
+
+    if codec not in CODECS:
+        raise UsageError(f"codec must be one of {', '.join(CODECS)}, got {codec!r}")
+    tree = loaded.tree
+    notes = []
+    if not isinstance(tree, dict):
+        tree = {"state": tree}
+        notes.append("the source holds no dict at its top: the DCP state dict is {'state': <it>}")
+    if loaded.metadata:
+        notes.append("metadata is not kept in a DCP directory")
+    write_directory(tree, dst, codec=codec, zstd_level=zstd_level)
+    return _size(dst), notes + ([] if read_manifest(dst).tensors else ["the directory holds no tensors"])
+
+
+def _size(path: str | os.PathLike) -> int:
+    """A file's size, or the total of a directory's files."""
+    if not os.path.isdir(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path))
+
+
+def _check_output_directory(path: str | os.PathLike) -> None:
+    final = os.path.abspath(os.fspath(path))
+    if os.path.exists(final) and not os.path.isdir(final):
+        raise FileExistsError(17, "exists and is not a directory", os.fspath(path))
+    if not os.path.isdir(os.path.dirname(final)):
+        raise FileNotFoundError(2, "No such directory", os.path.dirname(final))
+
+
 def write_nvckpt(loaded: Loaded, dst: str | os.PathLike, *, codec: str, zstd_level: int, make_bar: ProgressFactory) -> int:
     if codec not in CODECS:
         raise UsageError(f"codec must be one of {', '.join(CODECS)}, got {codec!r}")
@@ -379,10 +440,15 @@ def convert(
     dst_format = format_of(dst, dst_format)
     if os.path.abspath(os.fspath(src)) == os.path.abspath(os.fspath(dst)):
         raise UsageError("source and destination are the same file")
-    check_output_folder(dst)
+    if dst_format == "dcp":
+        _check_output_directory(dst)
+    else:
+        check_output_folder(dst)
     make_bar = progress or null_bar
     if src_format == "nvckpt":
         loaded = read_nvckpt(src, make_bar)
+    elif src_format == "dcp":
+        loaded = read_dcp(src, make_bar)
     elif src_format == "safetensors":
         loaded = read_safetensors(src, make_bar)
     else:
@@ -395,6 +461,10 @@ def convert(
             size = write_nvckpt(loaded, dst, codec=codec, zstd_level=zstd_level, make_bar=make_bar)
         except UnsupportedObjectError as exc:  # what the source holds: name it
             raise exc.located(path=os.fspath(src))
+        size = write_nvckpt(loaded, dst, codec=codec, zstd_level=zstd_level, make_bar=make_bar)
+    elif dst_format == "dcp":
+        size, more = write_dcp(loaded, dst, codec=codec, zstd_level=zstd_level)
+        notes += more
     elif dst_format == "safetensors":
         size, more = write_safetensors(loaded, dst, keep_tree=keep_tree)
         notes += more
@@ -404,7 +474,7 @@ def convert(
     tensors = _tensors(loaded.tree)
     return ConvertReport(
         os.fspath(src), os.fspath(dst), src_format, dst_format, len(tensors),
-        sum(t.nbytes for t in tensors), os.path.getsize(src), size, time.perf_counter() - start, notes,
+        sum(t.nbytes for t in tensors), _size(src), size, time.perf_counter() - start, notes,
     )
 
 
