@@ -142,7 +142,9 @@ def test_gpu_portable_file_loads_on_cpu_and_cpu_file_loads_on_gpu(tmp_path):
 def test_nvcomp_zstd_decodes_libzstd_frames_when_asked(tmp_path):
     state = {"w": torch.randn(2000, 300).to(torch.bfloat16), "i": torch.randint(0, 50, (40_000,), dtype=torch.int32)}
     path = tmp_path / "cpu.nvckpt"
-    nvckpt.save(state, path, chunk_size=64 * KiB)
+    # byteshuffle+zstd frames from libzstd ("portable-1.0"): byte planes and zstd both have a device form
+    # (the newer "portable" adds signshift, which decodes on the host).
+    nvckpt.save(state, path, chunk_size=64 * KiB, codec="portable-1.0")
     with nvckpt.open(path, device="cuda", gpu=GpuLoadOptions(gpu_zstd=True, timing=True)) as ck:
         loaded = ck.load()
         last = ck.stats()["last_gpu_load"]
