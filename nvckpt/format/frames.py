@@ -38,7 +38,7 @@ from .constants import (
 )
 from .index import Index, parse_index, unpack_index
 from .structs import Footer, FrameHeader, Preamble, xxh3
-from .tree import pack_tree, unpackb
+from .tree import check_depth, no_gc, pack_tree, unpackb
 
 _ZEROS = bytes(MAX_ALIGNMENT)
 
@@ -200,8 +200,10 @@ def _pack_index(index: dict[str, Any]) -> bytes:
 
 
 # -- reading -----------------------------------------------------------------------------------
-def locate_index(source: Any) -> tuple[Preamble, Index]:
-    """Preamble, footer, INDEX frame: check all of them, return the parsed index."""
+def locate_index(source: Any, *, max_index_memory: int | None = None) -> tuple[Preamble, Index]:
+    """Preamble, footer, INDEX frame: check all of them, return the parsed index.
+
+    ``max_index_memory`` bounds the memory the decoded index may take (LimitError)."""
     if source.size < PREAMBLE_SIZE:
         raise TruncatedError(f"file is {source.size} bytes, shorter than the preamble", path=source.name, offset=0)
     preamble = Preamble.unpack(source.pread(0, PREAMBLE_SIZE))
@@ -226,7 +228,9 @@ def locate_index(source: Any) -> tuple[Preamble, Index]:
     payload = source.pread(payload_at, footer.index_length)
     if xxh3(payload) != footer.index_checksum:
         raise ChecksumError("index checksum does not match", offset=payload_at)
-    return preamble, parse_index(unpack_index(payload), footer.index_offset)
+    with no_gc():
+        index = parse_index(unpack_index(payload, max_index_memory), footer.index_offset)
+    return preamble, index
 
 
 def read_meta_frame(source: Any, offset: int, header: FrameHeader) -> Any:
@@ -237,11 +241,15 @@ def read_meta_frame(source: Any, offset: int, header: FrameHeader) -> Any:
     if xxh3(payload) != header.payload_checksum:
         raise ChecksumError("frame payload checksum does not match", offset=offset)
     try:
-        return unpackb(payload)
-    except NvckptError:
-        raise
+        value = unpackb(payload)
+    except NvckptError as exc:
+        raise exc.located(offset=offset)
+    except MemoryError:
+        raise LimitError(f"a frame payload of {len(payload)} bytes does not fit in memory", offset=offset) from None
     except Exception as exc:  # msgpack raises several types on bad input
-        raise FormatError(f"frame payload is not valid msgpack: {exc}", offset=offset) from None
+        raise FormatError(f"frame payload is not valid msgpack: {str(exc)[:200]}", offset=offset) from None
+    check_depth(value, f"the {FRAME_NAMES.get(header.frame_type, 'frame')} frame payload")
+    return value
 
 
 def iter_frames(source: Any, start: int = PREAMBLE_SIZE) -> Iterator[tuple[int, FrameHeader]]:

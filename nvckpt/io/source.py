@@ -23,6 +23,11 @@ class Source:
 
     def __init__(self, target: Any) -> None:
         self._lock = threading.Lock()
+        # Reads in flight: close() waits for them, so a descriptor is never closed (and its number
+        # reused by another open file) under a read on another thread.
+        self._state = threading.Condition(threading.Lock())
+        self._active = 0
+        self._closing = False
         self._fd: int | None = None
         self._file = None
         if isinstance(target, (str, os.PathLike)):
@@ -56,19 +61,26 @@ class Source:
             self.bytes_read += n
 
     def pread(self, offset: int, length: int) -> bytes:
-        if self.closed:
-            raise NvckptError("read from a closed checkpoint", path=self.name)
+        with self._state:
+            if self._closing or self.closed:
+                raise NvckptError("read from a closed checkpoint", path=self.name)
+            self._active += 1
+        try:
+            return self._pread(offset, length)
+        finally:
+            with self._state:
+                self._active -= 1
+                if not self._active:
+                    self._state.notify_all()
+
+    def _pread(self, offset: int, length: int) -> bytes:
         if offset < 0 or length < 0 or offset + length > self.size:
             raise TruncatedError(f"read of {length} bytes at {offset} runs past the end of the file ({self.size} bytes)", path=self.name, offset=offset)
-        if self._fd is not None:
+        fd = self._fd
+        if fd is not None:
             parts, got = [], 0
             while got < length:  # pread may return short reads
-                try:
-                    part = os.pread(self._fd, length - got, offset + got)
-                except (OSError, TypeError):
-                    if self.closed:  # closed by another thread meanwhile
-                        raise NvckptError("read from a closed checkpoint", path=self.name) from None
-                    raise
+                part = os.pread(fd, length - got, offset + got)
                 if not part:
                     raise TruncatedError(f"file ended while reading {length} bytes", path=self.name, offset=offset)
                 parts.append(part)
@@ -86,11 +98,16 @@ class Source:
         return data
 
     def close(self) -> None:
-        """Close a file this Source opened; a caller's file object is only let go of."""
-        fd, self._fd = self._fd, None
+        """Close a file this Source opened (once the reads in flight are done); a caller's file object is
+        only let go of.  Reads after this raise NvckptError."""
+        with self._state:
+            self._closing = True
+            while self._active:
+                self._state.wait()
+            fd, self._fd = self._fd, None
+            self._file = None
         if fd is not None:
             os.close(fd)
-        self._file = None
 
 
 class DirectReads:

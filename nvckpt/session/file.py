@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+from operator import add, eq
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -130,16 +131,75 @@ class CheckpointFile:
 
     def read_into(self, entry: TensorEntry, start: int, stop: int, out: memoryview) -> None:
         """Raw bytes [start, stop) of a stored tensor into ``out`` (writable, stop - start bytes),
-        reading and decoding only the chunks that hold them, on the decode threads."""
+        reading and decoding only the chunks that hold them, on the decode threads.
+
+        Neighbouring chunks are read with one pread and handed to a thread together, so a
+        tensor of a million small chunks costs a few thousand tasks, not a million."""
         assert entry.chunks is not None
+        groups = _groups(entry, entry.chunks.covering(start, stop))
+        self.map(lambda g: self._fill(entry, g, start, stop, out), groups)
 
-        def fill(i: int) -> None:
-            c = entry.chunks[i]
-            raw = self.decode_payload(entry, i, self.read_payload(entry, i))
-            lo, hi = max(start, c.raw_start), min(stop, c.raw_start + c.raw_length)
-            out[lo - start: hi - start] = raw[lo - c.raw_start: hi - c.raw_start]
+    def _fill(self, entry: TensorEntry, group: range, start: int, stop: int, out: memoryview) -> None:
+        table = entry.chunks
+        assert table is not None
+        offs, stored, raws, codecs, checks, starts = table.columns(group.start, group.stop)
+        if len(group) == 1:
+            data: Any = self.read_payload(entry, group.start)
+            at: Any = [0]
+        else:
+            base = offs[0]
+            try:
+                data = self.source.pread(base, offs[-1] + stored[-1] - base)
+            except NvckptError as exc:
+                raise exc.located(tensor=entry.name, chunk=group.start)
+            view = memoryview(data)
+            at = [o - base for o in offs]
+            sums = map(xxh3, map(view.__getitem__, map(slice, at, map(add, at, stored))))
+            if not all(map(eq, sums, checks)):
+                bad = next(k for k, (a, n, c) in enumerate(zip(at, stored, checks)) if xxh3(view[a: a + n]) != c)
+                raise ChecksumError("chunk checksum does not match its stored bytes", path=self.path,
+                                    tensor=entry.name, chunk=group.start + bad, offset=offs[bad])
+            if (offs[-1] - base == starts[-1] - starts[0] and stored == raws
+                    and all(self.pipelines[c].is_raw for c in set(codecs))):
+                # Raw chunks stored back to back: their bytes are the tensor's bytes, one copy.
+                lo, hi = max(start, starts[0]), min(stop, starts[-1] + raws[-1])
+                out[lo - start: hi - start] = view[lo - starts[0]: hi - starts[0]]
+                return
+        view = memoryview(data)
+        for k, i in enumerate(group):
+            raw = self.decode_payload(entry, i, view[at[k]: at[k] + stored[k]])
+            lo, hi = max(start, starts[k]), min(stop, starts[k] + raws[k])
+            out[lo - start: hi - start] = raw[lo - starts[k]: hi - starts[k]]
 
-        self.map(fill, list(entry.chunks.covering(start, stop)))
+
+#: Small chunks are read together (one pread, one task): neighbours in the file, at most _GROUP_GAP apart
+#: (a frame header and its alignment padding), _GROUP_BYTES in all.  Larger chunks are read one by one,
+#: so that no byte outside a chunk is read for them.
+_GROUP_SMALL = 16 << 10
+_GROUP_GAP = 8 << 10
+_GROUP_BYTES = 8 << 20
+_GROUP_CHUNKS = 1 << 14
+
+
+def _groups(entry: TensorEntry, indices: range) -> list[range]:
+    """``indices`` cut into runs of chunks that one pread can cover (in file order, close together)."""
+    table = entry.chunks
+    assert table is not None
+    if len(indices) <= 1:
+        return [indices] if indices else []
+    offs, stored = table.columns(indices.start, indices.stop)[:2]
+    groups: list[range] = []
+    begin = 0
+    span_start, end = offs[0], offs[0] + stored[0]
+    for k in range(1, len(offs)):
+        o = offs[k]
+        if (o < end or o - end > _GROUP_GAP or o + stored[k] - span_start > _GROUP_BYTES or k - begin >= _GROUP_CHUNKS
+                or stored[k] >= _GROUP_SMALL or stored[k - 1] >= _GROUP_SMALL):
+            groups.append(range(indices.start + begin, indices.start + k))
+            begin, span_start = k, o
+        end = o + stored[k]
+    groups.append(range(indices.start + begin, indices.stop))
+    return groups
 
 
 __all__ = ["CheckpointFile", "check_supported"]
