@@ -54,8 +54,11 @@ def open(target: str | os.PathLike | Any, **options: Any) -> Checkpoint:  # noqa
     ``device``: where tensors are materialized ("cpu", "cuda", "cuda:1", a torch.device).
     ``workers``: CPU decode threads.  For files from an untrusted source:
     ``untrusted=True`` decodes only with the hardened CPU decoders (no nvCOMP;
-    nvcomp-ans chunks are refused), and ``max_tensor_bytes`` refuses to
-    materialize larger tensors (LimitError).  ``gpu``: the GPU loader's knobs
+    nvcomp-ans chunks are refused) and bounds the memory of the decoded index
+    to ``max_index_memory`` bytes (default ``nvckpt.options.UNTRUSTED_INDEX_MEMORY``,
+    1 GiB; a trusted open has no bound of its own unless it is given);
+    ``max_tensor_bytes`` refuses to materialize a tensor, view or slice larger
+    than that (LimitError).  ``gpu``: the GPU loader's knobs
     (``nvckpt.GpuLoadOptions``)."""
     return Checkpoint(target, options_from(LoadOptions, "open", options))
 

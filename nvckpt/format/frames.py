@@ -182,6 +182,20 @@ class FrameWriter:
         return self.position
 
 
+def check_index_floor(entries: Sequence[dict[str, Any]], chunk_lengths: Sequence[Sequence[int]], tree: Any,
+                      metadata: dict[str, Any], writer_info: dict[str, Any]) -> None:
+    """SPEC 16: refuse, before the first byte is written, an object whose index cannot fit in
+    MAX_INDEX_LENGTH: its entries, tree and metadata as they will be packed, and at least 6 bytes
+    a chunk (so this never refuses an index that would fit; ``finish`` checks the exact size)."""
+    floor = len(pack_tree(tree)) + len(msgpack.packb(metadata, use_bin_type=True))
+    floor += len(msgpack.packb(writer_info, use_bin_type=True))
+    if floor <= MAX_INDEX_LENGTH:
+        floor += sum(len(msgpack.packb(e, use_bin_type=True)) for e in entries) + 6 * sum(map(len, chunk_lengths))
+    if floor > MAX_INDEX_LENGTH:
+        raise LimitError(f"the index would be at least {floor} bytes, more than the limit of {MAX_INDEX_LENGTH} "
+                         "(too many tensors or chunks, or too large a tree or metadata); nothing was written")
+
+
 class _Packed:
     """Pre-packed msgpack bytes (the tree, with its ext types) to splice into the index."""
 
@@ -273,4 +287,4 @@ def iter_frames(source: Any, start: int = PREAMBLE_SIZE) -> Iterator[tuple[int, 
         raise TruncatedError("file ends inside a frame header", path=source.name, offset=offset)
 
 
-__all__ = ["FrameWriter", "check_alignment", "locate_index", "read_meta_frame", "iter_frames"]
+__all__ = ["FrameWriter", "check_alignment", "check_index_floor", "locate_index", "read_meta_frame", "iter_frames"]

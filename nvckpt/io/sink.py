@@ -125,7 +125,7 @@ class FileSink:
         if self._error is not None:
             err = self._error
             if isinstance(err, OSError):
-                raise OSError(err.errno, f"writing {self.path}: {err.strerror}") from err
+                raise OSError(err.errno, err.strerror, self.path) from err
             raise NvckptError(f"writing failed: {err}", path=self.path) from err
 
     def _submit(self) -> None:

@@ -31,14 +31,15 @@ def check_supported(entry: TensorEntry, path: str) -> None:
 
 
 class CheckpointFile:
-    def __init__(self, target: Any, *, workers: int | None = None, max_tensor_bytes: int | None = None) -> None:
+    def __init__(self, target: Any, *, workers: int | None = None, max_tensor_bytes: int | None = None,
+                 max_index_memory: int | None = None) -> None:
         if max_tensor_bytes is not None and (type(max_tensor_bytes) is not int or max_tensor_bytes < 0):
             raise ValueError(f"max_tensor_bytes must be a non-negative integer or None, got {max_tensor_bytes!r}")
         self.max_tensor_bytes = max_tensor_bytes
         self.source = Source(target)
         self.path = self.source.name
         try:
-            self.preamble, self.index = locate_index(self.source)
+            self.preamble, self.index = locate_index(self.source, max_index_memory=max_index_memory)
             self.pipelines: list[Pipeline] = [pipeline_from_json(c) for c in self.index.codecs]
         except NvckptError as exc:
             self.source.close()

@@ -18,7 +18,7 @@ from .. import __version__
 from ..codecs.base import Pipeline
 from ..codecs.presets import GPU_PRESETS, chooser
 from ..errors import UnsupportedCodecError
-from ..format.frames import FrameWriter
+from ..format.frames import FrameWriter, check_index_floor
 from ..io.atomic import AtomicReplace
 from ..io.sink import FileSink
 from ..options import SaveOptions
@@ -55,6 +55,7 @@ def write_items(stream: Any, items: Iterable[TensorReady | EncodedChunk], plan: 
                 info: dict[str, Any], progress: Callable[[int], None] | None = None) -> int:
     """Frame an engine's items onto ``stream``; returns the file's length.  ``progress(raw bytes)`` per chunk."""
     try:
+        check_index_floor(plan.entries(), plan.chunk_lengths(), plan.tree, plan.metadata, info)
         writer = FrameWriter(stream, plan.entries(), plan.chunk_lengths(), alignment=alignment)
         for item in items:
             if isinstance(item, TensorReady):
@@ -162,8 +163,11 @@ class SaveSession:
             size = write_items(out.writer, items, self.plan, alignment=alignment, info=info, progress=self.progress)
             if cancel is not None and cancel.is_set():
                 raise CancelledError("async save cancelled; the file at the target path was not changed")
-        except BaseException:
+        except BaseException as exc:
             out.abort()
+            mapped = out.as_target(exc)
+            if mapped is not exc:
+                raise mapped from None
             raise
         out.commit()
         return self._result(out.path, raw_bytes, size)
