@@ -28,9 +28,9 @@ import msgpack
 from ..errors import NvckptError
 from . import tree
 
-STREAM_FROM = 1 << 20  # index payloads from this size on are decoded in pieces
-BIG_ENTRY = 64 << 10  # tensor entries from this size on are decoded key by key
-COLUMNS_FROM = 4096  # chunk lists from this length on are decoded as columns
+STREAM_FROM = 16 << 10  # index payloads from this size on are decoded in pieces
+BIG_ENTRY = 16 << 10  # tensor entries from this size on are decoded key by key
+COLUMNS_FROM = 1024  # chunk lists from this length on are decoded as columns
 
 # Bytes after an int's tag byte: positive fixint 0; uint 8/16/32/64; int 8/16/32/64.  255: not an int
 # nvckpt accepts here (negative fixints too: the per-chunk checks report those).
