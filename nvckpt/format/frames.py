@@ -260,6 +260,8 @@ def read_meta_frame(source: Any, offset: int, header: FrameHeader) -> Any:
         raise exc.located(offset=offset)
     except MemoryError:
         raise LimitError(f"a frame payload of {len(payload)} bytes does not fit in memory", offset=offset) from None
+    except msgpack.StackError:
+        raise LimitError("frame payload nesting is too deep (more than msgpack's 1024 levels)", offset=offset) from None
     except Exception as exc:  # msgpack raises several types on bad input
         raise FormatError(f"frame payload is not valid msgpack: {str(exc)[:200]}", offset=offset) from None
     check_depth(value, f"the {FRAME_NAMES.get(header.frame_type, 'frame')} frame payload")

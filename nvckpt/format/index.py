@@ -7,6 +7,8 @@ from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Any
 
+import msgpack
+
 from ..errors import FormatError, LimitError, NvckptError, brief
 from .constants import EXT_TENSOR, EXT_TUPLE, MAX_CODECS, MAX_TENSORS, MAX_TREE_DEPTH, VERSION_MAJOR
 from .bulk import LazyEntries, decode_index
@@ -35,8 +37,8 @@ def unpack_index(payload: bytes, max_memory: int | None = None) -> dict[str, Any
             data = decode_index(payload)
     except NvckptError:
         raise
-    except RecursionError:
-        raise LimitError("index nesting is too deep") from None
+    except (RecursionError, msgpack.StackError):
+        raise LimitError("index nesting is too deep (more than msgpack's 1024 levels)") from None
     except MemoryError:
         raise LimitError(f"the decoded index of {len(payload)} bytes does not fit in memory") from None
     except Exception as exc:  # msgpack raises several types on malformed input
@@ -71,7 +73,7 @@ def parse_index(data: dict[str, Any], index_offset: int) -> Index:
     if len(raw_tensors) > MAX_TENSORS:
         raise LimitError(f"{len(raw_tensors)} tensors exceed the limit of {MAX_TENSORS}")
     tensors: list[TensorEntry] = []
-    names: set[str] = set()
+    names: dict[str, int] = {}  # entry name -> tensor id
     store = ChunkStore()
     firsts = array("Q")  # index in the store of each tensor's first chunk
     for tid, raw in enumerate(raw_tensors):
@@ -79,11 +81,10 @@ def parse_index(data: dict[str, Any], index_offset: int) -> Index:
         entry = parse_entry(tid, raw, ncodecs=len(codecs), index_offset=index_offset, store=store)
         if entry.name in names:
             raise FormatError(f"duplicate tensor name {entry.name!r:.200}")
-        names.add(entry.name)
+        names[entry.name] = tid
         tensors.append(entry)
         if isinstance(raw_tensors, list):
             raw_tensors[tid] = None  # the parsed entry replaces it: memory stays near the index's size
-    del names
 
     def chunk_name(i: int) -> tuple[str, int]:
         tid = bisect_right(firsts, i) - 1
@@ -101,11 +102,15 @@ def parse_index(data: dict[str, Any], index_offset: int) -> Index:
     tree = data["tree"]
     check_tree(tree, len(tensors))
     paths: dict[str, int] = {}
-    by_name = {e.name: e.tensor_id for e in tensors}
+    by_name = names
     for path, ref in leaf_paths(tree):
         # SPEC 14.1: a name identifies one tensor, whether it is an entry's name or a path's.
         if paths.setdefault(path, ref.tensor_id) != ref.tensor_id or by_name.get(path, ref.tensor_id) != ref.tensor_id:
             raise FormatError(f"the name {path!r:.200} stands for two different tensors")
+    del by_name, names
+    for path, tid in paths.items():  # one str object for a name that is both a path and an entry's name
+        if tensors[tid].name == path:
+            tensors[tid].name = path
     return Index(writer, codecs, tensors, tree, metadata, (version[0], version[1]), paths)
 
 

@@ -184,7 +184,7 @@ def unpack_tree(data: bytes) -> Any:
         return unpackb(data)
     except (FormatError, LimitError):
         raise
-    except RecursionError:
+    except (RecursionError, msgpack.StackError):
         raise LimitError(f"tree nesting exceeds the limit of {MAX_TREE_DEPTH}") from None
     except MemoryError:
         raise LimitError(f"a tuple of {len(data)} bytes does not fit in memory") from None
