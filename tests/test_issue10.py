@@ -191,6 +191,39 @@ def test_bulk_decoding_finds_the_one_bad_chunk(cid):
         nvckpt.open(case(cid))
 
 
+def _big_index_file(edit_entry) -> bytes:
+    """2000 one-chunk tensors (an index past bulk.STREAM_FROM: decoded in pieces), entry 1000's bytes edited."""
+    n = 2000
+    data = bytes(i * 7 & 0xFF for i in range(n))
+    h = xxhash.xxh3_64_intdigest
+    tensors = [{"name": f"t{i}", "dtype": "uint8", "shape": [1], "chunks": [[72 + i, 1, 1, 0, h(data[i:i + 1])]]}
+               for i in range(n)]
+    payload = msgpack.packb(hostile._index(tensors, {f"t{i}": hostile._ref(i) for i in range(n)}))
+    assert len(payload) > bulk.STREAM_FROM
+    entry = msgpack.packb(tensors[1000])
+    payload = payload.replace(entry, edit_entry(entry, tensors[1000]), 1)
+    body = craft.Preamble().pack() + bytes(48) + data
+    return body + craft.Frame(craft.INDEX, payload).header() + payload + craft.Footer(len(body), len(payload), h(payload)).pack()
+
+
+def _with_deep_key(entry: bytes, parsed: dict) -> bytes:
+    return msgpack.packb(dict(parsed, zz="\0S\0")).replace(msgpack.packb("\0S\0"), b"\x91" * 3000 + b"\xc0")
+
+
+@pytest.mark.parametrize("edit, error, match", [
+    (lambda e, p: e.replace(b"\xa5t1000", b"\xa5t\xff\xfe00"), nvckpt.FormatError, "utf-8"),
+    (lambda e, p: b"\x85\xa4name\xa1x" + e[1:], nvckpt.FormatError, "twice"),
+    (lambda e, p: e.replace(b"\xa5t1000", b"\xd4\x05\x00"), nvckpt.FormatError, "ext type 5"),
+    (_with_deep_key, nvckpt.LimitError, "deep"),
+    (lambda e, p: e[:-3], nvckpt.FormatError, "msgpack"),
+], ids=["utf8", "duplicate-key", "ext", "stack", "truncated"])
+def test_an_index_decoded_in_pieces_keeps_every_rule(edit, error, match):
+    """The piecewise decoding (entries decoded when parsed) reports what the plain decoding reports."""
+    nvckpt.open(io.BytesIO(_big_index_file(lambda e, p: e))).close()
+    with pytest.raises(error, match=match):
+        nvckpt.open(io.BytesIO(_big_index_file(edit)))
+
+
 def test_untrusted_bounds_index_memory_explicitly(tmp_path):
     path = tmp_path / "many.nvckpt"
     path.write_bytes(hostile.many_chunks(50_000))

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import msgpack
 
-from ..errors import NvckptError
+from ..errors import FormatError, LimitError, NvckptError
 from . import tree
 
 STREAM_FROM = 16 << 10  # index payloads from this size on are decoded in pieces
@@ -61,19 +61,36 @@ class ChunkColumns:
 
 
 class LazyEntries:
-    """The index's "tensors" array: entry i is decoded from its bytes when it is read."""
+    """The index's "tensors" array: entry i is decoded from its bytes when it is read (under the memory
+    budget of the decoding that found it), its errors those of the plain decoding."""
 
-    __slots__ = ("_data", "_bounds")
+    __slots__ = ("_data", "_bounds", "_budget")
 
     def __init__(self, data: memoryview, bounds: array) -> None:
         self._data = data
         self._bounds = bounds
+        self._budget = getattr(tree._nesting, "budget", None)
 
     def __len__(self) -> int:
         return len(self._bounds) - 1
 
     def __getitem__(self, i: int) -> Any:
-        return decode_entry(self._data[self._bounds[i]: self._bounds[i + 1]])
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        previous = getattr(tree._nesting, "budget", None)
+        tree._nesting.budget = self._budget
+        try:
+            return decode_entry(self._data[self._bounds[i]: self._bounds[i + 1]])
+        except NvckptError:
+            raise
+        except (RecursionError, msgpack.StackError):
+            raise LimitError(f"index nesting is too deep (tensor {i})") from None
+        except MemoryError:
+            raise LimitError(f"tensor {i}'s entry does not fit in memory") from None
+        except Exception as exc:  # msgpack raises several types on malformed input
+            raise FormatError(f"index is not valid msgpack (tensor {i}): {str(exc)[:200]}") from None
+        finally:
+            tree._nesting.budget = previous
 
     def __iter__(self) -> Any:
         return map(self.__getitem__, range(len(self)))

@@ -66,7 +66,7 @@ def _ext_hook(code: int, data: bytes) -> Any:
         if not isinstance(items, list):
             raise FormatError("tuple ext payload is not an array")
         return tuple(items)
-    raise FormatError(f"unknown ext type {code} in the tree")
+    raise FormatError(f"unknown ext type {code} (the tree holds ext types {EXT_TENSOR} and {EXT_TUPLE}, nothing else any)")
 
 
 def _is_nan(key: Any) -> bool:
