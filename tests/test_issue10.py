@@ -159,6 +159,44 @@ def test_an_index_over_the_limit_found_at_the_end_keeps_the_old_file(tmp_path, m
     assert target.read_bytes() == old and os.listdir(tmp_path) == ["ckpt.nvckpt"]
 
 
+def _nest(depth: int, leaf):
+    for _ in range(depth):
+        leaf = [leaf]
+    return leaf
+
+
+@pytest.mark.parametrize("what", ["name", "rank", "tree-depth", "metadata-depth", "tensors", "span"])
+def test_every_spec16_limit_fails_before_anything_is_published(what, tmp_path, monkeypatch):
+    """SPEC 16: each limit the object can exceed is checked before the first byte (a stream stays empty,
+    the file at the path stays the old one, nothing is left beside it)."""
+    from nvckpt.plan import walk
+
+    obj, kw = {"w": torch.ones(2)}, {}
+    if what == "name":
+        obj = {"n" * 4097: torch.ones(2)}
+    elif what == "rank":
+        obj = {"w": torch.ones([1] * 65)}
+    elif what == "tree-depth":
+        obj = {"w": _nest(64, torch.ones(2))}
+    elif what == "metadata-depth":
+        kw = {"metadata": {"m": _nest(64, 1)}}
+    elif what == "tensors":
+        monkeypatch.setattr(walk, "MAX_TENSORS", 3)
+        obj = {f"t{i}": torch.ones(2) for i in range(4)}
+    else:
+        obj = {"w": torch.zeros(1).expand(1 << 31, 1 << 31)}
+    buf = io.BytesIO()
+    with pytest.raises(nvckpt.LimitError):
+        nvckpt.save(obj, buf, **kw)
+    assert buf.getvalue() == b""
+    target = tmp_path / "ckpt.nvckpt"
+    nvckpt.save({"old": torch.ones(1)}, target)
+    old = target.read_bytes()
+    with pytest.raises(nvckpt.LimitError):
+        nvckpt.save(obj, target, **kw)
+    assert target.read_bytes() == old and os.listdir(tmp_path) == ["ckpt.nvckpt"]
+
+
 def test_a_tensor_spanning_more_than_2p62_bytes_is_refused_before_writing():
     huge = torch.zeros(1).expand(1 << 31, 1 << 31)  # 2^62 float32 elements: 2^64 bytes, no memory
     buf = io.BytesIO()

@@ -114,6 +114,9 @@ def make_seeds() -> list[bytes]:
     nv.index["tree"] = {"deep": deep, "t": msgpack.ExtType(2, craft.pack([1, [2, (3.5)]]))}
     nv.index["codecs"].append([{"name": "future-codec", "configuration": {"x": 1}}])
     seeds.append(craft.build(nv))
+    # An index large enough to be decoded in pieces, with a chunk table long enough for the bulk (columns) path.
+    seeds.append(save({"many": torch.arange(1100, dtype=torch.int64).to(torch.uint8), "w": w32}, chunk_size=1,
+                      codec="raw", alignment=1))
     return seeds
 
 

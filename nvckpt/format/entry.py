@@ -66,6 +66,17 @@ class ChunkStore:
             column.frombytes(values.astype(values.dtype.newbyteorder("=")).tobytes())
         return ChunkTable(self, lo, len(self.offset) - lo)
 
+    def add_one(self, offset: int, stored: int, raw: int, codec: int, checksum: int) -> "ChunkTable":
+        """A table of one chunk."""
+        lo = len(self.offset)
+        self.offset.append(offset)
+        self.stored.append(stored)
+        self.raw.append(raw)
+        self.codec.append(codec)
+        self.checksum.append(checksum)
+        self.start.append(0)
+        return ChunkTable(self, lo, 1)
+
     def add(self, columns: tuple[Any, Any, Any, Any, Any], starts: Any) -> "ChunkTable":
         """Append one tensor's columns (offset, stored, raw, codec, checksum; raw starts); returns its table."""
         lo = len(self.offset)
@@ -224,6 +235,10 @@ def parse_entry(tid: int, raw: Any, *, ncodecs: int | None = None, index_offset:
 
     ``store`` collects the chunk tables of an index (the overlap check runs over it, SPEC 8.4)."""
     in_index = ncodecs is not None
+    if in_index and store is not None and type(raw) is dict:
+        quick = _quick_entry(tid, raw, ncodecs, index_offset, store)  # type: ignore[arg-type]
+        if quick is not None:
+            return quick
     raw = check_map(raw, f"tensor {tid}")
     if len(raw) > 5 or not raw.keys() <= _COMMON_KEYS:  # unknown keys (ignored, but bounded: SPEC 9, "Parser bound")
         for key in raw.keys() - _KNOWN_KEYS:
@@ -296,6 +311,43 @@ def parse_entry(tid: int, raw: Any, *, ncodecs: int | None = None, index_offset:
     return TensorEntry(tid, name, dtype, shape, chunks, view, derived, checksum, internal, nchunks, unsupported)
 
 
+def _quick_entry(tid: int, raw: dict, ncodecs: int, index_offset: int, store: ChunkStore) -> TensorEntry | None:
+    """The common data entry ({name, dtype, shape, chunks[, checksum]}, every value of the plain type, one
+    chunk or a few) checked with fewer steps; None for anything else, which parse_entry checks in full."""
+    name, dt, shape, chunk_list = raw.get("name"), raw.get("dtype"), raw.get("shape"), raw.get("chunks")
+    checksum = raw.get("checksum")
+    if not (type(name) is str and type(dt) is str and type(shape) is list and type(chunk_list) is list
+            and len(raw) == (4 if checksum is None else 5) and len(name) <= MAX_NAME_BYTES // 4
+            and len(shape) <= MAX_RANK and 1 <= len(chunk_list) < 16
+            and (checksum is None or type(checksum) is int and 0 <= checksum <= U64_MAX)):
+        return None
+    dtype = dtypes.DTYPES.get(dt)
+    if dtype is None:
+        return None
+    for d in shape:
+        if type(d) is not int or not 0 < d <= U64_MAX:
+            return None
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes > MAX_TENSOR_BYTES or len(chunk_list) > nbytes:
+        return None
+    lowest = PREAMBLE_SIZE + FRAME_HEADER_SIZE
+    total = 0
+    for c in chunk_list:
+        if type(c) is not list or len(c) != 5:
+            return None
+        off, stored, rawlen, codec, check = c
+        if not (type(off) is int and type(stored) is int and type(rawlen) is int and type(codec) is int
+                and type(check) is int and lowest <= off and 1 <= stored <= MAX_CHUNK_LENGTH
+                and 1 <= rawlen <= MAX_CHUNK_LENGTH and 0 <= codec < ncodecs and 0 <= check <= U64_MAX
+                and off + stored <= index_offset and not rawlen % dtype.itemsize):
+            return None
+        total += rawlen
+    if total != nbytes:
+        return None
+    table = _checked_chunks("", chunk_list, dtype, nbytes, True, ncodecs, index_offset, store)
+    return TensorEntry(tid, name, dtype, tuple(shape), table, None, None, checksum, False, len(table), None)
+
+
 def _parse_chunks(where: str, chunk_list: list, dtype: dtypes.DType, nbytes: int, known: bool,
                   ncodecs: int, index_offset: int, store: ChunkStore) -> ChunkTable:
     if known and len(chunk_list) > nbytes:  # every chunk holds at least one byte
@@ -358,6 +410,12 @@ def _column_chunks(columns: list[Any], dtype: dtypes.DType, nbytes: int, known: 
 
 def _checked_chunks(where: str, chunk_list: list, dtype: dtypes.DType, nbytes: int, known: bool,
                     ncodecs: int, index_offset: int, store: ChunkStore) -> ChunkTable:
+    if len(chunk_list) == 1 and known:
+        c = chunk_list[0]
+        if (type(c) is list and len(c) == 5 and all(type(v) is int for v in c)
+                and PREAMBLE_SIZE + FRAME_HEADER_SIZE <= c[0] <= U64_MAX and 1 <= c[1] <= MAX_CHUNK_LENGTH and c[2] == nbytes and not nbytes % (dtype.itemsize or 1)
+                and 0 <= c[3] < ncodecs and 0 <= c[4] <= U64_MAX and c[0] + c[1] <= index_offset):
+            return store.add_one(c[0], c[1], c[2], c[3], c[4])
     offs: list[int] = []
     storeds: list[int] = []
     raws: list[int] = []
