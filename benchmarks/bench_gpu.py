@@ -536,7 +536,7 @@ def async_parts(ck: dict, path: str) -> dict[str, Any]:
         t0 = time.perf_counter()
         job = SaveSession(ck, path, SaveOptions())
         t1 = time.perf_counter()
-        job.snapshot()
+        job.prepare_async()
         t2 = time.perf_counter()
         sync()
         t3 = time.perf_counter()

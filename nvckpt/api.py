@@ -38,13 +38,22 @@ def save(obj: Any, target: str | os.PathLike | Any, **options: Any) -> SaveResul
     return SaveSession(obj, target, options_from(SaveOptions, "save", options)).run()
 
 
-@with_signature(SaveOptions, "obj", "target")
-def async_save(obj: Any, target: str | os.PathLike | Any, **options: Any) -> SaveFuture:
-    """Start a save and return once the tensors are snapshotted.
+@with_signature(SaveOptions, "obj", "target", "fence=None")
+def async_save(obj: Any, target: str | os.PathLike | Any, fence: Any = None, **options: Any) -> SaveFuture:
+    """Start a save; the file holds the values of the tensors at the time of the call.
 
-    The caller may change its tensors as soon as this returns: the file holds
-    their values at the time of the call.  Takes the options of ``save``."""
-    return start_async(obj, target, options_from(SaveOptions, "async_save", options))
+    Without ``fence`` it returns once the caller may change its tensors: CPU
+    tensors and a GPU state within half the engine's memory budget are copied;
+    a larger GPU state is not copied but read (compressed into pinned host
+    memory) by the GPU engine before this returns, in about the time the
+    device-to-host copy of the compressed state takes.  With ``fence=optimizer``
+    (or a list of optimizers) it returns at once: the GPU engine reads the
+    tensors while the caller's next forward and backward run, and the
+    optimizer's next ``step()`` waits (a step pre-hook) until they are read.
+    Change the tensors in any other way only after ``future.wait_read()``.
+    Takes the options of ``save``; a pending save is finished at interpreter
+    exit, and SIGTERM gives it ``preemption_grace`` seconds (README)."""
+    return start_async(obj, target, options_from(SaveOptions, "async_save", options), fence)
 
 
 @with_signature(LoadOptions, "target")
@@ -63,7 +72,7 @@ def open(target: str | os.PathLike | Any, **options: Any) -> Checkpoint:  # noqa
     return Checkpoint(target, options_from(LoadOptions, "open", options))
 
 
-@with_signature(LoadOptions, "target", "keys")
+@with_signature(LoadOptions, "target", "keys=None")
 def load(target: str | os.PathLike | Any, *, keys: Iterable[str] | None = None, **options: Any) -> Any:
     """Load a whole checkpoint, bit-exact, as the structure that was saved (``keys``: just those tensors,
     as a dict; other options: see ``open``)."""

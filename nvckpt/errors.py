@@ -18,6 +18,7 @@ __all__ = [
     "LimitError",
     "UnsupportedObjectError",
     "TensorNotFoundError",
+    "LeftoverTemporaryWarning",
 ]
 
 
@@ -118,3 +119,7 @@ class TensorNotFoundError(NvckptError, KeyError):
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return self.args[0] if self.args else ""
+
+
+class LeftoverTemporaryWarning(UserWarning):
+    """A save found the temporary file of an earlier save to the same path that crashed or was killed."""

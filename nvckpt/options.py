@@ -31,8 +31,15 @@ def _positive(owner: Any, *names: str) -> None:
 
 @dataclass(frozen=True)
 class GpuSaveOptions:
-    """The GPU engine's knobs.  Its extra memory: GPU about (inflight + 1) x 2 x batch_bytes; pinned
-    host memory pinned_slots x slot_bytes + checksum_workers x 2 x piece_bytes (384 MiB by default)."""
+    """The GPU engine's knobs.  GPU memory: at most ``memory_budget`` (default the smaller of 1 GiB and
+    2 % of the device): batches shrink to fit it, (inflight + 1) x 2 x batch_bytes <= budget.  Pinned host
+    memory: a save pinned_slots x slot_bytes + checksum_workers x 2 x piece_bytes (384 MiB by default);
+    an async_save holds the compressed state, up to ``pinned_limit`` (default a quarter of the host's
+    memory), and waits for the disk beyond it.  Pinned buffers are kept for the next save
+    (``nvckpt.release_pinned_memory()`` frees them)."""
+
+    memory_budget: int | None = None
+    pinned_limit: int | None = None
 
     batch_bytes: int = 1024 * MiB  # output bytes of one batched encode (fixed cost ~0.4 ms per call)
     max_batch_chunks: int = 8192
@@ -42,20 +49,24 @@ class GpuSaveOptions:
     piece_bytes: int = 16 * MiB  # tensor-checksum staging (two pieces per worker)
     checksum_workers: int = 4  # threads hashing whole tensors (one XXH3 stream runs ~6 GB/s on the H200 host)
     hash_workers: int = 4  # threads hashing chunks
-    snapshot_reserve: int = 1024 * MiB  # GPU memory left free beside an async_save's device snapshot
     timing: bool = False  # CUDA events around every nvCOMP call, reported in SaveResult.stats
 
     def __post_init__(self) -> None:
         _positive(self, "batch_bytes", "max_batch_chunks", "inflight", "slot_bytes", "pinned_slots", "piece_bytes",
                   "checksum_workers", "hash_workers")
-        if type(self.snapshot_reserve) is not int or self.snapshot_reserve < 0:
-            raise ValueError(f"snapshot_reserve must be a non-negative integer, got {self.snapshot_reserve!r}")
+        for name in ("memory_budget", "pinned_limit"):
+            if getattr(self, name) is not None:
+                _positive(self, name)
 
 
 @dataclass(frozen=True)
 class GpuLoadOptions:
     """The GPU loader's knobs.  Its extra memory: pinned read_buffers x read_span_bytes (+ 2 x
-    piece_bytes per verify worker); GPU decode_batch_bytes + one read span, plus nvCOMP's scratch."""
+    piece_bytes per verify worker); GPU at most ``memory_budget`` (default the smaller of 1 GiB and 2 %
+    of the device) for the decode arena (decode_batch_bytes, shrunk to half the budget) and its staging,
+    beside the tensors loaded."""
+
+    memory_budget: int | None = None
 
     read_span_bytes: int = 32 * MiB
     read_threads: int = 4
@@ -75,6 +86,8 @@ class GpuLoadOptions:
     def __post_init__(self) -> None:
         _positive(self, "read_span_bytes", "read_threads", "read_buffers", "decode_batch_bytes", "verify_workers",
                   "piece_bytes")
+        if self.memory_budget is not None:
+            _positive(self, "memory_budget")
         if type(self.max_gap) is not int or self.max_gap < 0:
             raise ValueError(f"max_gap must be a non-negative integer, got {self.max_gap!r}")
 
@@ -89,13 +102,16 @@ class SaveOptions:
     alignment: int = 4096
     zstd_level: int = 1
     derive_bf16: bool = False
-    tensor_checksums: bool = True
+    tensor_checksums: bool | None = None  # None: yes, except in an async_save that reads the caller's tensors lazily
     engine: str = "auto"
     workers: int | None = None
     direct_io: bool = True
+    preemption_grace: float = 30.0  # seconds a save may run on after SIGTERM (nvckpt.session.lifecycle)
     gpu: GpuSaveOptions = field(default_factory=GpuSaveOptions)
 
     def __post_init__(self) -> None:
+        if type(self.preemption_grace) not in (int, float) or not 0 <= self.preemption_grace < float("inf"):
+            raise ValueError(f"preemption_grace must be a non-negative number of seconds, got {self.preemption_grace!r}")
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be 'auto', 'cpu' or 'gpu', got {self.engine!r}")
         check_preset(self.codec)
@@ -167,12 +183,29 @@ def keyword_signature(cls: type, *leading: inspect.Parameter, returns: Any = ins
 
 
 def with_signature(cls: type, *leading: str) -> Callable[[Callable], Callable]:
-    """Give a ``def f(a, b, **options)`` the signature ``f(a, b, *, <cls's fields>)`` (for help() and IDEs)."""
+    """Give a ``def f(a, b, **options)`` the signature ``f(a, b, *, <cls's fields>)`` (for help() and IDEs);
+    a leading name written ``"c=None"`` gets that default."""
     def wrap(fn: Callable) -> Callable:
-        lead = [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in leading]
+        lead = [inspect.Parameter(n.split("=")[0], inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                  **({"default": None} if n.endswith("=None") else {})) for n in leading]
         fn.__signature__ = keyword_signature(cls, *lead, returns=inspect.signature(fn).return_annotation)  # type: ignore[attr-defined]
         return fn
     return wrap
 
 
 __all__ = ["UNTRUSTED_INDEX_MEMORY", "index_memory_limit", "SaveOptions", "LoadOptions", "GpuSaveOptions", "GpuLoadOptions", "options_from", "with_signature"]
+
+
+def default_memory_budget(device_total: int | None) -> int:
+    """The GPU memory an engine may use when not told: the smaller of 1 GiB and 2 % of the device."""
+    return min(1 << 30, device_total // 50) if device_total else 1 << 30
+
+
+def default_pinned_limit() -> int:
+    """Pinned host memory an async_save may hold: a quarter of the host's memory."""
+    import os
+
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
+        return 8 << 30

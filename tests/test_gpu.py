@@ -196,10 +196,10 @@ def big_gpu_state() -> dict:
                           "m": torch.randn(2048, 4096, device=DEV, generator=g)} for i in range(4)}
 
 
-@pytest.mark.parametrize("room", ["device", "host"])
+@pytest.mark.parametrize("room", ["device", "read-ahead"])
 def test_async_save_holds_the_values_at_call_time(tmp_path, room):
-    # No room on the device (a reserve beyond any GPU): the snapshot is a host copy.
-    opts = GpuSaveOptions(snapshot_reserve=1 << 60) if room == "host" else GpuSaveOptions()
+    # A state larger than half the memory budget is not copied: the engine reads it ahead of the writer.
+    opts = GpuSaveOptions(memory_budget=64 << 20) if room == "read-ahead" else GpuSaveOptions(memory_budget=16 << 30)
     state = big_gpu_state()
     expected = {k: {n: t.clone() for n, t in v.items()} for k, v in state.items()}
     torch.cuda.synchronize()
@@ -231,3 +231,62 @@ def test_cancelled_gpu_async_save_keeps_old_file(tmp_path):
     else:  # it had already reached its rename: then it must be complete
         assert nvckpt.load(path)["layer0"]["w"].dtype == torch.bfloat16
     assert sorted(os.listdir(tmp_path)) == ["k.nvckpt"]
+
+
+def test_lazy_async_save_reads_during_forward_backward_and_the_step_waits(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)]).to(DEV)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randn(64, 1024, device=DEV)
+
+    def step():
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+
+    step()
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    expected = {"model": {k: v.clone() for k, v in model.state_dict().items()}}
+    future = nvckpt.async_save(state, tmp_path / "lazy.nvckpt", fence=opt)
+    step()  # forward/backward overlap the reads; opt.step() waits for them before changing the weights
+    future.result(timeout=120)
+    assert future.snapshot == {str(DEV): "read-ahead"}
+    loaded = nvckpt.load(tmp_path / "lazy.nvckpt", device="cuda")
+    assert_tree_equal(loaded["model"], expected["model"])
+    assert not any(torch.equal(loaded["model"][k], v) for k, v in model.state_dict().items() if v.dim() == 2)
+    assert int(loaded["optimizer"]["state"][0]["step"]) == 1
+
+
+@pytest.mark.parametrize("budget_mib", [64, 256])
+def test_gpu_memory_stays_within_the_budget(tmp_path, budget_mib):
+    state = big_gpu_state()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated(DEV)
+    torch.cuda.reset_peak_memory_stats(DEV)
+    budget = budget_mib << 20
+    result = nvckpt.save(state, tmp_path / "b.nvckpt", gpu=GpuSaveOptions(memory_budget=budget))
+    assert result.stats["memory_budget"] == budget
+    used = torch.cuda.max_memory_allocated(DEV) - base
+    assert used <= budget, (used, budget, result.stats["batch_bytes"])
+    torch.cuda.reset_peak_memory_stats(DEV)
+    before = torch.cuda.memory_allocated(DEV)
+    with nvckpt.open(tmp_path / "b.nvckpt", device="cuda", gpu=GpuLoadOptions(memory_budget=budget)) as ck:
+        loaded = ck.load()
+    loaded_bytes = sum(t.numel() * t.element_size() for v in loaded.values() for t in v.values())
+    used = torch.cuda.max_memory_allocated(DEV) - before - loaded_bytes
+    assert used <= budget, (used, budget, ck.stats())
+    assert_tree_equal(loaded, state)
+
+
+def test_consecutive_async_saves_reuse_pinned_memory(tmp_path):
+    from nvckpt.engines.gpu.pinned import PINNED
+
+    state = big_gpu_state()
+    sizes = []
+    for i in range(6):
+        future = nvckpt.async_save(state, tmp_path / "p.nvckpt", gpu=GpuSaveOptions(memory_budget=64 << 20))
+        future.result(timeout=120)
+        sizes.append(PINNED.cached)
+    assert PINNED.in_use == 0
+    assert len(set(sizes[1:])) == 1, sizes  # flat after the first save
+    assert nvckpt.release_pinned_memory() == sizes[-1] and PINNED.cached == 0

@@ -182,6 +182,9 @@ def test_gpu_pipeline_bounds_its_host_slots():
             made.append(size)
             return super().host_buffer(size)
 
+    from nvckpt.engines.gpu.pinned import PINNED
+
+    PINNED.release()  # no slots kept from earlier saves: this one allocates its own
     state = {"w": torch.randn(200, 1000)}
     plan = plan_save(state, chunk_size=64 * KiB)
     items = host_items(plan, Counting(), tensor_checksums=False)
@@ -469,3 +472,54 @@ def test_async_save_holds_the_values_at_call_time(tmp_path):
     loaded = nvckpt.load(tmp_path / "a.nvckpt")
     assert_tree_equal(loaded["model"], expected["model"])
     assert int(loaded["step"]) == 7
+
+
+def test_read_ahead_reads_every_tensor_before_the_writer_gets_a_chunk():
+    """async_save's no-copy path: once the event is set the caller may change its tensors; the file keeps the old values."""
+    import copy
+
+    state = mixed_state()
+    expected = copy.deepcopy(state)  # views nested in lists change with their base: copy them all
+    plan = plan_save(state, chunk_size=64 * KiB)
+    read = threading.Event()
+    items = encode_batches(plan, chooser("auto", 1), HostBackend(), GpuSaveOptions(batch_bytes=300 * KiB, slot_bytes=200 * KiB),
+                           read_ahead=read)
+    changed = []
+
+    def training_goes_on():
+        for item in items:
+            if isinstance(item, EncodedChunk) and not changed:
+                assert read.is_set()  # every tensor was read before the first chunk reached the writer
+                with torch.no_grad():
+                    for v in state.values():
+                        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel():
+                            v.mul_(-1).add_(3)
+                            changed.append(v)
+            yield item
+
+    buf = io.BytesIO()
+    write_items(buf, training_goes_on(), plan, alignment=4096, info=writer_info())
+    assert changed
+    buf.seek(0)
+    assert_tree_equal(nvckpt.load(buf), expected)
+
+
+def test_read_ahead_beyond_the_pinned_limit_waits_for_the_writer():
+    state = {"w": torch.randn(400, 1000)}
+    plan = plan_save(state, chunk_size=64 * KiB)
+    read = threading.Event()
+    opts = GpuSaveOptions(batch_bytes=300 * KiB, slot_bytes=200 * KiB, pinned_slots=2, pinned_limit=400 * KiB)
+    items = encode_batches(plan, chooser("raw", 1), HostBackend(), opts, read_ahead=read)
+    seen_before = 0
+    for item in items:
+        if isinstance(item, EncodedChunk):
+            if not read.is_set():
+                seen_before += 1
+            item.release()
+    assert read.is_set() and seen_before > 0  # it had to write (release slots) before it could read everything
+
+
+def test_the_engine_refuses_a_budget_too_small_for_one_chunk():
+    plan = plan_save({"w": torch.randn(512, 1024)}, chunk_size=1 << 20)
+    with pytest.raises(ValueError, match="memory_budget"):
+        list(encode_batches(plan, chooser("raw", 1), HostBackend(), GpuSaveOptions(memory_budget=1 << 20)))

@@ -3,57 +3,69 @@
 Write beside the target, fsync, rename over it, fsync the folder.  A crash at
 any point leaves the final path with the complete old file or the complete new
 one; what it leaves beside it is a ``.NAME.XXXXXXXX.nvckpt-tmp`` file that
-``nvckpt recover`` can salvage.
+``nvckpt recover`` can salvage.  A writer holds an flock on its temporary file,
+so a later save can tell a crashed save's leftover from a save in progress.
+
+As ``torch.save`` does: a target that is a symlink is written through (the
+link stays a link, the file it names is replaced); a replaced file keeps its
+mode (and owner, where the process may set it); a new file gets 0o666 less
+the umask.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
+import glob
 import os
 import secrets
 from typing import Any, Callable, Iterator
 
 TMP_SUFFIX = ".nvckpt-tmp"
-
-
-def _name_max(folder: str) -> int:
-    try:
-        return os.pathconf(folder or ".", "PC_NAME_MAX")
-    except (OSError, ValueError, AttributeError):
-        return 255
+_TOKEN = 8  # hex digits of the random part
+_NAME_MAX = 255
 
 
 def temporary_name(final: str) -> str:
-    """A fresh hidden name beside ``final`` (the caller creates it with O_EXCL).
-
-    ``.NAME.XXXXXXXX.nvckpt-tmp``, with NAME shortened (whole UTF-8 characters)
-    where the whole would exceed the folder's NAME_MAX: a legal target name of
-    235-255 bytes must not fail for its temporary's sake."""
+    """A fresh hidden name beside ``final`` (the caller creates it with O_EXCL), at most NAME_MAX bytes:
+    a long target name is shortened in the temporary name only."""
     folder, base = os.path.split(final)
-    token = secrets.token_hex(4)
-    extra = len(f"..{token}{TMP_SUFFIX}")
+    room = _NAME_MAX - len(f"..{'0' * _TOKEN}{TMP_SUFFIX}".encode())
     raw = os.fsencode(base)
-    room = _name_max(folder) - extra
     if len(raw) > room:
-        cut = raw[:max(room, 1)]
-        lead = len(cut)
-        while lead > 0 and cut[lead - 1] & 0xC0 == 0x80:  # back to the start of the last character
-            lead -= 1
-        if lead > 0 and cut[lead - 1] >= 0xC0:
-            need = 2 if cut[lead - 1] < 0xE0 else 3 if cut[lead - 1] < 0xF0 else 4
-            if len(cut) - (lead - 1) < need:  # cut inside a character: leave it out
-                cut = cut[: lead - 1]
-        base = os.fsdecode(cut)
-    return os.path.join(folder, f".{base}.{token}{TMP_SUFFIX}")
+        base = raw[:room].decode("utf-8", "ignore") if isinstance(base, str) else base
+        while len(os.fsencode(base)) > room:
+            base = base[:-1]
+    return os.path.join(folder, f".{base}.{secrets.token_hex(_TOKEN // 2)}{TMP_SUFFIX}")
 
 
-def _as_target(exc: OSError, path: str, tmp: str) -> OSError:
-    """The same OSError, naming the path the caller gave instead of our temporary name."""
-    if exc.filename in (tmp, os.fsencode(tmp)) or (isinstance(exc.filename, str) and exc.filename.startswith(tmp)):
-        new = type(exc)(exc.errno, f"{exc.strerror} (while writing a temporary file beside it)", path)
-        new.__traceback__ = exc.__traceback__
-        return new
-    return exc
+def leftover_temporaries(final: str) -> list[str]:
+    """Temporary files of earlier saves to ``final`` that no process is writing any more (crashed or killed)."""
+    real = os.path.realpath(final)
+    prefix = os.path.basename(temporary_name(real))[: -(_TOKEN + len(TMP_SUFFIX))]  # ".NAME."
+    pattern = os.path.join(glob.escape(os.path.dirname(real)), glob.escape(prefix) + "?" * _TOKEN + TMP_SUFFIX)
+    found = []
+    for path in sorted(glob.glob(pattern)):
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            found.append(path)
+        except OSError:
+            pass  # a save in progress holds it
+        finally:
+            os.close(fd)
+    return found
+
+
+def _named(exc: OSError, given: str) -> OSError:
+    """The same error naming the user's path, not the temporary one (OSError(errno, ...) keeps the subclass)."""
+    if exc.errno is None or exc.strerror is None:
+        return exc
+    return OSError(exc.errno, exc.strerror, given)
 
 
 def _fsync(path: str) -> None:
@@ -65,7 +77,20 @@ def _fsync(path: str) -> None:
 
 
 def _create(tmp: str) -> None:
-    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+
+
+def _lock(tmp: str) -> int | None:
+    """An flock held on ``tmp`` while it is written (tells a live save from a crashed one's leftover)."""
+    try:
+        fd = os.open(tmp, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        pass
+    return fd
 
 
 class AtomicReplace:
@@ -78,9 +103,18 @@ class AtomicReplace:
 
     def __init__(self, path: str | os.PathLike, create: Callable[[str], Any] = _create) -> None:
         self.given = os.fspath(path)
-        self.path = os.path.abspath(self.given)
+        # Through a symlink to the file it names, as open(path, "wb") would write.
+        self.path = os.path.realpath(os.path.abspath(self.given))
         if os.path.isdir(self.path):
-            raise IsADirectoryError(21, "Is a directory", self.given)
+            raise IsADirectoryError(errno.EISDIR, "Is a directory", self.given)
+        folder = os.path.dirname(self.path)
+        if not os.path.isdir(folder):
+            raise FileNotFoundError(errno.ENOENT, "No such directory", self.given)
+        try:
+            self._old = os.stat(self.path)
+        except FileNotFoundError:
+            self._old = None
+        self._lock_fd: int | None = None
         for _ in range(100):
             self.tmp = temporary_name(self.path)
             try:
@@ -91,13 +125,22 @@ class AtomicReplace:
             except OSError as exc:
                 with contextlib.suppress(FileNotFoundError):  # created, then the writer failed to start
                     os.unlink(self.tmp)
-                raise _as_target(exc, self.given, self.tmp) from None
+                raise _named(exc, self.given) from None
             except BaseException:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.tmp)
                 raise
         else:
-            raise FileExistsError(17, "could not create a temporary file beside it", os.fspath(path))
+            raise FileExistsError(errno.EEXIST, "could not create a temporary file beside it", self.given)
+        self._lock_fd = _lock(self.tmp)
+
+    def _keep_attributes(self) -> None:
+        if self._old is None:
+            return
+        os.chmod(self.tmp, self._old.st_mode & 0o7777)
+        if hasattr(os, "chown"):
+            with contextlib.suppress(PermissionError):  # only where the process may set the owner
+                os.chown(self.tmp, self._old.st_uid, self._old.st_gid)
 
     def commit(self) -> None:
         """The complete temporary file (fsynced, closed by its writer) becomes the target."""
@@ -107,18 +150,22 @@ class AtomicReplace:
                 close(sync=True)
             else:
                 _fsync(self.tmp)
+            self._keep_attributes()
             os.replace(self.tmp, self.path)
         except OSError as exc:
             self.abort()  # the old file stays; nothing half-written stays beside it
-            raise _as_target(exc, self.given, self.tmp) from None
+            raise _named(exc, self.given) from None
         except BaseException:
             self.abort()
             raise
+        self._unlock()
         _fsync(os.path.dirname(self.path))
 
     def as_target(self, exc: BaseException) -> BaseException:
-        """An OSError about the temporary file, restated for the path the caller gave (others as they are)."""
-        return _as_target(exc, self.given, self.tmp) if isinstance(exc, OSError) else exc
+        """An OSError about the temporary file (a write to it failed), restated for the path the caller gave."""
+        if isinstance(exc, OSError) and exc.filename in (self.tmp, os.fsencode(self.tmp)):
+            return _named(exc, self.given)
+        return exc
 
     def abort(self) -> None:
         try:
@@ -128,6 +175,12 @@ class AtomicReplace:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.tmp)
+            self._unlock()
+
+    def _unlock(self) -> None:
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            os.close(fd)
 
     def __enter__(self) -> "AtomicReplace":
         return self
@@ -149,4 +202,4 @@ def atomic_output(path: str | os.PathLike) -> Iterator[str]:
         yield out.tmp
 
 
-__all__ = ["AtomicReplace", "atomic_output", "temporary_name", "TMP_SUFFIX"]
+__all__ = ["AtomicReplace", "atomic_output", "temporary_name", "leftover_temporaries", "TMP_SUFFIX"]

@@ -63,13 +63,13 @@ class FileSink:
         self.fd = -1
         if direct and hasattr(os, "O_DIRECT"):
             try:
-                self.fd = os.open(path, flags | os.O_DIRECT, 0o644)
+                self.fd = os.open(path, flags | os.O_DIRECT, 0o666)
                 self.direct = True
             except OSError as exc:
                 if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
                     raise
         if self.fd < 0:
-            self.fd = os.open(path, flags, 0o644)
+            self.fd = os.open(path, flags, 0o666)
         try:
             self.block_size = block_size
             self._free: queue.Queue = queue.Queue()

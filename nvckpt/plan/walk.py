@@ -6,6 +6,7 @@ says which bytes go in which chunk.  Engines (CPU, GPU) turn it into frames.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -158,7 +159,8 @@ def plan_save(
     if len(plan_tensors) > MAX_TENSORS:
         raise LimitError(f"{len(plan_tensors)} tensors exceed the limit of {MAX_TENSORS}")
     tree = _finish(skeleton, leaf_ids)
-    return SavePlan(tree, plan_tensors, dict(metadata or {}))
+    # A copy, as the tree is: an async_save must not see the caller change its metadata afterwards.
+    return SavePlan(tree, plan_tensors, copy.deepcopy(metadata) if metadata else {})
 
 
 # Skeleton nodes keep plain Python values apart from leaf indices.
@@ -251,13 +253,12 @@ def _view_key(t: torch.Tensor) -> tuple:
 
 def _dedupe(leaves: list[tuple[str, torch.Tensor]], chunk_size: int) -> tuple[list[PlannedTensor], list[int]]:
     """One entry per distinct tensor; views of one storage share a base entry."""
-    groups: dict[tuple, list[int]] = {}
+    groups: dict[tuple, list[int]] = {}  # in order of each group's first leaf (dicts keep insertion order)
     for i, (_, t) in enumerate(leaves):
-        storage = t.untyped_storage()
-        if t.numel() == 0 or storage.nbytes() == 0:
+        if t.numel() == 0:
             key: tuple = ("leaf", i)
-        else:
-            key = ("storage", t.device, storage.data_ptr())
+        else:  # the storage's start address, without making a storage object (this loop runs once per tensor)
+            key = ("storage", t.get_device(), t.data_ptr() - t.storage_offset() * t.element_size())
         groups.setdefault(key, []).append(i)
 
     names_seen: dict[str, int] = {}
@@ -283,7 +284,11 @@ def _dedupe(leaves: list[tuple[str, torch.Tensor]], chunk_size: int) -> tuple[li
         return {"name": path, "dtype": name_of(t.dtype), "shape": list(t.shape)}
 
     # Walk groups in order of their first leaf, so names follow tree order.
-    for members in sorted(groups.values(), key=lambda m: m[0]):
+    for members in groups.values():
+        if len(members) == 1:  # the common case: a tensor that shares its storage with no other leaf
+            path, t = leaves[members[0]]
+            leaf_ids[members[0]] = add(base_entry(path, t), t)
+            continue
         views: dict[tuple, list[int]] = {}
         for i in members:
             views.setdefault(_view_key(leaves[i][1]), []).append(i)

@@ -4,7 +4,7 @@ materialized from raw bytes (dtype, shape, bools, views on their base, derived t
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -16,6 +16,9 @@ from ..options import LoadOptions, index_memory_limit
 from ..plan.derived import bf16_rne
 from ..plan.dtypes import to_torch
 from .file import CheckpointFile, check_supported
+
+if TYPE_CHECKING:
+    from .slicing import TensorSlice
 
 
 def _check_bools(entry: TensorEntry, raw: torch.Tensor, path: str) -> None:

@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import gc
 import os
 import platform
 import threading
 import time
+import warnings
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
@@ -17,14 +20,15 @@ import torch
 from .. import __version__
 from ..codecs.base import Pipeline
 from ..codecs.presets import GPU_PRESETS, chooser
-from ..errors import UnsupportedCodecError
+from ..errors import LeftoverTemporaryWarning, UnsupportedCodecError
 from ..format.frames import FrameWriter, check_index_floor
-from ..io.atomic import AtomicReplace
+from ..io.atomic import AtomicReplace, leftover_temporaries
 from ..io.sink import FileSink
 from ..options import SaveOptions
 from ..plan.chunking import CPU_CHUNK_SIZE, GPU_CHUNK_SIZE
 from ..plan.walk import SavePlan, plan_save
 from ..engines.items import EncodedChunk, TensorReady
+from . import lifecycle
 
 
 @dataclass(frozen=True)
@@ -109,26 +113,53 @@ class SaveSession:
         self.device = _gpu_device(self.plan, options)
         if options.chunk_size is None and self.device is not None:
             self.plan.rechunk(GPU_CHUNK_SIZE)  # the GPU engine's own default
-        self.ready: Any = None  # per device: what the engine waits for (a snapshot's copies)
+        self.ready: Any = None  # what the engine's streams wait for (the caller's work, a snapshot's copies)
+        self.tensors_read: threading.Event | None = None  # set once the engine reads the caller's tensors no more
         self.stats: dict[str, Any] = {}
+        lifecycle.prepare(async_save=False)
+
+    @property
+    def tensor_checksums(self) -> bool:
+        """Whole-tensor checksums: on unless turned off, or (when not asked for) in a read-ahead async_save,
+        where hashing the raw bytes would keep the caller waiting for a device-to-host copy of the whole
+        state; every stored byte still has its chunk checksum."""
+        asked = self.options.tensor_checksums
+        return asked if asked is not None else self.tensors_read is None
 
     @property
     def engine(self) -> str:
         return "cpu" if self.device is None else "gpu"
 
-    def snapshot(self) -> None:
-        """Copy every tensor, so the caller may change its own right away (async_save)."""
-        if self.device is not None:
-            from ..engines.gpu.snapshot import snapshot
+    def prepare_async(self, lazy: bool = False) -> None:
+        """What async_save does at its call, so that the caller may change its tensors once it returns.
 
-            snap = snapshot(self.plan, self.options.gpu)
+        CPU tensors are copied.  On the GPU engine a state that fits in half the memory budget is copied on
+        the device (a few ms); a larger one -- or any, with ``lazy`` -- is not copied at all: the engine
+        reads it ahead of the writer (compressed chunks into pinned host memory), and the caller is
+        released once every tensor has been read (``tensors_read``)."""
+        if self.device is None:
+            with torch.no_grad():
+                for t in self.plan.tensors:
+                    if t.data is not None:
+                        t.data = torch.empty(t.data.shape, dtype=t.data.dtype, device="cpu").copy_(t.data)
+            return
+        from ..engines.gpu.backend import CudaBackend
+        from ..engines.gpu.snapshot import clone_host_tensors, snapshot
+        from ..options import default_memory_budget
+
+        budget = self.options.gpu.memory_budget or default_memory_budget(CudaBackend(self.device).memory_total())
+        on_gpu = sum(t.nbytes for t in self.plan.tensors if t.data is not None and t.data.device.type == "cuda")
+        if not lazy and on_gpu <= budget // 2:
+            snap = snapshot(self.plan)
             self.ready = snap.events.get(self.device)
             self.stats["snapshot"] = snap.strategies
             return
-        with torch.no_grad():
-            for t in self.plan.tensors:
-                if t.data is not None:
-                    t.data = torch.empty(t.data.shape, dtype=t.data.dtype, device="cpu").copy_(t.data)
+        clone_host_tensors(self.plan)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))  # the caller's work so far, on the caller's stream
+        self.ready = ready
+        self.tensors_read = threading.Event()
+        self.stats["snapshot"] = {str(self.device): "read-ahead"}
 
     def _items(self) -> tuple[Iterator[TensorReady | EncodedChunk], dict[str, Any]]:
         o = self.options
@@ -136,7 +167,7 @@ class SaveSession:
             from ..engines.cpu import encode_cpu
 
             return encode_cpu(self.plan, chooser(o.codec, o.zstd_level), workers=o.workers,
-                              tensor_checksums=o.tensor_checksums), {}
+                              tensor_checksums=o.tensor_checksums is not False), {}
         from ..codecs.nvcomp import backend as nb
         from ..engines.gpu.backend import CudaBackend
         from ..engines.gpu.encode import encode_batches
@@ -144,13 +175,48 @@ class SaveSession:
         version = nb.nvcomp_version()
         items = encode_batches(self.plan, chooser(o.codec, o.zstd_level, gpu=True, nvcomp_version=version),
                                CudaBackend(self.device, timing=o.gpu.timing), o.gpu,
-                               tensor_checksums=o.tensor_checksums, ready=self.ready, stats=self.stats)
+                               tensor_checksums=self.tensor_checksums, ready=self.ready, stats=self.stats,
+                               read_ahead=self.tensors_read)
         return items, {"nvcomp": version}
 
-    def run(self, cancel: threading.Event | None = None) -> SaveResult:
+    def register(self, cancel: threading.Event, future: Any = None) -> lifecycle.Running:
+        """This save as one in progress (finished at exit, given a grace on SIGTERM)."""
+        return _register(self.target, self.options, cancel, future)
+
+    def prepare_lazy(self, ready: Any, tensors_read: threading.Event) -> None:
+        """A lazy async_save, in its own thread: the GPU engine reads the caller's tensors ahead of the writer
+        (``ready``: an event recorded on the caller's stream at the call); the CPU engine copies them first."""
+        if self.device is None:
+            self.prepare_async()
+            tensors_read.set()
+            return
+        from ..engines.gpu.snapshot import clone_host_tensors
+
+        clone_host_tensors(self.plan)
+        self.ready = ready
+        self.tensors_read = tensors_read
+        self.stats["snapshot"] = {str(self.device): "read-ahead"}
+
+    def run(self, cancel: threading.Event | None = None, running: lifecycle.Running | None = None) -> SaveResult:
+        """Write the file.  ``cancel`` (set by SaveFuture.cancel or a SIGTERM past its grace) stops it and
+        leaves the target as it was; ``running``: the registration an async_save made at its call."""
+        cancel = cancel or (running.cancel if running is not None else threading.Event())
+        running = running or self.register(cancel)
+        try:
+            return self._run(cancel)
+        finally:
+            lifecycle.end(running)
+
+    def _run(self, cancel: threading.Event) -> SaveResult:
+        if not hasattr(self.target, "write"):
+            left = leftover_temporaries(os.fspath(self.target))
+            if left:
+                warnings.warn(LeftoverTemporaryWarning(
+                    f"{len(left)} temporary file(s) of an earlier save to {os.fspath(self.target)} that did not finish: "
+                    f"{', '.join(map(os.path.basename, left))}; `nvckpt recover TMP OUT` salvages their complete "
+                    "tensors (remove them when done)"), stacklevel=4)
         items, extra = self._items()
-        if cancel is not None:
-            items = _cancellable(items, cancel)
+        items = _cancellable(items, cancel)
         info = writer_info(extra)
         raw_bytes = self.plan.stored_raw_bytes
         alignment = self.options.alignment
@@ -161,7 +227,7 @@ class SaveSession:
         out = AtomicReplace(os.fspath(self.target), lambda tmp: FileSink(tmp, direct=direct))
         try:
             size = write_items(out.writer, items, self.plan, alignment=alignment, info=info, progress=self.progress)
-            if cancel is not None and cancel.is_set():
+            if cancel.is_set():
                 raise CancelledError("async save cancelled; the file at the target path was not changed")
         except BaseException as exc:
             out.abort()
@@ -201,6 +267,22 @@ class SaveFuture(Future):
         self.blocked_seconds = 0.0
         self.snapshot: dict[str, str] = {}
         self._stop = threading.Event()
+        self._read: threading.Event | None = None
+
+    def wait_read(self, timeout: float | None = None) -> bool:
+        """Block until the save reads the caller's tensors no more (they may then be changed); True if so.
+
+        A lazy async_save (``fence=``) calls this from the optimizer's step pre-hook; call it yourself
+        before changing the saved tensors in any other way."""
+        if self._read is None:
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._read.wait(0.05):
+            if self.done():
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+        return True
 
     def cancel(self) -> bool:
         if self.done():
@@ -208,33 +290,127 @@ class SaveFuture(Future):
         self._stop.set()
         return True
 
+    def _set_cancelled(self) -> None:
+        """The running save stopped because of cancel(): cancelled() is True and result() raises CancelledError."""
+        from concurrent.futures._base import CANCELLED_AND_NOTIFIED
 
-def start_async(obj: Any, target: Any, options: SaveOptions) -> SaveFuture:
-    """Plan and snapshot in the caller's thread, then save in a thread of its own."""
+        with self._condition:
+            self._state = CANCELLED_AND_NOTIFIED
+            self._condition.notify_all()
+        self._invoke_callbacks()
+
+
+def _register(target: Any, options: SaveOptions, cancel: threading.Event, future: Any = None) -> lifecycle.Running:
+    name = getattr(target, "name", "<stream>") if hasattr(target, "write") else os.fspath(target)
+    return lifecycle.begin(str(name), cancel, float(options.preemption_grace), future)
+
+
+def _containers(node: Any) -> Any:
+    """The object's containers copied, its leaves (tensors, scalars) shared: what a lazy save holds at the call."""
+    if isinstance(node, dict):
+        return {k: _containers(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_containers(v) for v in node]
+    if isinstance(node, tuple):
+        return tuple(_containers(v) for v in node)
+    return node
+
+
+_hooks: list[tuple[Any, SaveFuture]] = []  # step pre-hooks of lazy saves, with their futures
+_hooks_lock = threading.Lock()
+
+
+def _remove_spent_hooks() -> None:
+    with _hooks_lock:
+        spent = [(h, f) for h, f in _hooks if f.wait_read(0)]
+        for h, f in spent:
+            h.remove()
+            _hooks.remove((h, f))
+
+
+def _fences(fence: Any) -> list[Any]:
+    fences = list(fence) if isinstance(fence, (list, tuple)) else [fence]
+    for f in fences:
+        if not callable(getattr(f, "register_step_pre_hook", None)):
+            raise TypeError(f"fence must be a torch.optim.Optimizer (or a list of them), got {type(f).__qualname__}: "
+                            "its step pre-hook waits until the save has read the tensors")
+    return fences
+
+
+def start_async(obj: Any, target: Any, options: SaveOptions, fence: Any = None) -> SaveFuture:
+    """Plan (and copy, or arrange to read ahead) in the caller's thread, then save in a thread of its own.
+
+    With a fence (lazy) the call only copies the object's containers and the metadata and records an event
+    on the caller's CUDA stream; planning, reading and writing all happen in the save's thread."""
     start = time.perf_counter()
-    # No garbage-collection pass while the caller waits: in a large process (torch,
-    # a model, its optimizer) one full pass can take longer than the whole snapshot.
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        session = SaveSession(obj, target, options)
-        session.snapshot()
-    finally:
-        if collecting:
-            gc.enable()
+    fences = _fences(fence) if fence is not None else []
+    lifecycle.prepare(async_save=True)
     future = SaveFuture()
-    future.snapshot = dict(session.stats.get("snapshot", {}))
     future.set_running_or_notify_cancel()
+    if fences:
+        skeleton = _containers(obj)
+        options = dataclasses.replace(options, metadata=copy.deepcopy(options.metadata))
+        ready = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream())
+        future._read = threading.Event()
+        future.snapshot = {"lazy": "planned and read in the save's thread"}
+
+        def begin() -> SaveSession:
+            session = SaveSession(skeleton, target, options)
+            session.prepare_lazy(ready, future._read)
+            future.snapshot = dict(session.stats.get("snapshot", {}))
+            return session
+    else:
+        # No garbage-collection pass while the caller waits: in a large process (torch,
+        # a model, its optimizer) one full pass can take longer than the whole snapshot.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            prepared = SaveSession(obj, target, options)
+            prepared.prepare_async()
+        finally:
+            if collecting:
+                gc.enable()
+        future.snapshot = dict(prepared.stats.get("snapshot", {}))
+        future._read = prepared.tensors_read
+
+        def begin() -> SaveSession:
+            return prepared
+    running = _register(target, options, future._stop, future)  # before the thread starts: an exit now waits for it
 
     def work() -> None:
         try:
-            result = session.run(future._stop)
+            result = begin().run(future._stop, running)
+        except CancelledError as exc:
+            if future._stop.is_set():
+                future._set_cancelled()
+            else:
+                future.set_exception(exc)
         except BaseException as exc:
             future.set_exception(exc)
         else:
             future.set_result(result)
+        finally:
+            lifecycle.end(running)
+            if future._read is not None:
+                future._read.set()  # also when it failed before reading: whoever waits sees the outcome
 
     threading.Thread(target=work, name="nvckpt-async-save", daemon=False).start()
+    if fences:  # lazy: the next optimizer.step() waits for the reads, the forward and backward do not
+        _remove_spent_hooks()
+
+        def before_step(*_: Any) -> None:
+            future.wait_read()  # a no-op once read; the hook is removed at the next lazy save (not while torch
+            # iterates over the hooks, which a removal from inside one would break)
+
+        with _hooks_lock:
+            _hooks.extend((f.register_step_pre_hook(before_step), future) for f in fences)
+    elif future._read is not None:
+        future.wait_read()
+        if future.done() and future.exception() is not None:
+            raise future.exception()  # failed before it had read the tensors: nothing was written
     future.blocked_seconds = time.perf_counter() - start
     return future
 

@@ -50,6 +50,7 @@ class Backend(Protocol):
     device: torch.device
 
     # -- both directions --
+    def memory_total(self) -> int | None: ...
     def host_buffer(self, size: int) -> torch.Tensor: ...
     def to_host(self, src: torch.Tensor, dst: torch.Tensor, stream: Any) -> Any: ...
     def side_stream(self, after: Any) -> Any: ...
@@ -117,6 +118,9 @@ class CudaBackend:
         return codec
 
     # -- both directions --
+    def memory_total(self) -> int | None:
+        return int(torch.cuda.get_device_properties(self.device).total_memory)
+
     def host_buffer(self, size: int) -> torch.Tensor:
         return aligned_host_buffer(size, pin=True)
 
@@ -285,6 +289,9 @@ class HostBackend:
         self.gpu_zstd = gpu_zstd
 
     # -- both directions --
+    def memory_total(self) -> int | None:
+        return None
+
     def host_buffer(self, size: int) -> torch.Tensor:
         return aligned_host_buffer(size, pin=False)
 

@@ -43,11 +43,12 @@ from ...errors import ChecksumError, FormatError, LimitError, NvckptError
 from ...format.entry import Chunk, TensorEntry
 from ...format.structs import xxh3
 from ...io.source import DirectReads
-from ...options import GpuLoadOptions
+from ...options import GpuLoadOptions, default_memory_budget
 from ...session.file import CheckpointFile
 from .backend import Backend
 from .batching import SlotPool, plan_read_spans
 from .hashing import device_digest
+from .pinned import PINNED, cached_allocator
 
 _ALIGN = 4096
 
@@ -228,9 +229,13 @@ def _decode(file: CheckpointFile, targets: list[_Target], dev: Backend, options:
         return routes[cid]
 
     buf_size = max(max(s.length for s in spans), options.read_span_bytes)
+    budget = options.memory_budget or default_memory_budget(dev.memory_total())
+    # The arena is the loader's device memory (besides a chunk's staging and nvCOMP's scratch): half the budget.
+    arena_bytes = max(min(options.decode_batch_bytes, budget // 2), buf_size)
+    stats.update(memory_budget=budget, arena_bytes=arena_bytes)
     reads = DirectReads(file.source, options.direct_io)
-    pool = SlotPool(min(options.read_buffers, len(spans)), buf_size, dev.host_buffer, lazy=True)
-    arena = dev.alloc(max(options.decode_batch_bytes, buf_size))
+    pool = SlotPool(min(options.read_buffers, len(spans)), buf_size, cached_allocator(dev.host_buffer), lazy=True)
+    arena = dev.alloc(arena_bytes)
     readers = ThreadPoolExecutor(options.read_threads, thread_name_prefix="nvckpt-read")
     inflight: deque = deque()
     staged: dict[Any, list[tuple[_Item, torch.Tensor]]] = {}
@@ -333,6 +338,7 @@ def _decode(file: CheckpointFile, targets: list[_Target], dev: Backend, options:
         for *_, fut in inflight:
             fut.cancel()
         readers.shutdown(wait=True, cancel_futures=True)
+        PINNED.give(pool.slots)
         bytes_read, direct_reads = reads.bytes_read, reads.direct_reads
         reads.close()
         t0 = time.perf_counter()

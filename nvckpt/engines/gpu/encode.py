@@ -51,12 +51,13 @@ from ...codecs.base import Pipeline
 from ...codecs.builtin import check_zstd_window
 from ...codecs.registry import RAW
 from ...format.structs import xxh3
-from ...options import GpuSaveOptions
+from ...options import GpuSaveOptions, default_memory_budget, default_pinned_limit
 from ...plan.walk import PlannedTensor, SavePlan
 from ..items import EncodedChunk, TensorReady
 from .backend import Backend, Encoded
 from .batching import ChunkJob, SlotPool, copy_groups, first_use_order, plan_batches
 from .hashing import device_digest
+from .pinned import PINNED, cached_allocator
 
 
 # -- tensor checksums ------------------------------------------------------------------------
@@ -124,6 +125,13 @@ class TensorChecksums:
                 raise self.error
             raise RuntimeError(f"no checksum was computed for tensor {tensor_id}")
 
+    def wait_all(self) -> None:
+        """Until every tensor is hashed (raises what a worker raised)."""
+        for th in self._threads:
+            th.join()
+        if self.error is not None:
+            raise self.error
+
     def close(self) -> None:
         self.stop.set()
         for th in self._threads:
@@ -138,9 +146,12 @@ def _on_stream(stream: Any, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
 # -- the pipeline ---------------------------------------------------------------------------
 @dataclass
 class _Group:
-    """Chunks [first, stop) of an encoded batch, on their way through one pinned slot."""
+    """Chunks [first, stop) of an encoded batch, on their way through one pinned slot.
 
-    enc: Encoded
+    ``enc`` keeps the batch's device buffers alive until the copy into the slot is done
+    (``detach``); the group then needs only host-side facts about its chunks."""
+
+    enc: Encoded | None
     first: int
     stop: int
     slot: int
@@ -150,6 +161,20 @@ class _Group:
     hashes: list[Future] | None = None
     left: int = 0
     pool: SlotPool | None = field(default=None, repr=False)
+    capacity: int = 0
+    sizes: list[int] = field(default_factory=list)
+    jobs: list[ChunkJob] = field(default_factory=list)
+    pipeline: Pipeline | None = None
+
+    def __post_init__(self) -> None:
+        self.capacity, self.sizes, self.jobs, self.pipeline = (self.enc.capacity, self.enc.sizes(), self.enc.batch.jobs,
+                                                               self.enc.batch.key)
+
+    def detach(self, dev: Backend) -> None:
+        """Wait for the copy into the slot, then let the batch's device memory go."""
+        if self.enc is not None:
+            dev.wait(self.event)
+            self.enc = None
 
     def release_one(self) -> None:
         self.left -= 1
@@ -157,8 +182,8 @@ class _Group:
             self.pool.give(self.slot)
 
     def payload(self, i: int) -> memoryview:
-        at = (i - self.first) * self.enc.capacity
-        n = self.enc.batch.jobs[i].length if i in self.raw else self.enc.sizes()[i]
+        at = (i - self.first) * self.capacity
+        n = self.jobs[i].length if i in self.raw else self.sizes[i]
         return memoryview(self.view[at: at + n])
 
 
@@ -173,29 +198,49 @@ def _checked_xxh3(payload: memoryview) -> int:
 
 
 def encode_batches(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, options: GpuSaveOptions, *,
-                   tensor_checksums: bool = True, ready: Any = None,
-                   stats: dict[str, Any] | None = None) -> Iterator[TensorReady | EncodedChunk]:
+                   tensor_checksums: bool = True, ready: Any = None, stats: dict[str, Any] | None = None,
+                   read_ahead: threading.Event | None = None) -> Iterator[TensorReady | EncodedChunk]:
     """Items for the frame writer: every tensor's TensorReady, then its chunks, encoded on ``dev``.
 
     ``choose(dtype name)`` is the pipeline of a tensor; ``ready``: an event the
-    engine's streams wait for (an async_save snapshot's copies); ``stats`` is
-    filled with what the run measured."""
-    # Runs in the caller's thread up to the first next(): order after the caller's stream now.
+    engine's streams wait for (the caller's work, or a snapshot's copies);
+    ``stats`` is filled with what the run measured.  ``read_ahead`` (async_save):
+    encode and copy out every chunk into pinned host memory before handing any
+    to the writer (as far as ``pinned_limit`` allows), then set the event: from
+    then on nothing reads the caller's tensors."""
+    # Runs in the calling thread up to the first next(): order after that thread's stream now.
     dev.wait_for_caller(ready)
-    return _pipeline(plan, choose, dev, options, tensor_checksums, ready, {} if stats is None else stats)
+    return _pipeline(plan, choose, dev, options, tensor_checksums, ready, {} if stats is None else stats, read_ahead)
+
+
+def batch_bytes_for(options: GpuSaveOptions, dev: Backend) -> tuple[int, int]:
+    """(batch_bytes, budget): batches shrunk so that the engine's device memory stays within the budget.
+
+    Per batch alive the engine holds its output (batch_bytes), at most as much scratch (byte planes or
+    staged inputs), and nvCOMP's own temporary memory (measured on the H200: up to about half a batch);
+    inflight + 1 batches are alive at once."""
+    budget = options.memory_budget or default_memory_budget(dev.memory_total())
+    return min(options.batch_bytes, budget * 2 // (5 * (options.inflight + 1))), budget
 
 
 def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, options: GpuSaveOptions,
-              tensor_checksums: bool, ready: Any, stats: dict[str, Any]) -> Iterator[TensorReady | EncodedChunk]:
+              tensor_checksums: bool, ready: Any, stats: dict[str, Any],
+              read_ahead: threading.Event | None) -> Iterator[TensorReady | EncodedChunk]:
     started = time.perf_counter()
-    batch_bytes, inflight, slot_bytes = options.batch_bytes, options.inflight, options.slot_bytes
-    stats["engine"] = type(dev).__name__
+    inflight, slot_bytes = options.inflight, options.slot_bytes
+    batch_bytes, budget = batch_bytes_for(options, dev)
+    stats.update(engine=type(dev).__name__, memory_budget=budget, batch_bytes=batch_bytes)
     pipelines: dict[int, Pipeline] = {}
     jobs: list[ChunkJob] = []
     for t in plan.tensors:
         if t.data is not None and t.chunks:
             pipelines[t.tensor_id] = p = choose(t.entry["dtype"])
             jobs.extend(ChunkJob(t.tensor_id, i, s, n, p) for i, (s, n) in enumerate(t.chunks))
+    biggest = max((dev.capacity(j.key, j.length) for j in jobs), default=0)
+    if biggest > batch_bytes:
+        raise ValueError(f"GpuSaveOptions.memory_budget {budget} is too small for this save: one chunk needs "
+                         f"{biggest} bytes of output, so the budget must be at least {5 * (inflight + 1) * biggest // 2} "
+                         "(or use smaller chunks, or fewer batches in flight)")
     batches = plan_batches(jobs, dev.capacity, batch_bytes=batch_bytes, max_chunks=options.max_batch_chunks)
     for b in batches:
         if b.capacity > slot_bytes:
@@ -226,14 +271,23 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
                 yield TensorReady(t.tensor_id, checksum)
         if not batches:
             return
-        pool = SlotPool(options.pinned_slots, slot_bytes, dev.host_buffer)
-        pool_views = [s.numpy() for s in pool.slots]
+        if read_ahead is not None:  # room for the whole compressed state, as far as the limit allows
+            count = max(options.pinned_slots, (options.pinned_limit or default_pinned_limit()) // slot_bytes)
+            pool = SlotPool(count, slot_bytes, cached_allocator(dev.host_buffer), lazy=True)
+        else:
+            pool = SlotPool(options.pinned_slots, slot_bytes, cached_allocator(dev.host_buffer))
+        pool_views: dict[int, Any] = {}
         todo = deque(batches)
         encoded: deque[Encoded] = deque()
         cursor: list[Any] = [None, None]  # [groups of encoded[0], index of the next group]
         copied: deque[_Group] = deque()
 
         def submit() -> None:
+            # Batches alive on the device: those not yet copied out, and those whose copy is still running.
+            holding = [g for g in copied if g.enc is not None]
+            while holding and len(encoded) + len({id(g.enc) for g in holding}) > inflight:
+                holding.pop(0).detach(dev)
+                holding = [g for g in holding if g.enc is not None]
             b = todo.popleft()
             for j in b.jobs:
                 if j.tensor_id not in sources:
@@ -249,7 +303,7 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
                 t0 = time.perf_counter()
                 dev.wait(g.event)
                 waits["copy_out"] += time.perf_counter() - t0
-                digest = _checked_xxh3 if g.enc.batch.key.coder.name == "zstd" else xxh3
+                digest = _checked_xxh3 if g.pipeline.coder.name == "zstd" else xxh3
                 g.hashes = [hasher.submit(digest, g.payload(i)) if i not in g.raw else hasher.submit(xxh3, g.payload(i))
                             for i in range(g.first, g.stop)]
 
@@ -269,6 +323,8 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
                 groups, lengths, raws = cursor[0]
                 first, stop = groups[cursor[1]]
                 slot = pool.take()
+                if slot not in pool_views:
+                    pool_views[slot] = pool.slots[slot].numpy()
                 raw_here = sorted(i for i in raws if first <= i < stop)
                 event = dev.copy_out(enc, first, stop, lengths, raw_here, pool.slots[slot])
                 copied.append(_Group(enc, first, stop, slot, pool_views[slot], set(raw_here), event,
@@ -285,13 +341,28 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
                 if not pool.free:
                     raise RuntimeError("every pinned slot is held but none is being written")
                 continue
+            for g in copied:
+                if g.enc is not None and dev.ready(g.event):
+                    g.detach(dev)
+            if read_ahead is not None and not read_ahead.is_set():
+                if (todo or encoded) and pool.free:
+                    continue  # read every tensor before writing anything
+                if not todo and not encoded:
+                    t0 = time.perf_counter()
+                    for g in copied:  # raw chunks are copied out of the caller's tensors themselves
+                        dev.wait(g.event)
+                    if checks is not None:
+                        checks.wait_all()
+                    stats["tensors_read_seconds"] = time.perf_counter() - started
+                    waits["copy_out"] += time.perf_counter() - t0
+                    read_ahead.set()
             group = copied.popleft()
             start_hashing(group)
+            group.detach(dev)
             if copied and dev.ready(copied[0].event):
                 start_hashing(copied[0])  # overlap the next group's checksums with this group's writes
-            enc = group.enc
             for k, i in enumerate(range(group.first, group.stop)):
-                job = enc.batch.jobs[i]
+                job = group.jobs[i]
                 if job.tensor_id not in announced:
                     announced.add(job.tensor_id)
                     yield TensorReady(job.tensor_id, checks.get(job.tensor_id) if checks else None)
@@ -304,7 +375,7 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
                 checksum = group.hashes[k].result()
                 t1 = time.perf_counter()
                 waits["chunk_xxh3"] += t1 - t0
-                yield EncodedChunk(job.tensor_id, job.chunk_index, RAW if is_raw else enc.batch.key, payload,
+                yield EncodedChunk(job.tensor_id, job.chunk_index, RAW if is_raw else group.pipeline, payload,
                                    job.length, checksum, group.release_one)
                 waits["writer"] += time.perf_counter() - t1  # the writer copying it out (and waiting for the disk)
         stats.update(batches=len(batches), chunks=len(jobs), raw_chunks=nraw, raw_bytes=raw_bytes, stored_bytes=stored)
@@ -316,6 +387,11 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
         stats["waits"] = waits
         hasher.shutdown(wait=True, cancel_futures=True)
         dev.finish()  # nothing may still read the sources or write the slots
+        if read_ahead is not None:
+            read_ahead.set()  # also on an error: whoever waits sees the save's outcome next
+        if pool is not None:
+            stats["pinned_bytes"] = len(pool.slots) * slot_bytes
+            PINNED.give(pool.slots)
         if "batches" in stats:
             stats.update(dev.timing_report())
         stats["seconds"] = time.perf_counter() - started

@@ -1,4 +1,14 @@
-"""async_save's snapshot: a copy of the state, so the caller may change its tensors as soon as it returns."""
+"""async_save's device snapshot: a copy of a (small) state on its GPU, so the caller may change it at once.
+
+Used when the state fits in half the engine's memory budget (larger states are
+read by the engine ahead of the writer instead, see nvckpt.session.save): a
+device-to-device copy of every CUDA tensor into one new buffer per device and
+dtype, issued on the caller's current stream with grouped copy kernels
+(``torch._foreach_copy_``).  It is asynchronous: the copies are ordered before
+anything the caller does next on that stream (an optimizer step), so the
+caller is blocked only for the launches; the engine's streams wait for an
+event recorded after them.  CPU tensors are cloned.
+"""
 
 from __future__ import annotations
 
@@ -7,69 +17,43 @@ from typing import Any
 
 import torch
 
-from ...codecs.nvcomp.staging import align_up
-from ...options import GpuSaveOptions
 from ...plan.walk import PlannedTensor, SavePlan
 
 
 @dataclass
 class Snapshot:
     events: dict[torch.device, Any] = field(default_factory=dict)  # per device: the copies are done after it
-    strategies: dict[str, str] = field(default_factory=dict)  # per device: "device" or "host"
+    strategies: dict[str, str] = field(default_factory=dict)  # per device: "device"
 
 
-def snapshot(plan: SavePlan, options: GpuSaveOptions) -> Snapshot:
-    """Copy the state the plan holds, so the caller may change its tensors as soon as this returns.
-
-    Strategy, chosen by measurement (benchmarks/results/bench_h200.md): a
-    device-to-device copy of every CUDA tensor into one new buffer per device
-    and dtype, issued on the caller's current stream with grouped copy kernels
-    (``torch._foreach_copy_``).  It is asynchronous: the copies are ordered
-    before anything the caller does next on that stream (an optimizer step),
-    so the caller is blocked only for the launches and the Python around
-    them (tens of microseconds per tensor), while the copies run at HBM speed
-    (~2 TB/s: a few ms for 6 GB).  The engine's streams wait for an event
-    recorded after them.  Compressing into device memory instead would need
-    as much memory at its peak (nvCOMP reserves its output bound, larger than
-    the input, until sizes are known) and a host sync to learn the sizes, so
-    it is not used.
-
-    Fallback when the device lacks room (free + cached memory less than the
-    state + ``options.snapshot_reserve`` + the engine's own batches): the tensors are
-    copied to (pageable) host memory, which blocks the caller for the
-    device-to-host copy (~0.5 s for 6 GB) but cannot fail for lack of GPU
-    memory.  CPU tensors are cloned.  Returns the events the engine waits for
-    and what was done per device.
-    """
-    events: dict[torch.device, Any] = {}
-    strategies: dict[str, str] = {}
-    by_device: dict[torch.device, list[PlannedTensor]] = {}
+def clone_host_tensors(plan: SavePlan) -> None:
+    """CPU tensors (an optimizer's step counts): copied at the call, whatever the engine does with the rest."""
     with torch.no_grad():
         for t in plan.tensors:
-            if t.data is None:
-                continue
-            if t.data.device.type == "cuda":
-                by_device.setdefault(t.data.device, []).append(t)
-            else:
+            if t.data is not None and t.data.device.type == "cpu":
                 t.data = t.data.clone(memory_format=torch.contiguous_format)
+
+
+def snapshot(plan: SavePlan) -> Snapshot:
+    """Copy every tensor of the plan (CUDA ones on their device)."""
+    clone_host_tensors(plan)
+    out = Snapshot()
+    by_device: dict[torch.device, list[PlannedTensor]] = {}
+    for t in plan.tensors:
+        if t.data is not None and t.data.device.type == "cuda":
+            by_device.setdefault(t.data.device, []).append(t)
+    with torch.no_grad():
         for device, ts in by_device.items():
-            need = sum(align_up(t.nbytes, 512) for t in ts)
-            engine = (options.inflight + 1) * 2 * options.batch_bytes
-            if _device_room(device) >= need + options.snapshot_reserve + engine:
-                by_dtype: dict[torch.dtype, list[PlannedTensor]] = {}
-                for t in ts:
-                    by_dtype.setdefault(t.data.dtype, []).append(t)
-                for dtype, group in by_dtype.items():
-                    _copy_group(group, dtype, device)
-                ev = torch.cuda.Event()
-                ev.record(torch.cuda.current_stream(device))
-                events[device] = ev
-                strategies[str(device)] = "device"
-            else:
-                for t in ts:
-                    t.data = t.data.to("cpu", memory_format=torch.contiguous_format)
-                strategies[str(device)] = "host"
-    return Snapshot(events, strategies)
+            by_dtype: dict[torch.dtype, list[PlannedTensor]] = {}
+            for t in ts:
+                by_dtype.setdefault(t.data.dtype, []).append(t)
+            for dtype, group in by_dtype.items():
+                _copy_group(group, dtype, device)
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(device))
+            out.events[device] = ev
+            out.strategies[str(device)] = "device"
+    return out
 
 
 def _copy_group(group: list[PlannedTensor], dtype: torch.dtype, device: torch.device) -> None:
@@ -91,14 +75,4 @@ def _copy_group(group: list[PlannedTensor], dtype: torch.dtype, device: torch.de
         t.data = c.view(t.data.shape)
 
 
-def _device_room(device: torch.device) -> int:
-    free, _ = torch.cuda.mem_get_info(device)
-    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return int(free + max(0, cached))
-
-
-__all__ = ["available", "writer_info", "encode_gpu", "encode_batches", "snapshot", "pipeline_chooser",
-           "CudaDevice", "HostDevice", "TensorChecksums", "CHUNK_SIZE", "last_stats", "last_snapshot"]
-
-
-__all__ = ["Snapshot", "snapshot"]
+__all__ = ["Snapshot", "snapshot", "clone_host_tensors"]

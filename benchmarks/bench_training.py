@@ -1,0 +1,316 @@
+#!/usr/bin/env python3
+"""What a training job loses to checkpoints, at realistic GPU memory pressure (issue 8's benchmark).
+
+A GPT-style transformer (benchmarks/bench_gpu.py's model: 514M parameters,
+bf16 weights + fp32 master + fused AdamW moments, 7.2 GB of state) trains on the
+H200; GPU memory is filled so that only a given amount stays free beyond what
+the training step itself needs (1 GB, 3 GB, "plenty").  For each way of
+checkpointing, a checkpoint every K steps, the run measures: the time the
+caller is blocked per checkpoint; the wall time lost per checkpoint against
+training without checkpoints; the step time while a background save runs
+(slowdown); the peak extra GPU memory (torch's allocator and the device's own
+free memory, sampled); the peak pinned host memory nvckpt holds; and, for
+nvckpt's async saves, that the file holds the values at the call (bit for bit).
+A second K (2 steps) shows a save that cannot finish between checkpoints (the
+next checkpoint then waits for the previous one, as DCP's does).
+
+    python3 benchmarks/bench_training.py --out DIR [--steps 150] [--levels 1,3,plenty]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_gpu  # noqa: E402  (the model, its trainer and the helpers of the GPU benchmark)
+
+GB = 1e9
+R: dict[str, Any] = {"runs": [], "errors": []}
+OUT = "."
+
+
+def log(*a: Any) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
+
+
+def dump() -> None:
+    with open(os.path.join(OUT, "bench_training.json"), "w") as f:
+        json.dump(R, f, indent=1, default=str)
+
+
+class Sampler:
+    """Samples the device's free memory and this process's RSS every few ms (peaks of a run)."""
+
+    def __init__(self) -> None:
+        self.min_free = None
+        self.max_rss = 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            free = torch.cuda.mem_get_info()[0]
+            self.min_free = free if self.min_free is None else min(self.min_free, free)
+            with open("/proc/self/statm") as f:
+                self.max_rss = max(self.max_rss, int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
+            time.sleep(0.005)
+
+    def __enter__(self) -> "Sampler":
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._t.join()
+
+
+def fill_gpu(tr: Any, free_bytes: float | None) -> torch.Tensor | None:
+    """A filler so that ``free_bytes`` stay free beyond what one training step needs (None: no filler)."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    if free_bytes is None:
+        return None
+    before = torch.cuda.memory_reserved()
+    tr.step()
+    torch.cuda.synchronize()
+    step_needs = torch.cuda.memory_reserved() - before  # the step's activations, now cached by torch
+    free = torch.cuda.mem_get_info()[0]
+    size = int(free - free_bytes)
+    if size <= 0:
+        return None
+    filler = torch.empty(size, dtype=torch.uint8, device="cuda")
+    R.setdefault("fill", []).append({"free_target_GB": free_bytes / GB, "step_needs_GB": step_needs / GB,
+                                     "filler_GB": size / GB, "free_after_GB": torch.cuda.mem_get_info()[0] / GB})
+    return filler
+
+
+def expected_copy(ck: dict) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().clone() for k, v in bench_gpu.flat_tensors(ck).items()}
+
+
+def verify(path: str, expected: dict[str, torch.Tensor]) -> bool:
+    import nvckpt
+
+    with nvckpt.open(path, device="cuda") as f:
+        got = bench_gpu.flat_tensors(f.load())
+    return got.keys() == expected.keys() and all(bench_gpu.same_bytes(got[k].cpu(), expected[k]) for k in expected)
+
+
+def method(name: str, workdir: str) -> Callable[[Any, int], tuple[Any, Callable[[], None]]]:
+    """start(trainer, checkpoint number) -> (a future or None, cleanup); the call's duration is the blocked time."""
+    import nvckpt
+    import torch.distributed.checkpoint as dcp
+
+    def path(i: int) -> str:
+        return os.path.join(workdir, f"{name}-{i}")
+
+    if name == "torch.save":
+        def start(tr: Any, i: int) -> Any:
+            with open(path(i), "wb") as f:
+                torch.save(tr.checkpoint(), f)
+                f.flush()
+                os.fsync(f.fileno())
+            return None
+    elif name == "dcp.async_save":
+        def start(tr: Any, i: int) -> Any:
+            return dcp.async_save(tr.checkpoint(), checkpoint_id=path(i), no_dist=True)
+    elif name == "nvckpt.save":
+        def start(tr: Any, i: int) -> Any:
+            nvckpt.save(tr.checkpoint(), path(i))
+            return None
+    elif name == "nvckpt.async_save":
+        def start(tr: Any, i: int) -> Any:
+            return nvckpt.async_save(tr.checkpoint(), path(i))
+    elif name == "nvckpt.async_save(fence=opt)":
+        def start(tr: Any, i: int) -> Any:
+            return nvckpt.async_save(tr.checkpoint(), path(i), fence=tr.opt)
+    else:
+        raise ValueError(name)
+    return start
+
+
+def run(tr: Any, name: str, level: str, k: int, n_ckpt: int, base_step: float, workdir: str,
+        check: bool = True) -> tuple[dict[str, Any], tuple]:
+    from nvckpt.engines.gpu.pinned import PINNED
+
+    start = method(name, workdir) if name != "none" else None
+    out: dict[str, Any] = {"method": name, "free": level, "K": k, "checkpoints": n_ckpt}
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    alloc0, free0 = torch.cuda.memory_allocated(), torch.cuda.mem_get_info()[0]
+    blocked, step_times_bg, step_times = [], [], []
+    expected, pending = None, None
+    steps = k * n_ckpt
+    with Sampler() as s:
+        t_all = time.perf_counter()
+        for i in range(steps):
+            if start is not None and i % k == 0:
+                n = i // k
+                if n == 0 and check and name.startswith("nvckpt.async"):
+                    t_x = time.perf_counter()
+                    expected = expected_copy(tr.checkpoint())  # outside the measured time
+                    t_all += time.perf_counter() - t_x
+                t0 = time.perf_counter()
+                if pending is not None:  # the previous save still runs: wait for it, as DCP's next save does
+                    pending.result()
+                pending = start(tr, n)
+                blocked.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            tr.step()  # returns the loss as a float: synchronises, as training loops that log do
+            dt = time.perf_counter() - t0
+            step_times.append(dt)
+            if pending is not None and not pending.done():
+                step_times_bg.append(dt)
+        if pending is not None:
+            result = pending.result()
+            if result is not None and getattr(result, "stats", None):
+                out["engine_stats"] = {k: result.stats.get(k) for k in ("tensors_read_seconds", "waits", "batches",
+                                                                        "batch_bytes", "memory_budget", "pinned_bytes", "seconds")}
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t_all
+    out.update(
+        blocked_s=[round(b, 4) for b in blocked], blocked_median_s=round(statistics.median(blocked), 4) if blocked else 0.0,
+        wall_s=round(wall, 3), lost_per_checkpoint_s=round((wall - steps * base_step) / n_ckpt, 3) if start else 0.0,
+        step_s_median=round(statistics.median(step_times), 4),
+        step_s_while_saving_median=round(statistics.median(step_times_bg), 4) if step_times_bg else None,
+        steps_while_saving=len(step_times_bg),
+        slowdown_while_saving=(round(statistics.median(step_times_bg) / base_step - 1, 4) if step_times_bg else None),
+        extra_gpu_allocated_GB=round((torch.cuda.max_memory_allocated() - alloc0) / GB, 3),
+        extra_gpu_device_GB=round((free0 - (s.min_free or free0)) / GB, 3),
+        peak_rss_GB=round(s.max_rss / GB, 2), nvckpt_pinned_cached_GB=round(PINNED.cached / GB, 2),
+    )
+    keep = None
+    if expected is not None:
+        out["snapshot"] = getattr(pending, "snapshot", None)
+        keep = os.path.join(workdir, f"{name}-0")
+        os.replace(keep, keep + f".{level}.{k}.verify")
+        keep += f".{level}.{k}.verify"
+    for entry in os.listdir(workdir):
+        p = os.path.join(workdir, entry)
+        if not p.endswith(".verify"):
+            shutil.rmtree(p) if os.path.isdir(p) else os.unlink(p)
+    return out, (keep, expected)
+
+
+def markdown() -> str:
+    e = R.get("environment", {})
+    lines = ["# What a training job loses to checkpoints (H200, GPU memory pressure)", "",
+             f"Date: {e.get('date')}. Hardware: {e.get('gpu')}, {e.get('cpus')} CPUs. Software: torch {e.get('torch')}, "
+             f"nvCOMP {e.get('nvcomp')}.", "", f"Command: `{e.get('command')}`", "",
+             f"State: {R.get('state', {}).get('params', 0) / 1e6:.0f}M-parameter GPT after {R.get('state', {}).get('steps')} "
+             f"AdamW steps, bf16 weights + fp32 master + moments = **{R.get('state', {}).get('bytes', 0) / GB:.2f} GB**; "
+             f"training step {R.get('base_step_s', 0):.3f} s without checkpoints. 'free' = GPU memory left free beyond "
+             "what the training step needs (a filler tensor takes the rest).", "",
+             "| free | method | K | blocked per ckpt s (median) | lost per ckpt s | step while saving s (slowdown) | extra GPU GB (allocator / device) | nvckpt pinned GB | bit-exact |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in R["runs"]:
+        if "error" in r:
+            lines.append(f"| {r['free']} | {r['method']} | {r['K']} | error: {r['error'][:80]} | | | | | |")
+            continue
+        slow = "-" if r["step_s_while_saving_median"] is None else f"{r['step_s_while_saving_median']:.3f} ({100 * r['slowdown_while_saving']:+.1f} %)"
+        lines.append(f"| {r['free']} | {r['method']} | {r['K']} | {r['blocked_median_s']:.4f} | {r['lost_per_checkpoint_s']:.2f} | "
+                     f"{slow} | {r['extra_gpu_allocated_GB']:.2f} / {r['extra_gpu_device_GB']:.2f} | "
+                     f"{r['nvckpt_pinned_cached_GB']:.2f} | {r.get('bit_exact_first_checkpoint', '')} |")
+    if R["errors"]:
+        lines += ["", "Errors: " + "; ".join(R["errors"])]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    global OUT
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="bench_training_out")
+    ap.add_argument("--workdir", default="/tmp/nvckpt_bench_training")
+    ap.add_argument("--steps", type=int, default=150, help="training steps before the measured runs")
+    ap.add_argument("--levels", default="1,3,plenty", help="GB left free (comma separated; 'plenty' = no filler)")
+    ap.add_argument("--k", type=int, default=100, help="steps between checkpoints (the save finishes between them)")
+    ap.add_argument("--k-short", type=int, default=2, help="steps between checkpoints where it does not")
+    ap.add_argument("--checkpoints", type=int, default=2)
+    ap.add_argument("--methods", default="none,torch.save,dcp.async_save,nvckpt.save,nvckpt.async_save,nvckpt.async_save(fence=opt)")
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args(argv)
+    OUT = args.out
+    os.makedirs(OUT, exist_ok=True)
+    os.makedirs(args.workdir, exist_ok=True)
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+    targs = argparse.Namespace(vocab=32000, d_model=1280, layers=24, seq=512, batch=8, lr=6e-4, warmup=30)
+    if args.smoke:
+        targs.d_model, targs.layers, targs.vocab, targs.seq = 512, 4, 8000, 256
+    from nvckpt.codecs.nvcomp import backend as nb
+
+    R["environment"] = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                        "gpu": f"{torch.cuda.get_device_name()} ({torch.cuda.get_device_properties(0).total_memory / 2**30:.1f} GiB)",
+                        "cpus": os.cpu_count(), "torch": torch.__version__, "nvcomp": nb.nvcomp_version(),
+                        "python": platform.python_version(),
+                        "command": "python3 benchmarks/bench_training.py " + " ".join(argv)}
+    tr = bench_gpu.Trainer(targs)
+    for _ in range(args.steps):
+        tr.step()
+    base: list[float] = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        tr.step()
+        base.append(time.perf_counter() - t0)
+    base_step = statistics.median(base)
+    R["base_step_s"] = base_step
+    R["state"] = {"params": sum(p.numel() for p in tr.params), "steps": tr.step_no,
+                  "bytes": sum(t.numel() * t.element_size() for t in bench_gpu.flat_tensors(tr.checkpoint()).values())}
+    log("state", R["state"], "step", round(base_step, 4))
+    dump()
+    methods = args.methods.split(",")
+    for level in args.levels.split(","):
+        free = None if level == "plenty" else float(level) * GB
+        filler = fill_gpu(tr, free)
+        to_verify: list[tuple[dict, str, dict]] = []
+        for name in methods:
+            if level == "1" and name in ("torch.save", "dcp.async_save"):
+                continue  # their blocked time does not depend on free GPU memory; measured at 3 GB and plenty
+            ks = [args.k] + ([args.k_short] if name.startswith("nvckpt.async") else [])
+            for k in ks:
+                try:
+                    r, check = run(tr, name, level, k, args.checkpoints, base_step, args.workdir, check=k == args.k)
+                    if check[0] is not None:
+                        to_verify.append((r, *check))
+                except Exception as exc:  # one method's failure must not lose the others
+                    traceback.print_exc()
+                    r = {"method": name, "free": level, "K": k, "error": f"{type(exc).__name__}: {exc}"}
+                    R["errors"].append(f"{level}/{name}/K={k}: {type(exc).__name__}: {exc}")
+                    torch.cuda.empty_cache()
+                R["runs"].append(r)
+                log(r)
+                dump()
+        del filler
+        torch.cuda.empty_cache()
+        for r, path, expected in to_verify:  # with the GPU memory back: load each file and compare
+            try:
+                r["bit_exact_first_checkpoint"] = verify(path, expected)
+            except Exception as exc:
+                r["bit_exact_first_checkpoint"] = f"{type(exc).__name__}: {exc}"
+            os.unlink(path)
+            log("verified", r["method"], r["free"], r["K"], r["bit_exact_first_checkpoint"])
+        dump()
+    with open(os.path.join(OUT, "bench_training.md"), "w") as f:
+        f.write(markdown())
+    dump()
+    print(markdown())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

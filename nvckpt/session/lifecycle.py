@@ -1,0 +1,145 @@
+"""What happens to saves in progress when the process ends: no checkpoint is lost silently.
+
+- Interpreter exit (end of script, ``sys.exit``, an uncaught exception): a
+  pending ``async_save`` is finished before the interpreter shuts its thread
+  pools down (a hook registered with ``threading._register_atexit``, which runs
+  before concurrent.futures refuses new work).  If one fails, its path and
+  reason are printed in one line and the process exits with status 1.
+- SIGTERM (SLURM, Kubernetes preemption): while any save runs, nvckpt's handler
+  (installed only where SIGTERM still has its default action, from the main
+  thread) gives the saves up to ``SaveOptions.preemption_grace`` seconds to
+  finish; saves still running then are cancelled (their temporary files are
+  removed, the old files stay).  Then the signal takes its default action
+  (exit status 143), as if nvckpt had not been there.  With no save running
+  the handler does just that at once.
+- SIGINT raises KeyboardInterrupt as usual: a synchronous save aborts (its
+  temporary file is removed); an async_save runs on and is finished at exit.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+_lock = threading.Lock()
+_active: dict[int, "Running"] = {}
+_installed = {"exit": False, "sigterm": False}
+_terminating = threading.Event()
+_force = threading.Event()  # the grace is over: take the default action whatever still runs
+
+
+@dataclass
+class Running:
+    """One save in progress."""
+
+    path: str
+    cancel: threading.Event
+    grace: float
+    future: Any = None  # the SaveFuture of an async_save
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+def prepare(async_save: bool) -> None:
+    """Install the exit hook (async saves) and the SIGTERM handler; call from the caller's thread
+    (signal handlers can be set only from the main thread, where an async_save is started)."""
+    _install(async_save)
+
+
+def begin(path: str, cancel: threading.Event, grace: float, future: Any = None) -> Running:
+    run = Running(path, cancel, grace, future)
+    with _lock:
+        _active[id(run)] = run
+    return run
+
+
+def end(run: Running) -> None:
+    with _lock:
+        _active.pop(id(run), None)
+    run.done.set()
+
+
+def _install(async_save: bool) -> None:
+    with _lock:
+        if async_save and not _installed["exit"]:
+            register = getattr(threading, "_register_atexit", None)
+            if register is not None:
+                register(_finish_at_exit)
+            else:  # pragma: no cover - every CPython >= 3.9 has it
+                import atexit
+
+                atexit.register(_finish_at_exit)
+            _installed["exit"] = True
+        if not _installed["sigterm"] and threading.current_thread() is threading.main_thread():
+            try:
+                if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+                    signal.signal(signal.SIGTERM, _on_sigterm)
+                    _installed["sigterm"] = True
+            except (ValueError, OSError):  # pragma: no cover - no signals here (embedded interpreters)
+                pass
+
+
+def pending_async() -> list[Running]:
+    with _lock:
+        return [r for r in _active.values() if r.future is not None]
+
+
+def _finish_at_exit() -> None:
+    waiting = pending_async()
+    if waiting and not _terminating.is_set():
+        paths = ", ".join(r.path for r in waiting)
+        print(f"nvckpt: finishing {len(waiting)} async save(s) before exit: {paths}", file=sys.stderr, flush=True)
+    failed = []
+    for run in waiting:
+        run.done.wait()
+        exc = run.future.exception() if not run.future.cancelled() else None
+        if exc is not None:
+            failed.append((run.path, exc))
+    for path, exc in failed:
+        print(f"nvckpt: error: the async save to {path} failed: {' '.join(str(exc).split()) or type(exc).__name__}",
+              file=sys.stderr, flush=True)
+    if failed:
+        sys.stdout.flush()
+        os._exit(1)  # the checkpoint the script believed it wrote does not exist: never exit 0
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    with _lock:
+        running = list(_active.values())
+    if not running or _force.is_set():
+        _die(signum)
+        return
+    if _terminating.is_set():
+        return  # a watchdog is already on it
+    _terminating.set()
+    grace = max(r.grace for r in running)
+    print(f"nvckpt: SIGTERM: letting {len(running)} save(s) finish (up to {grace:g} s): "
+          f"{', '.join(r.path for r in running)}", file=sys.stderr, flush=True)
+    threading.Thread(target=_watchdog, args=(running, grace, signum), name="nvckpt-sigterm", daemon=True).start()
+
+
+def _watchdog(running: list[Running], grace: float, signum: int) -> None:
+    deadline = time.monotonic() + grace
+    for run in running:
+        run.done.wait(max(0.0, deadline - time.monotonic()))
+    late = [r for r in running if not r.done.is_set()]
+    for run in late:
+        print(f"nvckpt: SIGTERM: cancelling the save to {run.path} (the file there is unchanged)", file=sys.stderr,
+              flush=True)
+        run.cancel.set()
+    for run in late:
+        run.done.wait(30.0)  # the writer stops at its next chunk and removes its temporary file
+    _force.set()
+    os.kill(os.getpid(), signum)  # back in the main thread's handler, which now takes the default action
+
+
+def _die(signum: int) -> None:
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+__all__ = ["prepare", "begin", "end", "pending_async", "Running"]

@@ -1,0 +1,235 @@
+"""Saves at the end of a process and in a real job: exit, SIGTERM, cancellation, leftovers, permissions.
+
+The process-level cases run a child Python (the behaviour is the interpreter's shutdown and its signals)."""
+
+from __future__ import annotations
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+import nvckpt
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def child(code: str, *, wait: bool = True, timeout: float = 120) -> subprocess.Popen | subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    args = [sys.executable, "-c", textwrap.dedent(code)]
+    if wait:
+        return subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+# A save of a few seconds: 64 MiB in 4 KiB chunks.
+SLOW_SAVE = "nvckpt.{fn}({{'w': torch.arange(1 << 24, dtype=torch.float32)}}, {path!r}, chunk_size=4096, codec='zstd'{extra})"
+
+
+def test_pending_async_save_completes_at_interpreter_exit(tmp_path):
+    path = str(tmp_path / "a.nvckpt")
+    done = child(f"""
+        import torch, nvckpt
+        {SLOW_SAVE.format(fn='async_save', path=path, extra='')}
+        # the script ends here, without waiting for the future
+    """)
+    assert done.returncode == 0, done.stderr
+    assert "finishing 1 async save(s) before exit" in done.stderr
+    assert torch.equal(nvckpt.load(path)["w"], torch.arange(1 << 24, dtype=torch.float32))
+    assert not glob.glob(str(tmp_path / ".*nvckpt-tmp"))
+
+
+def test_async_save_at_exit_after_an_exception_and_sys_exit(tmp_path):
+    for ending in ("raise RuntimeError('training crashed')", "import sys; sys.exit(3)"):
+        path = str(tmp_path / "b.nvckpt")
+        done = child(f"""
+            import torch, nvckpt
+            {SLOW_SAVE.format(fn='async_save', path=path, extra='')}
+            {ending}
+        """)
+        assert done.returncode in (1, 3), done.stderr
+        assert nvckpt.load(path)["w"].numel() == 1 << 24
+        os.unlink(path)
+
+
+def test_failed_async_save_at_exit_is_one_line_and_a_non_zero_exit(tmp_path):
+    path = str(tmp_path / "missing-dir" / "c.nvckpt")
+    done = child(f"""
+        import torch, nvckpt
+        f = nvckpt.async_save({{'w': torch.ones(3)}}, {path!r})
+    """)
+    assert done.returncode == 1
+    lines = [line for line in done.stderr.splitlines() if line.startswith("nvckpt: error:")]
+    assert len(lines) == 1 and path in lines[0] and "Traceback" not in done.stderr
+
+
+def _wait_for_temporary(folder, proc, timeout=60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if glob.glob(os.path.join(folder, ".*nvckpt-tmp")):
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.02)
+    raise AssertionError("the save never started")
+
+
+@pytest.mark.parametrize("fn", ["save", "async_save"])
+def test_sigterm_lets_a_save_finish_within_its_grace_then_exits_143(tmp_path, fn):
+    path = str(tmp_path / "d.nvckpt")
+    proc = child(f"""
+        import time, torch, nvckpt
+        {SLOW_SAVE.format(fn=fn, path=path, extra=', preemption_grace=120')}
+        time.sleep(60)  # training would go on here
+    """, wait=False)
+    _wait_for_temporary(str(tmp_path), proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGTERM, err  # the signal's own default action, after the save
+    assert "SIGTERM: letting 1 save(s) finish" in err
+    assert nvckpt.load(path)["w"].numel() == 1 << 24
+    assert not glob.glob(str(tmp_path / ".*nvckpt-tmp"))
+
+
+def test_sigterm_past_the_grace_cancels_the_save_and_keeps_the_old_file(tmp_path):
+    path = tmp_path / "e.nvckpt"
+    nvckpt.save({"old": torch.arange(5)}, path)
+    old = path.read_bytes()
+    proc = child(f"""
+        import time, torch, nvckpt
+        {SLOW_SAVE.format(fn='save', path=str(path), extra=', preemption_grace=0')}
+    """, wait=False)
+    _wait_for_temporary(str(tmp_path), proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGTERM, err
+    assert "cancelling the save" in err
+    assert path.read_bytes() == old
+    assert not glob.glob(str(tmp_path / ".*nvckpt-tmp"))
+
+
+def test_sigterm_without_a_save_is_the_default_action(tmp_path):
+    proc = child("""
+        import time, torch, nvckpt
+        nvckpt.save({'w': torch.ones(2)}, %r)  # installs the handler
+        print('ready', flush=True)
+        time.sleep(60)
+    """ % str(tmp_path / "f.nvckpt"), wait=False)
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=30)
+    assert proc.returncode == -signal.SIGTERM
+
+
+def test_a_crashed_saves_temporary_file_is_reported_on_the_next_save(tmp_path):
+    path = tmp_path / "g.nvckpt"
+    proc = child(f"""
+        import torch, nvckpt
+        {SLOW_SAVE.format(fn='save', path=str(path), extra='')}
+    """, wait=False)
+    _wait_for_temporary(str(tmp_path), proc)
+    proc.kill()  # SIGKILL: nothing can clean up
+    proc.communicate(timeout=30)
+    [left] = glob.glob(str(tmp_path / ".*nvckpt-tmp"))
+    with pytest.warns(nvckpt.LeftoverTemporaryWarning, match="nvckpt recover") as caught:
+        nvckpt.save({"w": torch.ones(2)}, path)
+    assert os.path.basename(left) in str(caught[0].message)
+    assert os.path.exists(left)  # reported, never deleted: recover may still want it
+
+
+def test_a_save_in_progress_is_not_a_leftover(tmp_path):
+    from nvckpt.io.atomic import AtomicReplace, leftover_temporaries
+
+    target = str(tmp_path / "h.nvckpt")
+    out = AtomicReplace(target)
+    try:
+        assert leftover_temporaries(target) == []
+    finally:
+        out.abort()
+
+
+def test_cancelled_async_save_reports_cancelled(tmp_path):
+    path = tmp_path / "i.nvckpt"
+    future = nvckpt.async_save({"w": torch.arange(1 << 22, dtype=torch.float32)}, path, chunk_size=4096, codec="zstd")
+    assert future.cancel()
+    with pytest.raises(Exception) as info:
+        future.result(timeout=60)
+    assert type(info.value).__name__ == "CancelledError"
+    assert future.cancelled() and not path.exists()
+    assert not future.cancel()  # already done
+
+
+def test_async_save_copies_its_metadata_and_tree_at_the_call(tmp_path):
+    meta = {"run": "a", "nested": {"lr": [1e-3]}}
+    tree = {"w": torch.ones(3), "cfg": {"layers": [1, 2]}}
+    future = nvckpt.async_save(tree, tmp_path / "j.nvckpt", metadata=meta)
+    meta["run"] = "changed"
+    meta["nested"]["lr"].append(9)
+    tree["cfg"]["layers"].append(3)
+    tree["extra"] = 1
+    future.result(timeout=60)
+    with nvckpt.open(tmp_path / "j.nvckpt") as ck:
+        assert ck.metadata() == {"run": "a", "nested": {"lr": [1e-3]}}
+        assert ck.load()["cfg"] == {"layers": [1, 2]} and "extra" not in ck.load()
+
+
+def test_a_replaced_file_keeps_its_mode(tmp_path):
+    path = tmp_path / "k.nvckpt"
+    nvckpt.save({"w": torch.ones(2)}, path)
+    os.chmod(path, 0o640)
+    nvckpt.save({"w": torch.zeros(2)}, path)
+    assert os.stat(path).st_mode & 0o7777 == 0o640
+
+
+def test_a_new_file_honours_the_umask_as_torch_save_does(tmp_path):
+    old = os.umask(0o002)
+    try:
+        nvckpt.save({"w": torch.ones(2)}, tmp_path / "l.nvckpt")
+        torch.save({"w": torch.ones(2)}, tmp_path / "l.pt")
+    finally:
+        os.umask(old)
+    assert os.stat(tmp_path / "l.nvckpt").st_mode & 0o777 == os.stat(tmp_path / "l.pt").st_mode & 0o777 == 0o664
+
+
+def test_a_symlinked_target_is_written_through(tmp_path):
+    real = tmp_path / "store" / "real.nvckpt"
+    real.parent.mkdir()
+    nvckpt.save({"w": torch.ones(2)}, real)
+    link = tmp_path / "latest.nvckpt"
+    link.symlink_to(real)
+    nvckpt.save({"w": torch.full((2,), 7.0)}, link)
+    assert link.is_symlink() and os.readlink(link) == str(real)
+    assert torch.equal(nvckpt.load(real)["w"], torch.full((2,), 7.0))
+    assert sorted(os.listdir(tmp_path)) == ["latest.nvckpt", "store"]
+
+
+def test_lazy_async_save_on_cpu_holds_the_values_at_the_call_and_the_step_waits(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(8, 64)).sum().backward()
+    opt.step()
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": [1]}
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    future = nvckpt.async_save(state, tmp_path / "lazy.nvckpt", fence=opt, metadata={"m": [1]})
+    assert future.blocked_seconds < 0.5
+    state["epoch"].append(2)  # the containers were copied at the call
+    model(torch.randn(8, 64)).sum().backward()
+    opt.step()  # the pre-hook waits until the save has read the tensors
+    future.result(timeout=60)
+    assert len(opt._optimizer_step_pre_hooks) == 1  # spent, removed by the next lazy save
+    nvckpt.async_save({"w": torch.ones(2)}, tmp_path / "next.nvckpt", fence=opt).result(timeout=60)
+    assert len(opt._optimizer_step_pre_hooks) == 1  # the first one is gone, the new one waits for its step
+    loaded = nvckpt.load(tmp_path / "lazy.nvckpt")
+    assert all(torch.equal(loaded["model"][k], v) for k, v in expected.items())
+    assert loaded["epoch"] == [1] and int(loaded["optimizer"]["state"][0]["step"]) == 1
+
+
+def test_a_fence_must_be_an_optimizer(tmp_path):
+    with pytest.raises(TypeError, match="fence must be a torch.optim.Optimizer"):
+        nvckpt.async_save({"w": torch.ones(2)}, tmp_path / "x.nvckpt", fence=object())
