@@ -93,6 +93,8 @@ MAX_TREE_DEPTH = 64
 MAX_PADDING = 1 << 20
 MAX_TENSOR_BYTES = 1 << 62
 MAX_ZSTD_WINDOW = 1 << 24
+MAX_BIGINT_BYTES = 1024
+TYPED_TREE = 1 << 1  # required_features bit 1 (sections 3, 9.2)
 U64 = (1 << 64) - 1
 MAX_MATERIALIZED = 1 << 30  # bytes of one tensor this reader will build in memory
 I63 = (1 << 63) - 1
@@ -135,8 +137,8 @@ class FrameHeader:
     payload_checksum: int
 
 
-def check_preamble(data: bytes) -> tuple[int, int]:
-    """Section 3.  Returns (major, minor)."""
+def check_preamble(data: bytes) -> tuple[int, int, int]:
+    """Section 3.  Returns (major, minor, required_features)."""
     if len(data) < PREAMBLE_LEN:
         if not PREAMBLE_MAGIC.startswith(data[:8]):
             raise FormatError("not an nvckpt file (bad magic)")
@@ -146,12 +148,12 @@ def check_preamble(data: bytes) -> tuple[int, int]:
         raise FormatError(f"not an nvckpt file (magic {magic.hex()})")
     if major != 1:
         raise UnsupportedFeatureError(f"version_major {major}; this reader supports 1")
-    if required:
-        bits = [b for b in range(32) if required >> b & 1]
+    if required & ~TYPED_TREE:
+        bits = [b for b in range(32) if (required & ~TYPED_TREE) >> b & 1]
         raise UnsupportedFeatureError(f"unknown required_features bits {bits}")
     if reserved:
         raise FormatError(f"preamble reserved field is {reserved:#x}")
-    return major, minor
+    return major, minor, required
 
 
 def parse_header(data: bytes, where: int) -> FrameHeader:
@@ -311,8 +313,100 @@ def _check_map_keys_unique(m: Map, what: str) -> None:
         seen.add(key)
 
 
-def decode_tree(node: Any, ntensors: int, depth: int = 1) -> Any:
-    """Section 9: check types, depth (root container = 1) and ext types; decode tuples."""
+@dataclass(frozen=True)
+class Typed:
+    """A typed extension of section 9.2 that is not a Python number: ext 3 (dtype), 4 (device) by name."""
+    code: int
+    name: str
+
+
+class SetNode(list):
+    """A set (ext 7) or frozenset (ext 8), items in stored order."""
+
+    def __init__(self, items: Any, frozen: bool) -> None:
+        super().__init__(items)
+        self.frozen = frozen
+
+
+def _name_ok(data: bytes, device: bool) -> bool:
+    if not 1 <= len(data) <= 64:
+        return False
+    text = data.decode("latin-1")
+    name, _, index = text.partition(":") if device else (text, "", "")
+    ok = bool(name) and "a" <= name[0] <= "z" and all(c.isascii() and (c.islower() or c.isdigit() or c == "_") for c in name)
+    if device and ":" in text:
+        ok = ok and index.isascii() and index.isdigit() and len(index) <= 9 and (index == "0" or index[0] != "0")
+    return ok
+
+
+def same_item(v: Any) -> Any:
+    """Section 9.2, "the same value" of set items."""
+    if isinstance(v, complex):
+        return key_class(v.real) if v.imag == 0 else ("complex", key_class(v.real), key_class(v.imag))
+    if isinstance(v, bytes):
+        return ("bin", v)
+    if isinstance(v, Typed):
+        return ("typed", v.code, v.name)
+    if isinstance(v, SetNode):
+        return ("frozenset", frozenset(same_item(x) for x in v))
+    if isinstance(v, Tuple):
+        return ("tuple", tuple(same_item(x) for x in v))
+    return key_class(v)
+
+
+def decode_typed(node: _Ext, ntensors: int, depth: int, typed: bool) -> Any:
+    """Ext types 3..8 (section 9.2)."""
+    if not typed:
+        raise FormatError(f"ext type {node.code} in a file without required_features bit 1")
+    data = node.data
+    if node.code in (3, 4):
+        if not _name_ok(data, node.code == 4):
+            raise FormatError(f"ext {node.code} name {data[:64]!r} is not valid")
+        return Typed(node.code, data.decode("ascii"))
+    if node.code == 5:
+        if len(data) != 16:
+            raise FormatError("complex ext data must be 16 bytes")
+        return complex(*struct.unpack("<dd", data))
+    if node.code == 6:
+        if len(data) > MAX_BIGINT_BYTES:
+            raise LimitError("integer ext longer than 1024 bytes")
+        v = int.from_bytes(data, "little", signed=True)
+        if -(1 << 63) <= v < 1 << 64:
+            raise FormatError("integer ext holds a value msgpack encodes as an int")
+        if len(data) > 1 and ((data[-1] == 0 and data[-2] < 0x80) or (data[-1] == 0xFF and data[-2] >= 0x80)):
+            raise FormatError("integer ext is longer than its shortest encoding")
+        return v
+    if depth > MAX_TREE_DEPTH:
+        raise LimitError("tree deeper than 64")
+    items = unpack_one(data)
+    if not isinstance(items, list) or isinstance(items, Map):
+        raise FormatError("set ext data must be one msgpack array")
+    out = [decode_tree(x, ntensors, depth + 1, typed) for x in items]
+    for item in out:
+        if not _set_item_ok(item):
+            raise FormatError(f"a set holds a {type(item).__name__} (or a tuple holding one)")
+    seen = set()
+    for item in out:
+        c = same_item(item)
+        if c in seen:
+            raise FormatError(f"a set holds {item!r:.60} twice")
+        seen.add(c)
+    return SetNode(out, node.code == 8)
+
+
+def _set_item_ok(v: Any) -> bool:
+    """Section 9.2: nil, bool, int, float, str, bin, ext 3-6, and tuples and frozensets of those."""
+    if isinstance(v, Tuple) or (isinstance(v, SetNode) and v.frozen):
+        return all(map(_set_item_ok, v))
+    if isinstance(v, (TensorRef, list, Map)):  # arrays, maps, sets (SetNode is a list) and tensors
+        return False
+    return v is None or isinstance(v, (bool, int, float, str, bytes, complex, Typed))
+
+
+def decode_tree(node: Any, ntensors: int, depth: int = 1, typed: bool = False) -> Any:
+    """Section 9: check types, depth (root container = 1) and ext types; decode tuples and section 9.2."""
+    if isinstance(node, _Ext) and 3 <= node.code <= 8:
+        return decode_typed(node, ntensors, depth, typed)
     if isinstance(node, _Ext):
         if node.code == 1:
             if len(node.data) != 4:
@@ -327,7 +421,7 @@ def decode_tree(node: Any, ntensors: int, depth: int = 1) -> Any:
             items = unpack_one(node.data)
             if not isinstance(items, list) or isinstance(items, Map):
                 raise FormatError("tuple ext data must be one msgpack array")
-            return Tuple(decode_tree(x, ntensors, depth + 1) for x in items)
+            return Tuple(decode_tree(x, ntensors, depth + 1, typed) for x in items)
         raise FormatError(f"ext type {node.code} is not allowed in the tree")
     if isinstance(node, Map):
         if depth > MAX_TREE_DEPTH:
@@ -336,12 +430,12 @@ def decode_tree(node: Any, ntensors: int, depth: int = 1) -> Any:
             if k is not None and not isinstance(k, (str, int, float, bool)):
                 raise FormatError(f"tree map key of type {type(k).__name__} is not allowed")
         _check_map_keys_unique(node, "tree map")
-        out = Map((k, decode_tree(v, ntensors, depth + 1)) for k, v in node)
+        out = Map((k, decode_tree(v, ntensors, depth + 1, typed)) for k, v in node)
         return out
     if isinstance(node, list):
         if depth > MAX_TREE_DEPTH:
             raise LimitError("tree deeper than 64")
-        return [decode_tree(x, ntensors, depth + 1) for x in node]
+        return [decode_tree(x, ntensors, depth + 1, typed) for x in node]
     if node is None or isinstance(node, (bool, int, float, str, bytes)):
         return node
     raise FormatError(f"unexpected {type(node).__name__} in the tree")
@@ -403,6 +497,13 @@ def parse_pipeline(value: Any, cid: int) -> list[Step]:
             if set(config) != {"elementsize"}:
                 raise FormatError(f"codec {cid}: byteshuffle needs exactly 'elementsize'")
             _uint(config["elementsize"], f"codec {cid}: byteshuffle elementsize", 16, 1)
+            steps.append(Step(name, config, "filter"))
+        elif name == "signshift":  # 11.9: elementsize 2, 4 or 8, required, no other key
+            if set(config) != {"elementsize"}:
+                raise FormatError(f"codec {cid}: signshift needs exactly 'elementsize'")
+            k = config["elementsize"]
+            if isinstance(k, bool) or not isinstance(k, int) or k not in (2, 4, 8):
+                raise FormatError(f"codec {cid}: signshift elementsize must be 2, 4 or 8")
             steps.append(Step(name, config, "filter"))
         elif name == "nvcomp-ans":  # 11.6: all three keys, checked when the codec table is parsed
             if set(config) != {"data_type", "nvcomp_version", "bitstream"}:
@@ -521,11 +622,18 @@ def decode_chunk(steps: list[Step], cid: int, stored: bytes, raw_length: int, wr
         data = stored
     else:
         data = zstd_decode(stored, raw_length)
-    for f in reversed(filters):  # byteshuffle is the only filter
+    for f in reversed(filters):
         k = f.configuration["elementsize"]
         if len(data) % k:
-            raise FormatError(f"byteshuffle: {len(data)} bytes is not a multiple of elementsize {k}")
-        data = np.frombuffer(data, np.uint8).reshape(k, -1).T.tobytes()
+            raise FormatError(f"{f.name}: {len(data)} bytes is not a multiple of elementsize {k}")
+        if f.name == "byteshuffle":
+            data = np.frombuffer(data, np.uint8).reshape(k, -1).T.tobytes()
+        else:  # signshift, 11.9: raw[k-1] = (l' & 0x80) | (h' >> 1), raw[k-2] = ((h' << 7) & 0xFF) | (l' & 0x7F)
+            e = np.frombuffer(data, np.uint8).reshape(-1, k).astype(np.int64)
+            h, lo = e[:, k - 1].copy(), e[:, k - 2].copy()
+            e[:, k - 1] = (lo & 0x80) | (h >> 1)
+            e[:, k - 2] = ((h << 7) & 0xFF) | (lo & 0x7F)
+            data = e.astype(np.uint8).tobytes()
     return data
 
 
@@ -697,16 +805,20 @@ def check_references(entries: list[Entry]) -> None:
             s = e.derived["source"]
             if s >= len(entries) or s == e.tensor_id:
                 raise FormatError(f"tensor {e.name!r}: derived source {s} does not exist or is the entry itself")
-            if e.derived["function"] != "bf16_rne":
+            if e.derived["function"] not in ("bf16_rne", "copy"):
                 continue  # unknown function: UnsupportedFeatureError when read
             src = entries[s]
+            if e.derived["function"] == "copy":  # 14.2: a data tensor of the same dtype and shape
+                if src.kind != "chunks" or src.dtype != e.dtype or src.shape != e.shape:
+                    raise FormatError(f"tensor {e.name!r}: copy source must be a data tensor of the same dtype and shape")
+                continue
             if e.dtype != "bfloat16":
                 raise FormatError(f"tensor {e.name!r}: bf16_rne tensors have dtype bfloat16")
             if src.kind != "chunks" or src.dtype != "float32" or src.shape != e.shape:
                 raise FormatError(f"tensor {e.name!r}: bf16_rne source must be a float32 data tensor of the same shape")
 
 
-def parse_index(payload: bytes, preamble_version: tuple[int, int], index_offset: int) -> Index:
+def parse_index(payload: bytes, preamble_version: tuple[int, int, int], index_offset: int) -> Index:
     top = _dict(unpack_one(payload), "index")
     for key in ("format", "version", "codecs", "tensors", "tree"):
         if key not in top:
@@ -744,7 +856,7 @@ def parse_index(payload: bytes, preamble_version: tuple[int, int], index_offset:
         if b0 < a1:
             raise FormatError(f"stored ranges of {an!r} [{a0}, {a1}) and {bn!r} [{b0}, {b1}) overlap")
     check_references(entries)
-    tree = decode_tree(top["tree"], len(entries))
+    tree = decode_tree(top["tree"], len(entries), typed=bool(preamble_version[2] & TYPED_TREE))
     metadata = check_metadata(top.get("metadata", Map()))
     if not isinstance(metadata, Map):
         raise FormatError("metadata must be a map")
@@ -797,9 +909,11 @@ class Materializer:
                     idx = idx + (np.arange(d, dtype=np.int64) * s).reshape(shape)
                 data = elems[idx.reshape(-1)].tobytes()
         else:
-            if e.derived["function"] != "bf16_rne":
+            if e.derived["function"] not in ("bf16_rne", "copy"):
                 raise UnsupportedFeatureError(f"tensor {e.name!r}: unknown derived function {e.derived['function']!r}")
-            data = bf16_rne(self.raw(self.index.tensors[e.derived["source"]]))
+            data = self.raw(self.index.tensors[e.derived["source"]])
+            if e.derived["function"] == "bf16_rne":
+                data = bf16_rne(data)
         if e.checksum is not None and xxh3(data) != e.checksum:
             raise ChecksumError(f"tensor {e.name!r}: tensor checksum mismatch")
         if e.dtype == "bool" and data and np.frombuffer(data, np.uint8).max() > 1:
@@ -985,6 +1099,12 @@ def node_json(node: Any, names: list[str]) -> Any:
         return {"$tensor": names[node.tensor_id]}
     if isinstance(node, Tuple):
         return {"$tuple": [node_json(x, names) for x in node]}
+    if isinstance(node, SetNode):
+        return {"$frozenset" if node.frozen else "$set": [node_json(x, names) for x in node]}
+    if isinstance(node, Typed):
+        return {"$dtype" if node.code == 3 else "$device": node.name}
+    if isinstance(node, complex):
+        return {"$complex": [struct.pack(">d", node.real).hex(), struct.pack(">d", node.imag).hex()]}
     if isinstance(node, Map):
         return {"$map": [[node_json(k, names), node_json(v, names)] for k, v in node]}
     if isinstance(node, list):

@@ -9,10 +9,9 @@ class is first touched (the CLI's info, ls and verify never import it).
 
 from __future__ import annotations
 
-from typing import Any
-
 __version__ = "0.1.0"
 
+from ._lazy import lazy_attributes  # noqa: E402
 from .errors import (  # noqa: E402
     ChecksumError,
     FormatError,
@@ -42,16 +41,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'nvckpt' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_attributes(__name__, globals(), _LAZY)

@@ -16,24 +16,34 @@ from .session.slicing import TensorSlice
 def save(obj: Any, target: str | os.PathLike | Any, **options: Any) -> SaveResult:
     """Save a nested training state (tensors in dicts, lists, tuples, with scalars and strings).
 
-    ``target`` is a path (written atomically: temporary file, fsync, rename)
-    or a binary stream (written front to back, never seeking).
-    ``codec``: "auto" (nvcomp-ans on a GPU with nvCOMP, else portable),
-    "portable" (byteshuffle+zstd, readable by any zstd library), "zstd",
-    "raw", "ans" (GPU only), or a ``nvckpt.codecs.Pipeline``.
-    ``metadata``: a JSON-like dict with str keys, stored in the index.
-    ``derive_bf16``: store a bf16 tensor that is exactly the rounding of a
-    saved fp32 tensor as derived from it (zero bytes; verified bit for bit).
-    ``chunk_size``: target raw bytes per chunk (default: 1 MiB on the CPU
-    engine, 4 MiB on the GPU engine).
-    ``alignment``: large chunk payloads start at a multiple of it (power of two).
-    ``zstd_level``: -7..22.  ``tensor_checksums``: store each tensor's XXH3-64.
+    ``obj``: what to save (README, "What can be saved"); anything else raises UnsupportedObjectError
+    naming its path, before a byte is written.
+    ``target``: a path (written atomically: temporary file beside it, fsync, rename; the old file stays
+    until the new one is complete) or a binary stream (written front to back, never seeking).
+    ``codec``: "auto" (nvcomp-ans on a GPU with nvCOMP, else portable), "portable"
+    (signshift+byteshuffle+zstd, one frame per byte plane, readable by any zstd library),
+    "portable-1.0" (byteshuffle+zstd as nvckpt 0.1 wrote it), "zstd", "raw", "ans" (GPU only),
+    or a ``nvckpt.codecs.Pipeline``.
+    ``metadata``: a JSON-like dict with str keys, stored in the index (``Checkpoint.metadata()``).
+    ``derive`` (default True): store a bf16 tensor that is exactly the rounding of a saved fp32
+    tensor, and an exact copy of another tensor, as derived (zero bytes; verified bit for bit on
+    their device).  ``derive_bf16``: the former option (bf16 roundings only).
+    ``chunk_size``: target raw bytes per chunk (default: 1 MiB on the CPU engine, 4 MiB on the GPU engine).
+    ``alignment``: large chunk payloads start at a multiple of it (a power of two; default 1 on the
+    CPU engine, 4096 on the GPU engine, for O_DIRECT).
+    ``zstd_level``: the zstd level, -7..22 (1: fast; higher: smaller and slower).
+    ``tensor_checksums``: also store each tensor's XXH3-64 (every chunk has its own checksum anyway;
+    default yes, except in an async_save that reads the tensors ahead, see async_save).
     ``engine``: "auto" (the GPU engine for CUDA tensors where nvCOMP is), "cpu", "gpu".
     ``workers``: CPU encode threads (default: all cores).
     ``direct_io``: write with O_DIRECT where the filesystem allows it.
+    ``preemption_grace``: seconds a save may still run after SIGTERM before it is cancelled (README).
     ``gpu``: the GPU engine's knobs (``nvckpt.GpuSaveOptions``).
-    Returns a ``SaveResult``; raises ``NvckptError`` (``UnsupportedObjectError``
-    for what cannot be stored) or ``OSError``, and then leaves the target as it was.
+
+    Returns a ``SaveResult`` (path, raw_bytes, file_bytes, seconds, ratio, stats).
+    Raises ``NvckptError`` (``UnsupportedObjectError`` for what cannot be stored, ``LimitError`` past
+    SPEC.md's limits) or ``OSError`` naming the target (disk full, no such directory, read-only), and
+    then leaves the target as it was; ``ValueError`` for a bad option.
     """
     return SaveSession(obj, target, options_from(SaveOptions, "save", options)).run()
 
@@ -58,24 +68,36 @@ def async_save(obj: Any, target: str | os.PathLike | Any, fence: Any = None, **o
 
 @with_signature(LoadOptions, "target")
 def open(target: str | os.PathLike | Any, **options: Any) -> Checkpoint:  # noqa: A001
-    """Open a checkpoint for random access (use as a context manager).
+    """Open a checkpoint for random access (use as a context manager); a read-only Mapping of tensor names
+    to tensors, like safetensors' ``safe_open``.
 
-    ``device``: where tensors are materialized ("cpu", "cuda", "cuda:1", a torch.device).
-    ``workers``: CPU decode threads.  For files from an untrusted source:
-    ``untrusted=True`` decodes only with the hardened CPU decoders (no nvCOMP;
-    nvcomp-ans chunks are refused) and bounds the memory of the decoded index
-    to ``max_index_memory`` bytes (default ``nvckpt.options.UNTRUSTED_INDEX_MEMORY``,
-    1 GiB; a trusted open has no bound of its own unless it is given);
-    ``max_tensor_bytes`` refuses to materialize a tensor, view or slice larger
-    than that (LimitError).  ``gpu``: the GPU loader's knobs
-    (``nvckpt.GpuLoadOptions``)."""
+    ``target``: a path or a seekable binary file object.
+    ``device``: where every tensor is materialized: "cpu", "cuda", "cuda:1", a torch.device or a CUDA
+    index; the file does not record where a tensor was saved from, so any file loads on any device.
+    ``workers``: CPU decode threads (default: all cores).
+    ``untrusted``: for files from an untrusted source, decode only with the hardened CPU decoders (no
+    nvCOMP; nvcomp-ans chunks are refused) and bound the memory of the decoded index to
+    ``max_index_memory`` bytes (default ``nvckpt.options.UNTRUSTED_INDEX_MEMORY``, 1 GiB; a trusted
+    open has no bound of its own unless it is given).
+    ``max_tensor_bytes``: refuse (LimitError) to materialize a tensor, view or slice larger than this.
+    ``gpu``: the GPU loader's knobs (``nvckpt.GpuLoadOptions``).
+    ``map_location``: torch.load's, instead of ``device``: a device, a string, a dict whose values all
+    name one device, or a callable ``fn(storage, "cpu") -> storage`` called once per storage.
+    ``weights_only``: accepted and changes nothing: nvckpt never unpickles, so loading never runs code
+    (what torch.load(weights_only=True) protects against) and only tensors and plain data come back.
+    ``mmap``: False or None only: chunks are compressed and checksummed; ``open`` reads lazily instead.
+
+    Raises ``NvckptError`` naming the file (``UnsupportedFeatureError`` for a device this machine lacks)."""
     return Checkpoint(target, options_from(LoadOptions, "open", options))
 
 
 @with_signature(LoadOptions, "target", "keys=None")
 def load(target: str | os.PathLike | Any, *, keys: Iterable[str] | None = None, **options: Any) -> Any:
-    """Load a whole checkpoint, bit-exact, as the structure that was saved (``keys``: just those tensors,
-    as a dict; other options: see ``open``)."""
+    """Load a whole checkpoint, bit-exact, as the structure that was saved.
+
+    ``keys``: load only part of it, reading only the tensors in that part: one path (a str) returns
+    the value there ("model" is the model's state_dict, "model/weight" one tensor, "step" a scalar);
+    a list of paths returns a dict path -> value.  Other options: see ``open``."""
     with Checkpoint(target, options_from(LoadOptions, "load", options)) as ck:
         return ck.load(keys)
 

@@ -9,6 +9,7 @@ an unexpected exception (a bug) keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -16,9 +17,10 @@ from typing import Any, Sequence
 
 from . import __version__
 from .codecs.presets import DESCRIPTIONS, PRESETS
-from .errors import NvckptError, UnsupportedCodecError, UnsupportedFeatureError, UnsupportedObjectError
+from .errors import FormatError, NvckptError, UnsupportedCodecError, UnsupportedFeatureError, UnsupportedObjectError, located_message
 from .tools._util import (
     UsageError,
+    convert_hint,
     human_bytes,
     printable,
     progress_bar,
@@ -48,6 +50,15 @@ exit codes:
 
 Run `nvckpt COMMAND --help` for the options of a command.
 """
+COMMAND_EPILOG = "exit codes: 0 ok, 1 damage or problems, 2 usage, 3 unsupported here, 4 I/O (see `nvckpt --help`)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr like every other error (exit 2)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        _error(f"{message} (see `{self.prog} --help`)")
+        raise SystemExit(EXIT_USAGE)
 
 
 def _int_in(lo: int, hi: int):
@@ -73,7 +84,7 @@ def _add_quiet(p: argparse.ArgumentParser) -> None:
 
 
 def main_parser(prog: str = "nvckpt") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=prog,
         description="Inspect, verify, convert and recover nvckpt checkpoint files.",
         epilog=EPILOG,
@@ -83,16 +94,21 @@ def main_parser(prog: str = "nvckpt") -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     def command(name: str, help: str, description: str | None = None) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help, description=description or help, epilog=EPILOG,
+        return sub.add_parser(name, help=help, description=description or help, epilog=COMMAND_EPILOG,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
 
-    p = command("info", "sizes, compression ratio per dtype, codecs, writer and metadata of a file")
-    p.add_argument("file")
+    p = command("info", "sizes, compression ratio per dtype, codecs, writer and metadata of a file",
+                "Sizes, compression ratio per dtype, codecs, writer and metadata of a file; of a DCP "
+                "directory (nvckpt.dcp.Writer's): its rank files, the global tensors they form, and what is "
+                "missing.")
+    p.add_argument("file", help="an nvckpt file or a DCP directory")
     _add_json(p)
     p.set_defaults(run=_info)
 
-    p = command("ls", "one line per tensor: name, dtype, shape, sizes, ratio, codecs, kind")
-    p.add_argument("file")
+    p = command("ls", "one line per tensor: name, dtype, shape, sizes, ratio, codecs, kind",
+                "One line per tensor: name, dtype, shape, sizes, ratio, codecs, kind; of a DCP directory, "
+                "one line per global tensor with its shards and the rank files holding them.")
+    p.add_argument("file", help="an nvckpt file or a DCP directory")
     _add_json(p)
     p.set_defaults(run=_ls)
 
@@ -100,8 +116,10 @@ def main_parser(prog: str = "nvckpt") -> argparse.ArgumentParser:
                 "Check every chunk's checksum, decode every chunk that this machine can decode, "
                 "check tensor checksums, and check that the frames agree with the index. Chunks coded "
                 "with a codec that cannot run here (nvcomp-ans without nvCOMP and a GPU) are checksum-"
-                "verified and reported as not decoded; with --strict that fails (exit 3).")
-    p.add_argument("file")
+                "verified and reported as not decoded; with --strict that fails (exit 3). On a DCP "
+                "directory: every rank file, and the manifest against them (missing or damaged rank files, "
+                "shards that do not cover their tensor), each problem naming its rank file.")
+    p.add_argument("file", help="an nvckpt file or a DCP directory")
     p.add_argument("--strict", action="store_true", help="fail (exit 3) when some chunks cannot be decoded here")
     p.add_argument("--workers", type=_int_in(1, 1024), default=None, help="decoding threads (default: one per CPU)")
     _add_json(p)
@@ -110,13 +128,14 @@ def main_parser(prog: str = "nvckpt") -> argparse.ArgumentParser:
 
     p = command("convert", "convert between nvckpt, safetensors and torch.save files",
                 "Convert between nvckpt (.nvckpt), safetensors (.safetensors) and torch.save files "
-                "(.pt, .pth, .bin; read with torch.load(weights_only=True)), in any direction, nvckpt to "
+                "(.pt, .pth, .bin, Lightning's .ckpt; read with torch.load(weights_only=True)), in any direction, "
+                "nvckpt to "
                 "nvckpt included (to change the codec). safetensors holds only tensors: the tree is "
                 "flattened to tensor names and non-tensor values are dropped unless --keep-tree; nvckpt "
                 "metadata is kept in the safetensors metadata. torch.save files hold no metadata.")
     p.add_argument("src")
     p.add_argument("dst")
-    p.add_argument("--from", dest="src_format", choices=("nvckpt", "safetensors", "torch"), help="format of SRC (default: from its extension)")
+    p.add_argument("--from", dest="src_format", choices=("nvckpt", "safetensors", "torch"), help="format of SRC (default: from its content, else its extension)")
     p.add_argument("--to", dest="dst_format", choices=("nvckpt", "safetensors", "torch"), help="format of DST (default: from its extension)")
     p.add_argument("--codec", choices=PRESETS, default="auto",
                    help="codec of an nvckpt DST (default: auto = " + DESCRIPTIONS["auto"] + ")")
@@ -127,6 +146,26 @@ def main_parser(prog: str = "nvckpt") -> argparse.ArgumentParser:
     _add_json(p)
     _add_quiet(p)
     p.set_defaults(run=_convert)
+
+    for name, help, description in (
+            ("merge", "assemble a DCP directory's global tensors into one file",
+             "Assemble the global tensors of a DCP directory written by nvckpt.dcp.Writer from its rank "
+             "files (every checksum checked) into one file, nested as the saved state dict: nvckpt, "
+             "safetensors or torch.save by DST's extension. Holds the whole state in memory."),
+            ("split", "write one file's state as a DCP directory that dcp.load reads at any world size",
+             "Write the state in SRC (nvckpt, safetensors or torch.save; a dict at its top) as a DCP "
+             "directory through nvckpt.dcp.Writer, from this one process: one rank file, which "
+             "torch.distributed.checkpoint.load with nvckpt.dcp.Reader reshards to any world size.")):
+        p = command(name, help, description)
+        p.add_argument("src")
+        p.add_argument("dst")
+        p.add_argument("--codec", choices=PRESETS, default="auto",
+                       help="codec of nvckpt output (default: auto = " + DESCRIPTIONS["auto"] + ")")
+        p.add_argument("--level", type=_int_in(-7, 22), default=1, help="zstd level of nvckpt output (default: 1)")
+        _add_json(p)
+        _add_quiet(p)
+        p.set_defaults(run=_convert, keep_tree=False, src_format="dcp" if name == "merge" else None,
+                       dst_format="dcp" if name == "split" else None)
 
     p = command("recover", "rebuild a valid file from a truncated or damaged one",
                 "Walk the frames of SRC front to back without its index (e.g. the temporary file left by a "
@@ -150,7 +189,7 @@ def main_parser(prog: str = "nvckpt") -> argparse.ArgumentParser:
     p.add_argument("--no-minilm", dest="minilm", action="store_false", help="skip the all-MiniLM-L6-v2 weights")
     p.set_defaults(run=_demo)
 
-    p = command("bench", "time nvckpt against torch.save and safetensors, on the CPU or a GPU",
+    p = command("bench", "time nvckpt against torch.save, safetensors and ZipNN (if installed), on the CPU or a GPU",
                 "Time save (with fsync) and load (from the page cache) of one state with nvckpt, torch.save "
                 "and safetensors (if installed), and report sizes and ratios: FILE (nvckpt, safetensors or "
                 "torch.save, by extension) or the demo's training state. With --gpu the state is moved to "
@@ -188,10 +227,44 @@ def _shape(shape: Sequence[int]) -> str:
 
 # -- commands ----------------------------------------------------------------
 
+@contextlib.contextmanager
+def _nvckpt_file(path: str):
+    """Add what a file is when it is not an nvckpt file (a torch.save or safetensors file: convert reads it)."""
+    try:
+        yield
+    except FormatError as exc:
+        if exc.offset == 0 and "not an nvckpt file" in exc.reason:
+            exc.reason += convert_hint(path)
+            exc.located()
+        raise
+
+def _info_directory(args: argparse.Namespace) -> int:
+    from .tools.dcpdir import describe_directory
+
+    d = describe_directory(args.file)
+    if args.json:
+        _print_json(d)
+        return EXIT_PROBLEMS if d["problems"] else EXIT_OK
+    print(f"directory  {d['path']} ({d['format']}, world size {d['world_size']})")
+    print(f"tensors    {d['tensors']} global tensors in {d['shards']} shards, {d['objects']} other values")
+    print(f"data       {human_bytes(d['raw_bytes'])} raw, {human_bytes(d['stored_bytes'])} in "
+          f"{len(d['files'])} rank files, ratio {ratio_text(d['ratio'])}")
+    print()
+    rows = [[f["file"], "-" if f.get("rank") is None else str(f["rank"]), human_bytes(f["bytes"]),
+             human_bytes(f.get("raw_bytes", 0)), ratio_text(f.get("ratio")), f.get("error", "")] for f in d["files"]]
+    print(render_table(["rank file", "rank", "bytes", "raw", "ratio", "error"], rows, right=(1, 2, 3, 4)))
+    for p in d["problems"]:
+        print(f"problem: {located_message(p['message'], tensor=p['tensor'])}")
+    return EXIT_PROBLEMS if d["problems"] else EXIT_OK
+
+
 def _info(args: argparse.Namespace) -> int:
+    if os.path.isdir(args.file):
+        return _info_directory(args)
     from .tools.info import describe
 
-    d = describe(args.file)
+    with _nvckpt_file(args.file):
+        d = describe(args.file)
     if args.json:
         _print_json(d)
         return EXIT_OK
@@ -233,10 +306,28 @@ def _info(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _ls_directory(args: argparse.Namespace) -> int:
+    from .tools.dcpdir import list_directory
+
+    rows = list_directory(args.file)
+    if args.json:
+        _print_json(rows)
+        return EXIT_OK
+    table = [[printable(r["name"]), r["dtype"], _shape(r["shape"]) if r["kind"] == "tensor" else "-",
+              human_bytes(r["nbytes"]), human_bytes(r["stored_bytes"]), ratio_text(r["ratio"]), str(r["shards"]),
+              ", ".join(r["files"]), r["kind"]] for r in rows]
+    print(render_table(["name", "dtype", "shape", "raw", "stored", "ratio", "shards", "rank files", "kind"], table,
+                       right=(3, 4, 5, 6)))
+    return EXIT_OK
+
+
 def _ls(args: argparse.Namespace) -> int:
+    if os.path.isdir(args.file):
+        return _ls_directory(args)
     from .tools.info import list_tensors
 
-    rows = list_tensors(args.file)
+    with _nvckpt_file(args.file):
+        rows = list_tensors(args.file)
     if args.json:
         _print_json(rows)
         return EXIT_OK
@@ -250,9 +341,19 @@ def _ls(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from .tools.verify import verify
+    if os.path.isdir(args.file):
+        from .tools.dcpdir import verify_directory as verify
+    else:
+        from .tools.verify import verify
 
-    report = verify(args.file, progress=_bars(args), workers=args.workers)
+    try:
+        with _nvckpt_file(args.file):
+            report = verify(args.file, progress=_bars(args), workers=args.workers)
+    except NvckptError as exc:
+        if args.json:  # a script reading stdout learns the verdict there too (the error line goes to stderr)
+            _print_json({"path": args.file, "ok": False, "error": type(exc).__name__, "message": str(exc),
+                         "exit_code": _exit_code(exc)})
+        raise
     code = EXIT_PROBLEMS if report.problems else EXIT_UNSUPPORTED if (args.strict and report.undecoded) else EXIT_OK
     if args.json:
         _print_json(dict(report.to_json(), exit_code=code))
@@ -369,7 +470,7 @@ def _bench(args: argparse.Namespace) -> int:
         from .tools.convert import format_of, read_nvckpt, read_safetensors, read_torch
         from .tools._util import null_bar
 
-        fmt = format_of(args.file)
+        fmt = format_of(args.file, sniff=True)
         obj = (read_nvckpt(args.file, null_bar) if fmt == "nvckpt" else
                read_safetensors(args.file, null_bar) if fmt == "safetensors" else read_torch(args.file)).tree
         label = args.file
@@ -386,18 +487,24 @@ def _bench(args: argparse.Namespace) -> int:
     table = []
     for r in rows:
         mb = r.raw_bytes / (1 << 20)
-        table.append([r.format, human_bytes(r.file_bytes), ratio_text(r.ratio), seconds_text(r.save_s),
-                      f"{mb / r.save_s:.0f} MiB/s" if r.save_s else "-", seconds_text(r.load_s),
+        table.append([r.format, human_bytes(r.file_bytes), ratio_text(r.ratio), seconds_text(r.save_s) if r.save_s else "-",
+                      f"{mb / r.save_s:.0f} MiB/s" if r.save_s else "-", seconds_text(r.load_s) if r.load_s else "-",
                       f"{mb / r.load_s:.0f} MiB/s" if r.load_s else "-",
                       "-" if r.exact is None else "yes" if r.exact else "NO", r.note])
     print(render_table(["format", "file", "ratio", "save", "save rate", "load", "load rate", "bit-exact", "note"],
                        table, right=(1, 2, 3, 4, 5, 6)))
-    print(f"\nbest of {args.repeat}; saves end with fsync; loads come from the page cache (CPU decode speed, not disk); "
+    print(f"\nbest of {args.repeat}; saves end with fsync; loads come from the page cache (CPU decode speed, not disk) "
+          "and are timed until every page of the data was read (safetensors maps a file lazily); "
           f"rates are raw tensor bytes per second on {os.cpu_count()} CPUs. Full GPU benchmark: benchmarks/ in the repository.")
     return EXIT_OK
 
 
 # -- entry points --------------------------------------------------------------
+
+def _exit_code(exc: NvckptError) -> int:
+    unsupported = (UnsupportedCodecError, UnsupportedFeatureError, UnsupportedObjectError)
+    return EXIT_UNSUPPORTED if isinstance(exc, unsupported) else EXIT_PROBLEMS
+
 
 def _error(message: str) -> None:
     print(f"nvckpt: error: {' '.join(str(message).split())}", file=sys.stderr)
@@ -421,12 +528,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "nvckpt") -> int:
     except UsageError as exc:
         _error(str(exc))
         return EXIT_USAGE
-    except (UnsupportedCodecError, UnsupportedFeatureError, UnsupportedObjectError) as exc:
-        _error(str(exc))
-        return EXIT_UNSUPPORTED
     except NvckptError as exc:
         _error(str(exc))
-        return EXIT_PROBLEMS
+        return _exit_code(exc)
     except BrokenPipeError:
         # Output piped into a command that stopped reading (e.g. `nvckpt ls big | head`).
         devnull = os.open(os.devnull, os.O_WRONLY)

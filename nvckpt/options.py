@@ -99,10 +99,11 @@ class SaveOptions:
     codec: str | Pipeline = "auto"
     metadata: dict[str, Any] | None = None
     chunk_size: int | None = None  # None: the engine's own (nvckpt.plan.chunking)
-    alignment: int = 4096
+    alignment: int | None = None  # None: the engine's own (4096 on the GPU engine, 1 on the CPU engine)
     zstd_level: int = 1
-    derive_bf16: bool = False
-    tensor_checksums: bool | None = None  # None: yes, except in an async_save that reads the caller's tensors lazily
+    derive: bool = True  # bf16 roundings of fp32 tensors and exact copies, stored as derived (SPEC 14.2)
+    derive_bf16: bool | None = None  # the former option (bf16 roundings only); when given, it wins over ``derive``
+    tensor_checksums: bool | None = None  # None: yes, except in an async_save that reads the caller's tensors ahead
     engine: str = "auto"
     workers: int | None = None
     direct_io: bool = True
@@ -115,7 +116,10 @@ class SaveOptions:
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be 'auto', 'cpu' or 'gpu', got {self.engine!r}")
         check_preset(self.codec)
-        check_alignment(self.alignment)
+        if self.alignment is not None:
+            check_alignment(self.alignment)
+        if type(self.derive) is not bool or (self.derive_bf16 is not None and type(self.derive_bf16) is not bool):
+            raise ValueError(f"derive must be True or False, got {self.derive!r}")
         if self.chunk_size is not None:
             check_chunk_size(self.chunk_size)
         if type(self.zstd_level) is not int or not -7 <= self.zstd_level <= 22:
@@ -124,6 +128,13 @@ class SaveOptions:
             _positive(self, "workers")
         if not isinstance(self.gpu, GpuSaveOptions):
             raise TypeError(f"gpu must be a nvckpt.GpuSaveOptions, got {type(self.gpu).__qualname__}")
+
+    @property
+    def derives(self) -> tuple[bool, bool]:
+        """(look for bf16 roundings, look for exact copies): ``derive``, or the former ``derive_bf16``."""
+        if self.derive_bf16 is not None:
+            return self.derive_bf16, False
+        return self.derive, self.derive
 
 
 @dataclass(frozen=True)
@@ -136,8 +147,19 @@ class LoadOptions:
     max_tensor_bytes: int | None = None
     max_index_memory: int | None = None  # None: no bound of its own, or UNTRUSTED_INDEX_MEMORY with untrusted=True
     gpu: GpuLoadOptions = field(default_factory=GpuLoadOptions)
+    # torch.load's keywords, for code migrating from it (see ``open``'s docstring).
+    map_location: Any = None
+    weights_only: bool | None = None
+    mmap: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.mmap:
+            raise ValueError("mmap=True is not available: nvckpt's chunks are compressed and checksummed, so tensors "
+                             "cannot be mapped from the file; nvckpt.open(path) reads tensors lazily instead")
+        if self.weights_only not in (None, True, False):
+            raise TypeError(f"weights_only must be a bool or None, got {self.weights_only!r}")
+        if self.map_location is not None and self.device != "cpu":
+            raise ValueError("give device= or map_location=, not both")
         for name in ("max_tensor_bytes", "max_index_memory"):
             value = getattr(self, name)
             if value is not None and (type(value) is not int or value < 0):

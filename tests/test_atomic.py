@@ -58,11 +58,11 @@ def test_failure_in_an_encoder_keeps_old_file(old_file, monkeypatch):
     original = encode_cpu.encode_chunk
     calls = [0]
 
-    def failing_encode(pipeline, raw):
+    def failing_encode(pipeline, raw, buffers=None):
         calls[0] += 1
         if calls[0] == 7:
             raise RuntimeError("encoder crashed")
-        return original(pipeline, raw)
+        return original(pipeline, raw, buffers)
 
     monkeypatch.setattr(encode_cpu, "encode_chunk", failing_encode)
     with pytest.raises(RuntimeError, match="encoder crashed"):  # an encoder failure propagates as itself
@@ -85,9 +85,9 @@ def test_failure_in_fsync_or_rename_keeps_old_file(old_file, monkeypatch):
 
 
 @pytest.mark.parametrize("bad", [
-    {"deep": [1, {"x": (torch.ones(3), {1, 2})}]},
+    {"deep": [1, {"x": (torch.ones(3), {1, torch.ones(2)})}]},  # a set cannot hold a tensor
     {"w": torch.randn(1000, 100), "z": object()},
-    {"w": torch.randn(10), "big": 2**70},
+    {"w": torch.randn(10), "big": {2**70: 1}},  # an int beyond 64 bits is a value, never a key
 ])
 def test_unsupported_object_deep_in_tree_keeps_old_file(old_file, bad):
     path, old_bytes = old_file

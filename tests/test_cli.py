@@ -495,9 +495,11 @@ def test_bench(capsys, ckpt):
     assert code == EXIT_OK
     d = json.loads(out)
     formats = [r["format"] for r in d["results"]]
-    assert formats == ["nvckpt (auto, cpu engine)", "torch.save", "safetensors"]
-    assert all(r["exact"] for r in d["results"])
-    assert all(r["save_s"] > 0 and r["load_s"] > 0 and r["file_bytes"] > 0 for r in d["results"])
+    assert formats[:3] == ["nvckpt (auto, cpu engine)", "torch.save", "safetensors"]
+    assert all(f == "ZipNN" or "entropy" in f or "byte planes" in f for f in formats[3:]), formats  # optional peers, the limit
+    measured = [r for r in d["results"] if "entropy" not in r["format"]]  # the limit row is not a format
+    assert all(r["exact"] for r in measured[:3]) and all(r["exact"] is not False for r in measured)
+    assert all(r["save_s"] > 0 and r["load_s"] > 0 and r["file_bytes"] > 0 for r in measured)
     assert d["results"][0]["ratio"] > 1  # the sample state has a zero optimizer moment
     code, out, _ = run(capsys, "bench", ckpt, "--repeat", "1")
     assert code == EXIT_OK and "nvckpt (auto, cpu engine)" in out and "page cache" in out

@@ -78,7 +78,8 @@ def test_incompressible_chunks_are_stored_raw():
 
 
 def test_auto_picks_byteshuffle_zstd_for_floats_and_zstd_for_bytes():
-    """SPEC/issue: auto on CPU = byteshuffle+zstd for floats (element size planes), plain zstd for 1-byte types."""
+    """auto on CPU = portable: signshift+byteshuffle+zstd for bf16/fp32, byteshuffle+zstd for other floats,
+    plain zstd for 1-byte types."""
     state = {
         "bf16": torch.randn(4096).to(torch.bfloat16), "f32": torch.randn(4096), "f64": torch.randn(4096, dtype=torch.float64),
         "u8": torch.arange(4096) % 7 == 0, "i8": (torch.arange(4096) % 5).to(torch.int8),
@@ -87,7 +88,8 @@ def test_auto_picks_byteshuffle_zstd_for_floats_and_zstd_for_bytes():
     nvckpt.save(state, stream, codec="auto")
     data = stream.getvalue()
     for name, size in (("bf16", 2), ("f32", 4), ("f64", 8)):
-        assert codec_of_chunks(data, name)[0] == [
+        shift = [{"name": "signshift", "configuration": {"elementsize": size}}] if size < 8 else []
+        assert codec_of_chunks(data, name)[0] == shift + [
             {"name": "byteshuffle", "configuration": {"elementsize": size}}, {"name": "zstd", "configuration": {"level": 1}}]
     for name in ("u8", "i8"):
         assert codec_of_chunks(data, name)[0] == [{"name": "zstd", "configuration": {"level": 1}}]

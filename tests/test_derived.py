@@ -100,14 +100,16 @@ def test_bf16_that_is_not_the_rounding_is_stored_as_is(change):
     assert_tree_equal(nvckpt.load(io.BytesIO(data)), state)
 
 
-def test_derived_off_by_default_and_with_views():
+def test_derived_on_by_default_off_when_asked_and_with_views():
     m = torch.randn(100)
     w = spec_bf16_rne(m)
     state = {"m": m, "w": w, "w_again": w}
-    data = save_bytes(state)
+    data = save_bytes(state, derive=False)
     with nvckpt.open(io.BytesIO(data)) as ck:
         assert all(e.derived is None for e in ck.index.tensors)
-    data = save_bytes(state, derive_bf16=True)
+    data = save_bytes(state)
+    with nvckpt.open(io.BytesIO(data)) as ck:
+        assert [e.derived["function"] for e in ck.index.tensors if e.derived] == ["bf16_rne"]
     back = nvckpt.load(io.BytesIO(data))
     assert_tree_equal(back, state)
     assert back["w"] is back["w_again"]
@@ -124,7 +126,7 @@ def test_training_state_with_bf16_copies(training_state):
         "optimizer": training_state["optimizer"],
     }
     with_derived = save_bytes(state, derive_bf16=True)
-    without = save_bytes(state)
+    without = save_bytes(state, derive=False)
     with nvckpt.open(io.BytesIO(with_derived)) as ck:
         ndrv = sum(e.derived is not None for e in ck.index.tensors)
     assert ndrv == len({v.data_ptr() for v in fp32.values()})  # one per distinct tensor (tied counted once)
@@ -141,3 +143,32 @@ def test_transposed_master():
     with nvckpt.open(io.BytesIO(data)) as ck:
         assert ck.index.tensors[ck.index.paths["w"]].derived is not None
     assert_tree_equal(nvckpt.load(io.BytesIO(data)), {"m": m, "w": w})
+
+
+def test_exact_copies_are_stored_once_and_load_as_tensors_of_their_own():
+    w = torch.randn(64, 32)
+    nan = torch.full((16,), float("nan"))
+    state = {"w": w, "w_clone": w.clone(), "other": w + 1, "ids": torch.arange(40), "ids2": torch.arange(40),
+             "nan": nan, "nan2": nan.clone(), "neg": torch.zeros(8), "pos": -torch.zeros(8)}
+    data = save_bytes(state)
+    with nvckpt.open(io.BytesIO(data)) as ck:
+        copies = {e.name: ck.index.tensors[e.derived["source"]].name for e in ck.index.tensors
+                  if e.derived and e.derived["function"] == "copy"}
+    assert copies == {"w_clone": "w", "ids2": "ids", "nan2": "nan"}  # -0.0 is not a copy of 0.0: bytes compared
+    back = nvckpt.load(io.BytesIO(data))
+    assert_tree_equal(back, state)
+    back["w_clone"].add_(1)  # its own storage, as in the saved state
+    assert torch.equal(back["w"], w)
+    plain = save_bytes(state, derive=False)
+    assert len(data) < len(plain)
+
+
+def test_ratio_counts_every_tensor_the_file_restores(tmp_path):
+    m = torch.randn(256, 64)
+    state = {"m": m, "w": spec_bf16_rne(m), "m2": m.clone()}
+    res = nvckpt.save(state, tmp_path / "s.nvckpt", codec="raw")
+    assert res.raw_bytes == m.nbytes * 2 + m.nbytes // 2  # the bf16 rounding and the copy count, stored or not
+    assert res.ratio > 2.4
+    flat = torch.randn(1000)
+    res = nvckpt.save({"a": flat[:600], "b": flat[400:]}, tmp_path / "v.nvckpt", codec="raw")
+    assert res.raw_bytes == (600 + 600) * 4  # two views of one 1000-element storage: 4000 bytes stored

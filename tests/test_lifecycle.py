@@ -28,8 +28,9 @@ def child(code: str, *, wait: bool = True, timeout: float = 120) -> subprocess.P
     return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-# A save of a few seconds: 64 MiB in 4 KiB chunks.
-SLOW_SAVE = "nvckpt.{fn}({{'w': torch.arange(1 << 24, dtype=torch.float32)}}, {path!r}, chunk_size=4096, codec='zstd'{extra})"
+# A save of several seconds: 64 MiB in 4 KiB chunks, zstd level 19, one encoder thread.
+SLOW_SAVE = ("nvckpt.{fn}({{'w': torch.arange(1 << 24, dtype=torch.float32)}}, {path!r}, chunk_size=4096, codec='zstd', "
+             "zstd_level=19, workers=1{extra})")
 
 
 def test_pending_async_save_completes_at_interpreter_exit(tmp_path):
@@ -85,9 +86,12 @@ def test_sigterm_lets_a_save_finish_within_its_grace_then_exits_143(tmp_path, fn
     proc = child(f"""
         import time, torch, nvckpt
         {SLOW_SAVE.format(fn=fn, path=path, extra=', preemption_grace=120')}
+        print("returned", flush=True)
         time.sleep(60)  # training would go on here
     """, wait=False)
     _wait_for_temporary(str(tmp_path), proc)
+    if fn == "async_save":
+        assert proc.stdout.readline().strip() == "returned"  # the call is over; the save runs on
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == -signal.SIGTERM, err  # the signal's own default action, after the save

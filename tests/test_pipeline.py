@@ -443,10 +443,10 @@ def test_cancelled_async_save_keeps_the_old_file(old_file, monkeypatch):
     started = threading.Event()
     real = encode_cpu.encode_chunk
 
-    def slow(pipeline, raw):
+    def slow(pipeline, raw, buffers=None):
         started.set()
         time.sleep(0.005)
-        return real(pipeline, raw)
+        return real(pipeline, raw, buffers)
 
     monkeypatch.setattr(encode_cpu, "encode_chunk", slow)  # ~1000 chunks: seconds unless cancelled
     future = nvckpt.async_save({"new": torch.randn(1000, 1000)}, path, chunk_size=4 * KiB)

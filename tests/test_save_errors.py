@@ -6,6 +6,7 @@ import enum
 import io
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -22,17 +23,27 @@ def quantized() -> torch.Tensor:
         return torch.quantize_per_tensor(torch.randn(4), scale=0.1, zero_point=0, dtype=torch.qint8)
 
 
+def nested(layout: torch.layout) -> torch.Tensor:
+    with warnings.catch_warnings():  # the strided layout is a "prototype" to torch, and warns
+        warnings.simplefilter("ignore")
+        return torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=layout)
+
+
 @pytest.mark.parametrize("obj,where,what", [
-    ({"a": {"b": [0, {1, 2}]}}, "a/b/1", "set"),
+    ({"a": {"b": [0, {1, torch.ones(1)}]}}, "a/b/1", "set"),
     ({"opt": {"state": {0: {"fn": Custom()}}}}, "opt/state/0/fn", "Custom"),
     ({"m": {"w": torch.randn(4, 4).to_sparse()}}, "m/w", "sparse"),
     (lambda: {"m": [torch.ones(1), quantized()]}, "m/1", "quantized"),
-    ({"x": {"big": 2**64}}, "x/big", "64 bits"),
-    ({"x": [-(2**63) - 1]}, "x/0", "64 bits"),
+    ({"x": {"big": {2**64: 1}}}, "x/big", "64 bits"),  # as values they are stored (SPEC 9.2), as keys not
+    ({"x": [{-(2**63) - 1: 1}]}, "x/0", "64 bits"),
     ({"k": {("tuple", "key"): torch.ones(1)}}, "k", "tuple"),
     ({"fn": [len]}, "fn/0", "builtin"),
     ({"t": torch.ones(2, device="meta")}, "t", "meta"),
-    ({"c": [complex(1, 2)]}, "c/0", "complex"),
+    ({"c": [{complex(1, 2): 1}]}, "c/0", "complex"),
+    (lambda: {"n": [nested(torch.strided)]}, "n/0", "nested"),
+    (lambda: {"n": [nested(torch.jagged)]}, "n/0", "nested"),
+    ({"a": {"arr": np.zeros(3)}}, "a/arr", "torch.from_numpy"),
+    ({"s": {"set": {frozenset({object()})}}}, "s/set", "object"),
     ({"s": ["ok", "bad \ud800"]}, "s/1", "Unicode"),  # a lone surrogate cannot be UTF-8
     ({"d": {"\udfff": torch.ones(1)}}, "d", "Unicode"),
 ])
@@ -47,7 +58,7 @@ def test_unsupported_objects_name_their_path(obj, where, what):
 
 def test_root_unsupported_names_root():
     with pytest.raises(nvckpt.UnsupportedObjectError, match="<root>"):
-        nvckpt.save({1, 2}, io.BytesIO())
+        nvckpt.save(Custom(), io.BytesIO())
 
 
 def test_keys_that_collide_as_names():
@@ -102,5 +113,5 @@ def test_bad_metadata(metadata):
 def test_nothing_written_to_stream_on_plan_errors():
     stream = io.BytesIO()
     with pytest.raises(nvckpt.UnsupportedObjectError):
-        nvckpt.save({"a": torch.ones(1000), "b": {1, 2}}, stream)
+        nvckpt.save({"a": torch.ones(1000), "b": object()}, stream)
     assert stream.getvalue() == b""

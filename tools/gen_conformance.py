@@ -46,7 +46,7 @@ import zstandard  # noqa: E402
 
 import nvckpt  # noqa: E402
 from conformance import craft  # noqa: E402
-from nvckpt.codecs import ByteShuffle, Pipeline, Zstd  # noqa: E402
+from nvckpt.codecs import ByteShuffle, Pipeline, SignShift, Zstd  # noqa: E402
 from nvckpt.plan.derived import bf16_rne  # noqa: E402
 
 WRITER = {"name": "nvckpt-conformance", "version": "1"}
@@ -103,6 +103,15 @@ def node_json(node: Any, names: dict[int, str]) -> Any:
         return float_json(node)
     if isinstance(node, bytes):
         return {"$bytes": node.hex()}
+    if isinstance(node, (set, frozenset)):  # SPEC 9.2 (the runner compares set items unordered; sorted: reproducible)
+        items = sorted((node_json(x, names) for x in node), key=lambda x: json.dumps(x, sort_keys=True))
+        return {"$frozenset" if isinstance(node, frozenset) else "$set": items}
+    if isinstance(node, torch.dtype):
+        return {"$dtype": str(node).removeprefix("torch.")}
+    if isinstance(node, torch.device):
+        return {"$device": str(node)}
+    if isinstance(node, complex):
+        return {"$complex": [float_json(node.real)["$float"], float_json(node.imag)["$float"]]}
     return node  # None, bool, int, str
 
 
@@ -168,9 +177,21 @@ def pin_writer(data: bytes) -> bytes:
     return craft.build(nv)
 
 
+def pinned(kw: dict) -> dict:
+    """The options the suite's files were made with before nvckpt 0.2 changed its defaults (portable
+    codec, alignment, derived tensors), so that regenerating gives the committed bytes."""
+    kw = dict(kw)
+    if kw.get("codec", "auto") in ("auto", "portable"):
+        kw["codec"] = "portable-1.0"
+    kw.setdefault("alignment", 4096)
+    if "derive_bf16" not in kw:
+        kw.setdefault("derive", False)
+    return kw
+
+
 def save(obj: Any, **kw: Any) -> bytes:
     buf = io.BytesIO()
-    nvckpt.save(obj, buf, **kw)
+    nvckpt.save(obj, buf, **pinned(kw))
     return pin_writer(buf.getvalue())
 
 
@@ -191,7 +212,7 @@ def save_through_pipe(obj: Any, **kw: Any) -> bytes:
     reader.start()
     with os.fdopen(w, "wb") as f:
         assert not f.seekable()
-        nvckpt.save(obj, f, **kw)
+        nvckpt.save(obj, f, **pinned(kw))
     reader.join()
     return pin_writer(b"".join(chunks))
 
@@ -313,12 +334,12 @@ def codec_label(data: bytes) -> str:
         names = ["+".join(s["name"] for s in codecs[i]) for i in used if isinstance(i, int) and i < len(codecs)]
     except Exception:
         return "none"
-    known = {"nvcomp-ans", "byteshuffle+zstd", "zstd", "raw", "byteshuffle+zstd"}
+    known = {"nvcomp-ans", "signshift+byteshuffle+zstd", "byteshuffle+zstd", "zstd", "raw"}
     if "nvcomp-ans" in names:
         return "nvcomp-ans"
     if any(n not in known for n in names):
         return "unknown-codec"
-    for label in ("byteshuffle+zstd", "zstd", "raw"):
+    for label in ("signshift+byteshuffle+zstd", "byteshuffle+zstd", "zstd", "raw"):
         if label in names:
             return label
     return "none"
@@ -1151,6 +1172,7 @@ def gen_invalid(s: Suite, bases: dict) -> None:
 
     gen_second_edition(s, bases, edit, index_edit, raw_index, T)
     gen_issue10(s, bases, raw_index)
+    gen_issue11(s, edit, index_edit)
 
     # -- bool values ----------------------------------------------------------------------------------------
     bool_obj = {"b": torch.tensor([True, False, True])}
@@ -1306,6 +1328,86 @@ def _f64(bits: int) -> bytes:
 
 def _bits(x: float) -> int:
     return struct.unpack(">Q", struct.pack(">d", x))[0]
+
+
+def gen_issue11(s: Suite, edit: Callable, index_edit: Callable) -> None:
+    """The third edition's additions: the signshift filter (SPEC 11.9), one zstd frame per byte plane
+    (11.4, informative) and the copy derived function (14.2)."""
+    def valid(cid: str, obj: Any, *, section: str, flags: list[str], description: str, **kw: Any) -> bytes:
+        buf = io.BytesIO()
+        nvckpt.save(obj, buf, alignment=4096, **kw)  # this edition's writer, options as given
+        data = pin_writer(buf.getvalue())
+        s.valid(cid, data, expected_decode(obj, None, data), section=section, flags=flags, description=description)
+        return data
+
+    bf = (smooth(4096, 1101) * 3).to(torch.bfloat16).reshape(64, 64)
+    f32 = smooth(2048, 1102).reshape(32, 64) * 0.02
+    f64 = smooth(512, 1103).double()
+    valid("valid-codec-signshift-bfloat16", {"w": bf}, section="11.9",
+          flags=["codec-signshift", "codec-byteshuffle", "codec-zstd", "zstd-frames"], codec="portable",
+          derive=False, chunk_size=4096,
+          description="the portable preset on bfloat16: [signshift(2), byteshuffle(2), zstd], one zstd frame per byte plane")
+    valid("valid-codec-signshift-float32", {"w": f32, "tiny": torch.tensor([1.0, -2.0, 0.5, -0.0])}, section="11.9",
+          flags=["codec-signshift", "codec-byteshuffle", "codec-zstd", "zstd-frames"], codec="portable",
+          derive=False, chunk_size=2048,
+          description="the portable preset on float32: [signshift(4), byteshuffle(4), zstd] (a 16-byte tensor stored raw)")
+    shift8 = Pipeline((SignShift(8), ByteShuffle(8), Zstd(1)), planar=True)
+    valid("valid-codec-signshift-elementsize-8", {"d": f64}, section="11.9", flags=["codec-signshift", "codec-zstd"],
+          codec=shift8, derive=False, chunk_size=1024, description="signshift(8) then byteshuffle(8) then zstd on float64")
+    shift_only = Pipeline((SignShift(2), Zstd(3)))
+    valid("valid-codec-signshift-then-zstd", {"h": bf.to(torch.float16)}, section="11.9",
+          flags=["codec-signshift", "codec-zstd"], codec=shift_only, derive=False, chunk_size=4096,
+          description="[signshift(2), zstd(3)] on float16: one frame per chunk, no byteshuffle")
+    w = smooth(96, 1104).reshape(8, 12)
+    copy_obj = {"w": w, "w_copy": w.clone(), "ids": torch.arange(24, dtype=torch.int32),
+                "ids_copy": torch.arange(24, dtype=torch.int32), "m": f32[:4].clone(), "m_bf16": bf16_rne(f32[:4])}
+    cdata = valid("valid-derived-copy", copy_obj, section="14.2", flags=["derived", "copy", "bf16-rne"], codec="raw",
+                  chunk_size=64,
+                  description="exact copies stored as derived 'copy' entries of their sources (and one bf16_rne)")
+
+    inv = s.invalid
+    ss = {"name": "byteshuffle", "configuration": {"elementsize": 2}}
+    z = {"name": "zstd", "configuration": {"level": 1}}
+    bdata = io.BytesIO()
+    nvckpt.save({"w": bf}, bdata, codec="portable", derive=False, chunk_size=4096, alignment=4096)
+    bdata = pin_writer(bdata.getvalue())
+
+    def codec_edit(step: dict, src: bytes = bdata) -> bytes:
+        nv = craft.parse(src)
+        pipeline = [step, ss, z]
+        nv.index["codecs"][0] = pipeline
+        next(f for f in nv.frames if f.frame_type == craft.CODEC and f.codec_id == 0).payload = craft.pack(pipeline)
+        return craft.build(nv)
+
+    for cid, config, what in (("codec-signshift-elementsize-3", {"elementsize": 3}, "elementsize 3 (allowed: 2, 4, 8)"),
+                              ("codec-signshift-elementsize-16", {"elementsize": 16}, "elementsize 16 (allowed: 2, 4, 8)"),
+                              ("codec-signshift-elementsize-bool", {"elementsize": True}, "elementsize true (a bool, not an int)"),
+                              ("codec-signshift-no-elementsize", {}, "no elementsize"),
+                              ("codec-signshift-extra-key", {"elementsize": 2, "order": 1}, "a key other than elementsize")):
+        inv(cid, codec_edit({"name": "signshift", "configuration": config}), "format", section="11.9",
+            flags=["codec-signshift", "codec-pipeline"], description=f"signshift with {what}",
+            danger="a configuration outside the registered range must not be guessed at")
+    odd_w = (smooth(1026, 1105) * 3).to(torch.bfloat16)  # 2052 bytes: a multiple of 2 and 4, not of 8
+    odd = io.BytesIO()
+    nvckpt.save({"w": odd_w}, odd, codec="portable", derive=False, alignment=4096)
+    inv("codec-signshift-length-not-multiple", codec_edit({"name": "signshift", "configuration": {"elementsize": 8}},
+                                                          pin_writer(odd.getvalue())),
+        "format", section="11.9", flags=["codec-signshift", "lengths"],
+        description="signshift elementsize 8 on a chunk of 2052 bytes (not a multiple of 8)",
+        danger="an element cut by the chunk's end has no top two bytes to move")
+    nv = craft.parse(cdata)
+    tid = {e["name"]: i for i, e in enumerate(nv.index["tensors"])}
+    assert nv.index["tensors"][tid["w_copy"]]["derived"] == {"function": "copy", "source": tid["w"]}
+
+    def set_entry(name: str, key: str, value: Any) -> Callable:
+        return lambda ix: ix["tensors"][tid[name]].__setitem__(key, value)
+
+    inv("derived-copy-dtype-differs", index_edit(set_entry("ids_copy", "dtype", "float32"), cdata, sync=True), "format",
+        section="8.5", flags=["derived", "copy"], description="a copy of an int32 tensor whose entry says float32",
+        danger="a copy changes no byte, so it cannot change the dtype either: the values would be reinterpreted")
+    inv("derived-copy-shape-differs", index_edit(set_entry("w_copy", "shape", [12, 8]), cdata, sync=True), "format",
+        section="8.5", flags=["derived", "copy"], description="a copy of an 8x12 tensor whose entry says 12x8",
+        danger="same bytes, other shape: rows would be cut at other places")
 
 
 def gen_second_edition(s: Suite, bases: dict, edit: Callable, index_edit: Callable, raw_index: Callable,
@@ -1696,6 +1798,119 @@ def _index_with_raw_tree(index: dict, tree: bytes) -> bytes:
 
 
 # --------------------------------------------------------------------------------------------
+# SPEC.md 1.1: the typed extensions of the tree (9.2), required feature bit 1 (3)
+# --------------------------------------------------------------------------------------------
+
+def gen_issue13(s: Suite) -> None:
+    obj = {"w": smooth(64, 13).reshape(8, 8), "config": {
+        "dtype": torch.bfloat16, "dtypes": [torch.float8_e4m3fn, torch.complex64, torch.uint16],
+        "device": torch.device("cuda", 1), "cpu": torch.device("cpu"),
+        "z": complex(1.5, -2.0), "z_bits": complex(-0.0, float("inf")),
+        "big": 2**64, "neg": -(2**63) - 1, "huge": 3**200, "min_neg": -(2**71),
+        "tags": {"a", b"b", 3, 2.5, None, True, (1, "x"), frozenset({1, 2}), torch.float16, 1j},
+        "empty": set(), "frozen": frozenset({torch.device("cpu")}), "mixed": (torch.int8, 2**70, {0})}}
+    data = save(obj, codec="raw")
+    nv = craft.parse(data)
+    assert (nv.preamble.version_minor, nv.preamble.required_features) == (1, 2)
+    exp = expected_decode(obj, None, data)
+    s.valid("valid-typed-tree", data, exp, section="9.2", flags=["tree", "typed", "required-feature"],
+            description="torch.dtype, torch.device, complex, ints beyond 64 bits, set and frozenset in the tree "
+                        "(ext types 3-8; required_features bit 1, version 1.1)")
+
+    def with_tree(tree: bytes, *, required: int = 2, minor: int = 1) -> bytes:
+        f = craft.parse(data)
+        f.preamble.required_features, f.preamble.version_minor = required, minor
+        f.index["version"] = [1, minor]
+        f.index_frame().payload = _index_with_raw_tree(f.index, tree)
+        return craft.build(f, fix_index=False)
+
+    def ext(code: int, body: bytes) -> bytes:
+        return craft.pack(msgpack.ExtType(code, body))
+
+    def one(value: bytes) -> bytes:
+        return _pack_map([(craft.pack("w"), craft.pack(msgpack.ExtType(1, struct.pack("<I", 0)))),
+                          (craft.pack("x"), value)])
+
+    w_exp = {"$tensor": "w"}
+
+    def exp_one(value: Any) -> dict:
+        e = copy.deepcopy(exp)
+        e["tree"] = {"$map": [["w", w_exp], ["x", value]]}
+        return e
+
+    unsorted = ext(7, b"\x93" + craft.pack("z") + craft.pack(1) + ext(5, struct.pack("<dd", 0.0, 1.0)))
+    s.valid("valid-typed-set-any-order", with_tree(one(unsorted)),
+            exp_one({"$set": ["z", 1, {"$complex": [float_json(0.0)["$float"], float_json(1.0)["$float"]]}]}),
+            section="9.2", flags=["tree", "typed", "set"],
+            description="a set whose items are not sorted by their encoding (a writer SHOULD sort them; a reader "
+                        "MUST accept any order)")
+    s.valid("valid-typed-bit-without-typed-values", with_tree(one(craft.pack(1))), exp_one(1), section="3",
+            flags=["required-feature", "typed"],
+            description="required_features bit 1 set, version 1.1, but no typed extension in the tree")
+    s.valid("valid-typed-bigint-9-bytes", with_tree(one(ext(6, (2**64).to_bytes(9, "little", signed=True)))),
+            exp_one(2**64), section="9.2", flags=["tree", "typed", "bigint"],
+            description="2^64, the smallest int beyond msgpack's range: 9 bytes, 00 x8 then 01")
+
+    inv = s.invalid
+    cases = [
+        ("typed-without-feature-bit", with_tree(one(ext(3, b"float32")), required=0, minor=0), "format",
+         "a dtype ext (3) in a file whose preamble does not set required_features bit 1",
+         "a 1.0 reader and a 1.1 reader must agree on a file that does not declare what it needs"),
+        ("typed-without-feature-bit-minor-1", with_tree(one(ext(5, bytes(16))), required=0), "format",
+         "a complex ext (5) in a version 1.1 file whose required_features is 0",
+         "version_minor is never a reason to accept or refuse: only the feature bit is"),
+        ("typed-dtype-uppercase", with_tree(one(ext(3, b"Float32"))), "format",
+         "a dtype ext whose name is 'Float32' (names are [a-z][a-z0-9_]*)",
+         "a name that is not a torch attribute name; getattr on arbitrary text reaches more than dtypes"),
+        ("typed-dtype-dunder", with_tree(one(ext(3, b"__class__"))), "format",
+         "a dtype ext whose name is '__class__'", "getattr(torch, name) on a name like this reaches non-dtypes"),
+        ("typed-dtype-empty", with_tree(one(ext(3, b""))), "format", "a dtype ext with no bytes",
+         "an empty name"),
+        ("typed-dtype-65-bytes", with_tree(one(ext(3, b"a" * 65))), "format", "a dtype ext of 65 bytes",
+         "names are at most 64 bytes"),
+        ("typed-device-leading-zero", with_tree(one(ext(4, b"cuda:01"))), "format",
+         "a device ext 'cuda:01' (an index has no leading zero)", "two spellings of one device"),
+        ("typed-device-no-index", with_tree(one(ext(4, b"cuda:"))), "format", "a device ext 'cuda:'",
+         "a colon with no index"),
+        ("typed-complex-15-bytes", with_tree(one(ext(5, bytes(15)))), "format", "a complex ext of 15 bytes",
+         "a reader that reads 16 bytes reads past the ext's data"),
+        ("typed-bigint-in-range", with_tree(one(ext(6, b"\x05"))), "format", "an int ext (6) holding 5",
+         "one value with two encodings (msgpack's int and ext 6)"),
+        ("typed-bigint-not-shortest", with_tree(one(ext(6, (2**64).to_bytes(10, "little", signed=True)))), "format",
+         "an int ext holding 2^64 in 10 bytes (the shortest is 9)", "one value with two encodings"),
+        ("typed-bigint-negative-not-shortest", with_tree(one(ext(6, (-(2**64)).to_bytes(10, "little", signed=True)))),
+         "format", "an int ext holding -2^64 in 10 bytes (ff padding; the shortest is 9)", "as above"),
+        ("typed-bigint-1025-bytes", with_tree(one(ext(6, b"\x01" * 1025))), "limit",
+         "an int ext of 1025 bytes (MAX_BIGINT_BYTES is 1024)",
+         "converting a huge integer to text or doing arithmetic on it is quadratic"),
+        ("typed-set-duplicate-int-float", with_tree(one(ext(7, craft.pack([1, 1.0])))), "format",
+         "a set holding 1 and 1.0 (the same value by SPEC 1)", "a set that loads with fewer items than stored"),
+        ("typed-set-duplicate-complex-real", with_tree(one(ext(8, b"\x92\x02" + ext(5, struct.pack("<dd", 2.0, 0.0))))),
+         "format", "a frozenset holding 2 and complex(2, 0) (the same value by SPEC 9.2)", "as above"),
+        ("typed-set-duplicate-nan", with_tree(one(ext(7, b"\x92" + _f64(0x7FF8000000000000) + _f64(0x7FF8000000000001)))),
+         "format", "a set holding two NaNs with different bits (every NaN is the same value)", "as above"),
+        ("typed-set-holds-tensor", with_tree(one(ext(7, b"\x91" + craft.pack(msgpack.ExtType(1, struct.pack("<I", 0)))))),
+         "format", "a set holding a tensor reference", "a tensor in a set has no name and no hash by value"),
+        ("typed-set-holds-array", with_tree(one(ext(7, craft.pack([[1]])))), "format", "a set holding an array",
+         "a list is not hashable: a Python reader cannot build the set"),
+        ("typed-set-holds-set", with_tree(one(ext(7, b"\x91" + ext(7, b"\x90")))), "format",
+         "a set holding a set (only frozensets nest)", "as above"),
+        ("typed-set-tuple-holds-map", with_tree(one(ext(8, b"\x91" + ext(2, craft.pack([{"a": 1}]))))), "format",
+         "a frozenset holding a tuple that holds a map", "as above"),
+        ("typed-set-not-array", with_tree(one(ext(7, craft.pack({"a": 1})))), "format", "a set ext whose data is a map",
+         "malformed set"),
+        ("typed-ext-as-map-key", with_tree(_pack_map([(craft.pack("w"), craft.pack(msgpack.ExtType(1, bytes(4)))),
+                                                      (ext(3, b"float32"), craft.pack(1))])), "format",
+         "a tree map whose key is a dtype ext", "typed extensions are values, never keys"),
+        ("typed-ext-9", with_tree(one(ext(9, b"x"))), "format", "ext type 9 in a file with required_features bit 1",
+         "types version 1.1 does not define"),
+    ]
+    for cid, payload, error, description, danger in cases:
+        inv(cid, payload, error, section="9.2" if "bit" not in cid else "3", flags=["tree", "typed"],
+            description=description, danger=danger, also=["format"] if error == "limit" else None)
+
+
+# --------------------------------------------------------------------------------------------
 
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
@@ -1742,8 +1957,9 @@ def main(argv: list[str] | None = None) -> int:
     s = Suite(args.out, set(args.only) if args.only else None)
     bases = gen_valid(s)
     gen_invalid(s, bases)
+    gen_issue13(s)
     manifest = {
-        "suite": "nvckpt conformance", "suite_version": SUITE_VERSION, "format_version": [1, 0],
+        "suite": "nvckpt conformance", "suite_version": SUITE_VERSION, "format_version": [1, 1],
         "generator": {"tool": "tools/gen_conformance.py", "writer": WRITER, "zstd": ".".join(map(str, zstandard.ZSTD_VERSION))},
         "errors": list(ERRORS),
         "cases": s.cases,

@@ -29,7 +29,7 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 
 import nvckpt  # noqa: E402
-from nvckpt.format.tree import TensorRef  # noqa: E402
+from nvckpt.format.tree import DeviceName, DtypeName, TensorRef  # noqa: E402
 
 # Most specific first: TruncatedError is a FormatError.
 ERROR_CLASSES = (
@@ -62,6 +62,14 @@ def node_json(node: Any, names: list[str]) -> Any:
         return {"$float": struct.pack(">d", node).hex()}
     if isinstance(node, bytes):
         return {"$bytes": node.hex()}
+    if isinstance(node, (set, frozenset)):
+        return {"$frozenset" if isinstance(node, frozenset) else "$set": [node_json(x, names) for x in node]}
+    if isinstance(node, DtypeName):
+        return {"$dtype": node.name}
+    if isinstance(node, DeviceName):
+        return {"$device": node.spec}
+    if isinstance(node, complex):
+        return {"$complex": [struct.pack(">d", node.real).hex(), struct.pack(">d", node.imag).hex()]}
     return node
 
 

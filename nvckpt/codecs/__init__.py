@@ -5,10 +5,10 @@ imported by the step that first needs it.
 """
 
 from .base import Codec, DeviceOp, Pipeline
-from .builtin import ByteShuffle, Raw, Zstd
+from .builtin import ByteShuffle, Raw, SignShift, Zstd
 from .nvcomp.ans import NvcompAns
 from .presets import PRESETS, chooser, portable
 from .registry import RAW, REGISTRY, pipeline_from_json
 
-__all__ = ["Codec", "DeviceOp", "Pipeline", "Raw", "Zstd", "ByteShuffle", "NvcompAns", "REGISTRY", "RAW",
+__all__ = ["Codec", "DeviceOp", "Pipeline", "Raw", "Zstd", "ByteShuffle", "SignShift", "NvcompAns", "REGISTRY", "RAW",
            "pipeline_from_json", "portable", "chooser", "PRESETS"]

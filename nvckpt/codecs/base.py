@@ -9,7 +9,7 @@ JSON-able configuration, as in zarr v3 and numcodecs.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
 
@@ -73,9 +73,14 @@ class Codec:
 
 @dataclass(frozen=True)
 class Pipeline:
-    """Filters then one coder.  Hashable, so a writer can give it one codec id."""
+    """Filters then one coder.  Hashable, so a writer can give it one codec id.
+
+    ``planar``: a writer-side choice, not recorded in the file (two pipelines that differ only in
+    it are the same codec): encode as one zstd frame per byte plane (nvckpt.codecs.planes), as the
+    portable preset does.  False: run the steps one after the other."""
 
     steps: tuple[Codec, ...]
+    planar: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.steps:

@@ -1,4 +1,4 @@
-"""The CPU codecs of SPEC.md: raw, zstd and the byteshuffle filter."""
+"""The CPU codecs of SPEC.md: raw, zstd and the byteshuffle and signshift filters."""
 
 from __future__ import annotations
 
@@ -255,3 +255,81 @@ class ByteShuffle(Codec):
         for j in range(k):
             out[:, j] = planes[j]
         return memoryview(out.reshape(-1))
+
+
+class SignShift(Codec):
+    """Filter (SPEC 11.9): in the top two bytes of each little-endian element, move the sign bit down
+    to bit 7 of the lower byte and the 8 bits below the sign up by one, so that the exponent of a
+    bfloat16 or float32 (the 8 bits below the sign) is one whole byte.  Other bytes are unchanged.
+
+    With h the top byte and l the one below it:  h' = (h << 1 | l >> 7) & 0xFF,  l' = (h & 0x80) | (l & 0x7F)."""
+
+    name = "signshift"
+    is_filter = True
+    ELEMENT_SIZES = (2, 4, 8)
+
+    def __init__(self, elementsize: int) -> None:
+        if not isinstance(elementsize, int) or isinstance(elementsize, bool) or elementsize not in self.ELEMENT_SIZES:
+            raise ValueError(f"signshift elementsize must be 2, 4 or 8, got {elementsize!r}")
+        self.elementsize = elementsize
+
+    def configuration(self) -> dict[str, Any]:
+        return {"elementsize": self.elementsize}
+
+    @classmethod
+    def from_configuration(cls, configuration: dict[str, Any]) -> "SignShift":
+        unknown = set(configuration) - {"elementsize"}
+        if unknown or "elementsize" not in configuration:
+            raise ValueError(f"signshift needs exactly 'elementsize', got {sorted(configuration)}")
+        return cls(configuration["elementsize"])
+
+    def _apply(self, data: memoryview, inverse: bool) -> memoryview:
+        k, n = self.elementsize, len(data)
+        if n % k:
+            raise ValueError(f"signshift: {n} bytes is not a multiple of elementsize {k}")
+        if n < _NUMPY_FROM:
+            out = bytearray(data)
+            hi, lo = out[k - 1::k], out[k - 2::k]
+            if inverse:
+                out[k - 1::k] = bytes((l & 0x80) | (h >> 1) for h, l in zip(hi, lo))
+                out[k - 2::k] = bytes(((h << 7) & 0x80) | (l & 0x7F) for h, l in zip(hi, lo))
+            else:
+                out[k - 1::k] = bytes(((h << 1) & 0xFF) | (l >> 7) for h, l in zip(hi, lo))
+                out[k - 2::k] = bytes((h & 0x80) | (l & 0x7F) for h, l in zip(hi, lo))
+            return memoryview(out)
+        import numpy as np
+
+        out = np.frombuffer(data, dtype=np.uint8).reshape(-1, k).copy()
+        shift_planes(out[:, k - 1], out[:, k - 2], inverse)
+        return memoryview(out.reshape(-1))
+
+    def encode(self, data: memoryview) -> memoryview:
+        return self._apply(data, inverse=False)
+
+    def decode(self, data: memoryview, raw_length: int) -> memoryview:
+        if len(data) != raw_length:
+            raise ValueError(f"signshift input is {len(data)} bytes, expected {raw_length}")
+        return self._apply(data, inverse=True)
+
+
+def shift_planes(hi: Any, lo: Any, inverse: bool) -> None:
+    """signshift in place on numpy uint8 arrays of the top bytes ``hi`` and the bytes below them ``lo``
+    (element rows of an (n, k) array, or two byte planes after byteshuffle)."""
+    import numpy as np
+
+    if inverse:  # h = (l' & 0x80) | (h' >> 1),  l = (h' << 7) | (l' & 0x7F)
+        h = np.right_shift(hi, 1)
+        t = np.bitwise_and(lo, 0x80)
+        h |= t
+        np.left_shift(hi, 7, out=t)
+        np.bitwise_and(lo, 0x7F, out=lo)
+        lo |= t
+        hi[...] = h
+    else:  # h' = (h << 1) | (l >> 7),  l' = (h & 0x80) | (l & 0x7F)
+        h = np.left_shift(hi, 1)
+        t = np.right_shift(lo, 7)
+        h |= t
+        np.bitwise_and(hi, 0x80, out=t)
+        np.bitwise_and(lo, 0x7F, out=lo)
+        lo |= t
+        hi[...] = h

@@ -13,10 +13,10 @@ from typing import Any
 from ..errors import FormatError, UnsupportedCodecError
 from ..format.index import check_codec_spec
 from .base import Codec, Pipeline
-from .builtin import ByteShuffle, Raw, Zstd
+from .builtin import ByteShuffle, Raw, SignShift, Zstd
 from .nvcomp.ans import NvcompAns
 
-REGISTRY: dict[str, type[Codec]] = {c.name: c for c in (Raw, Zstd, ByteShuffle, NvcompAns)}
+REGISTRY: dict[str, type[Codec]] = {c.name: c for c in (Raw, Zstd, ByteShuffle, SignShift, NvcompAns)}
 
 RAW = Pipeline((Raw(),))
 

@@ -1,25 +1,43 @@
 """The CPU engine: encode chunks with the host codecs on a thread pool.
 
-zstd and numpy release the GIL, so a small pool keeps every core busy while
-the caller's thread writes frames in order.  At most ``window`` chunks are in
-flight, which bounds memory to a few chunks beyond the tensor being saved.
+zstd (libzstd), numpy and xxhash release the GIL, so the pool keeps every core busy while the
+caller's thread writes frames in order.  What keeps it from being the bottleneck:
+
+* chunks are read straight from the tensor's memory (no copy for a contiguous CPU tensor) and a
+  portable chunk is coded into a reusable output buffer (``_Buffers``), handed to the writer and
+  given back once the writer has copied it (``EncodedChunk.release``): no allocation per chunk;
+* small chunks are grouped into one task (an optimizer's thousands of step counters cost one task
+  per ~256 KiB, not one per tensor), and portable chunks under ``TINY`` bytes are stored raw without
+  trying a coder (SPEC 12.4: a frame header per byte plane would eat what coding saves);
+* a tensor's checksum (XXH3-64 of its raw bytes, one sequential pass) is a task of its own, so it
+  runs beside the chunks' coding instead of before it in the writer's thread.
+
+At most ``window`` tasks are in flight, which bounds memory to a few chunks beyond the tensor
+being saved.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
+import numpy as np
 import torch
 
+from ..codecs import planes as fast
 from ..codecs.base import Pipeline
 from ..codecs.registry import RAW
 from ..errors import NvckptError
 from ..format.structs import xxh3
 from ..plan.walk import PlannedTensor, SavePlan
 from .items import EncodedChunk, TensorReady
+
+TINY = 256  # chunks below this many bytes are stored raw (per-plane frame headers alone would not pay)
+GROUP_BYTES = 256 << 10  # small chunks are coded in tasks of about this many raw bytes
+GROUP_CHUNKS = 256
 
 
 def host_bytes(t: PlannedTensor) -> memoryview:
@@ -30,12 +48,53 @@ def host_bytes(t: PlannedTensor) -> memoryview:
     return memoryview(flat.numpy())
 
 
-def encode_chunk(pipeline: Pipeline, raw: memoryview) -> tuple[Pipeline, bytes | memoryview, int]:
-    """Encode one chunk, falling back to raw where coding would not shrink it."""
-    encoded = pipeline.encode(raw)
-    if memoryview(encoded).nbytes >= raw.nbytes:
-        pipeline, encoded = RAW, raw
-    return pipeline, encoded, xxh3(encoded)
+class _Buffers:
+    """Reusable output buffers of one size class each (a chunk's bound), shared by the workers."""
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[np.ndarray]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> np.ndarray:
+        cls = max(1 << 16, 1 << (size - 1).bit_length())
+        with self._lock:
+            free = self._free.get(cls)
+            if free:
+                return free.pop()
+        return np.empty(cls, dtype=np.uint8)
+
+    def give(self, buf: np.ndarray) -> None:
+        with self._lock:
+            self._free.setdefault(buf.nbytes, []).append(buf)
+
+
+def encode_chunk(pipeline: Pipeline, raw: memoryview, buffers: _Buffers | None = None
+                 ) -> tuple[Pipeline, Any, int, Callable[[], None] | None]:
+    """Encode one chunk, falling back to raw where coding would not shrink it.
+
+    Returns (pipeline used, payload, XXH3-64 of the payload, release callback or None)."""
+    n = raw.nbytes
+    if pipeline.is_raw or (pipeline.planar and n < TINY):
+        return RAW, raw, xxh3(raw), None
+    form = fast.planar_form(pipeline) if pipeline.planar else None
+    if form is None:
+        encoded = pipeline.encode(raw)
+        if memoryview(encoded).nbytes >= n:
+            return RAW, raw, xxh3(raw), None
+        return pipeline, encoded, xxh3(encoded), None
+    k, signshift = form
+    buffers = buffers or _Buffers()
+    out = buffers.take(fast.chunk_bound(n, k))
+    size = fast.encode_chunk(raw, k, signshift, out)
+    if size >= n:
+        buffers.give(out)
+        return RAW, raw, xxh3(raw), None
+    payload = memoryview(out)[:size]
+    return pipeline, payload, xxh3(payload), lambda: buffers.give(out)
+
+
+def _encode_group(items: list[tuple[Pipeline, memoryview]], buffers: _Buffers) -> list[tuple]:
+    return [encode_chunk(p, raw, buffers) for p, raw in items]
 
 
 def encode_cpu(
@@ -46,38 +105,80 @@ def encode_cpu(
     tensor_checksums: bool = True,
 ) -> Iterator[TensorReady | EncodedChunk]:
     workers = workers or os.cpu_count() or 1
-    window = 4 * workers
-    pending: deque[TensorReady | tuple[PlannedTensor, int, Future]] = deque()
+    window = 4 * workers + 2
+    buffers = _Buffers()
+    # In order: ("tensor", tensor_id, checksum future or None) or ("chunks", [(tensor, index)], future of results).
+    # A tensor's TENSOR frame comes before its chunks (SPEC 6); chunks of a group may be of several tensors.
+    pending: deque[tuple] = deque()
 
     def drain(limit: int) -> Iterator[TensorReady | EncodedChunk]:
         while len(pending) > limit:
             item = pending.popleft()
-            if isinstance(item, TensorReady):
-                yield item
+            if item[0] == "tensor":
+                yield TensorReady(item[1], None if item[2] is None else item[2].result())
                 continue
-            t, index, future = item
+            _, where, future = item
             try:
-                pipeline, payload, checksum = future.result()
+                results = iter(future.result())
             except NvckptError as exc:
+                t, index = next(w for w in where if not isinstance(w[1], Future) and w[1] is not None)[:2]
                 raise exc.located(tensor=t.name, chunk=index)
-            yield EncodedChunk(t.tensor_id, index, pipeline, payload, t.chunks[index][1], checksum)
+            for t, index in where:
+                if not isinstance(index, int):  # the tensor's TENSOR frame, in its place before its chunks
+                    yield TensorReady(t.tensor_id, None if index is None else index.result())
+                    continue
+                pipeline, payload, checksum, release = next(results)
+                yield EncodedChunk(t.tensor_id, index, pipeline, payload, t.chunks[index][1], checksum, release)
 
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="nvckpt-encode") as pool:
+        group: list[tuple[Pipeline, memoryview]] = []
+        where: list[tuple[PlannedTensor, int]] = []
+        size = 0
+
+        def flush() -> None:
+            nonlocal group, where, size
+            if group:
+                pending.append(("chunks", where, pool.submit(_encode_group, group, buffers)))
+                group, where, size = [], [], 0
+
         try:
             for t in plan.tensors:
                 if t.data is None:
-                    pending.append(TensorReady(t.tensor_id))
+                    if group:
+                        where.append((t, None))
+                    else:
+                        pending.append(("tensor", t.tensor_id, None))
                     continue
                 with torch.no_grad():
                     raw = host_bytes(t)
-                pending.append(TensorReady(t.tensor_id, xxh3(raw) if tensor_checksums else None))
+                if not tensor_checksums:
+                    checksum = None
+                elif raw.nbytes < GROUP_BYTES:
+                    checksum = Future()
+                    checksum.set_result(xxh3(raw))
+                else:
+                    checksum = pool.submit(xxh3, raw)
+                if group:  # announced inside the open group, so that frames keep the tensors' order
+                    where.append((t, checksum))
+                else:
+                    pending.append(("tensor", t.tensor_id, checksum))
                 pipeline = choose(t.entry["dtype"])
                 for index, (start, length) in enumerate(t.chunks):
-                    future = pool.submit(encode_chunk, pipeline, raw[start : start + length])
-                    pending.append((t, index, future))
-                    yield from drain(window)
+                    if length >= GROUP_BYTES:
+                        flush()
+                        pending.append(("chunks", [(t, index)],
+                                        pool.submit(_encode_group, [(pipeline, raw[start: start + length])], buffers)))
+                        yield from drain(window)
+                        continue
+                    group.append((pipeline, raw[start: start + length]))
+                    where.append((t, index))
+                    size += length
+                    if size >= GROUP_BYTES or len(group) >= GROUP_CHUNKS:
+                        flush()
+                        yield from drain(window)
+            flush()
             yield from drain(0)
         finally:
             for item in pending:
-                if not isinstance(item, TensorReady):
+                if item[0] == "chunks":
                     item[2].cancel()

@@ -20,8 +20,10 @@ FRAME_INDEX = 4
 FRAME_NAMES = {FRAME_CODEC: "CODEC", FRAME_TENSOR: "TENSOR", FRAME_CHUNK: "CHUNK", FRAME_INDEX: "INDEX"}
 FIRST_OPTIONAL_FRAME = 128
 
-# Feature bits: v1 defines none.  Unknown required bits are fatal.
-KNOWN_REQUIRED_FEATURES = 0
+# Feature bits (SPEC 3).  Unknown required bits are fatal.
+FEATURE_TYPED_TREE = 1 << 1  # the tree holds ext types 3..8 (SPEC 9.2, version 1.1)
+KNOWN_REQUIRED_FEATURES = FEATURE_TYPED_TREE
+TYPED_TREE_MINOR = 1  # the version_minor a file with FEATURE_TYPED_TREE declares
 
 # Limits (SPEC.md, "Limits").
 MAX_CHUNK_LENGTH = 16 << 20
@@ -41,7 +43,18 @@ DEFAULT_ALIGNMENT = 4096  # SPEC 12.3: the alignment a writer uses unless told o
 # Tree ext types.
 EXT_TENSOR = 1
 EXT_TUPLE = 2
+# Typed extensions (SPEC 9.2): only in files that set FEATURE_TYPED_TREE.
+EXT_DTYPE = 3
+EXT_DEVICE = 4
+EXT_COMPLEX = 5
+EXT_BIGINT = 6
+EXT_SET = 7
+EXT_FROZENSET = 8
+TYPED_EXTS = (EXT_DTYPE, EXT_DEVICE, EXT_COMPLEX, EXT_BIGINT, EXT_SET, EXT_FROZENSET)
+MAX_BIGINT_BYTES = 1024
+MAX_TYPE_NAME_BYTES = 64
 
 # Derived tensor functions (SPEC 8.5).
 BF16_RNE = "bf16_rne"
-DERIVED_FUNCTIONS = (BF16_RNE,)
+COPY = "copy"  # SPEC 14.2: the source's elements, as a tensor of its own
+DERIVED_FUNCTIONS = (BF16_RNE, COPY)

@@ -494,7 +494,11 @@ def reference_problem(entry: TensorEntry, lookup: Any) -> str | None:
             return f"derived source {sid} does not exist"
         if entry.derived.get("function") not in DERIVED_FUNCTIONS:
             return None  # its rules are unknown; reading it raises UnsupportedFeatureError
-        if entry.dtype.name != "bfloat16" or source.dtype.name != "float32" or not source.is_data or source.shape != entry.shape:
+        if entry.derived["function"] == "copy":
+            if source.dtype.name != entry.dtype.name or not source.is_data or source.shape != entry.shape:
+                return (f"copy needs a stored source of the same dtype and shape (source {source.name!r} is "
+                        f"{source.dtype.name} {list(source.shape)}, the entry {entry.dtype.name} {list(entry.shape)})")
+        elif entry.dtype.name != "bfloat16" or source.dtype.name != "float32" or not source.is_data or source.shape != entry.shape:
             return (f"bf16_rne needs a bfloat16 tensor derived from a stored float32 tensor of the same shape "
                     f"(source {source.name!r} is {source.dtype.name} {list(source.shape)})")
     return None

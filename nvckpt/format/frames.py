@@ -32,13 +32,16 @@ from .constants import (
     MAX_CODECS,
     MAX_INDEX_LENGTH,
     MAX_META_FRAME_LENGTH,
+    FEATURE_TYPED_TREE,
+    KNOWN_REQUIRED_FEATURES,
     PREAMBLE_SIZE,
+    TYPED_TREE_MINOR,
     VERSION_MAJOR,
     VERSION_MINOR,
 )
 from .index import Index, parse_index, unpack_index
 from .structs import Footer, FrameHeader, Preamble, xxh3
-from .tree import check_depth, no_gc, pack_tree, unpackb
+from .tree import check_depth, no_gc, pack_tree, tree_features, unpackb
 
 _ZEROS = bytes(MAX_ALIGNMENT)
 
@@ -62,7 +65,7 @@ class FrameWriter:
     ``RuntimeError``, never a file of the wrong shape."""
 
     def __init__(self, stream: Any, entries: Sequence[dict[str, Any]], chunk_lengths: Sequence[Sequence[int]], *,
-                 alignment: int = DEFAULT_ALIGNMENT) -> None:
+                 alignment: int = DEFAULT_ALIGNMENT, required_features: int = 0) -> None:
         check_alignment(alignment)
         if len(entries) != len(chunk_lengths):
             raise ValueError("one list of chunk lengths per entry")
@@ -76,7 +79,12 @@ class FrameWriter:
         self.announced: list[bool] = [False] * len(entries)
         self.checksums: dict[int, int] = {}
         self.chunks: list[list[list[int] | None]] = [[None] * len(c) for c in chunk_lengths]
-        self._write(Preamble().pack())
+        if required_features & ~KNOWN_REQUIRED_FEATURES:
+            raise RuntimeError(f"unknown required features 0x{required_features:x}")
+        # The lowest version that describes the file (SPEC 19): 1.1 only when it uses a 1.1 feature.
+        self.version = (VERSION_MAJOR, TYPED_TREE_MINOR if required_features & FEATURE_TYPED_TREE else VERSION_MINOR)
+        self.required_features = required_features
+        self._write(Preamble(self.version[0], self.version[1], required_features).pack())
 
     def _write(self, data: Any) -> None:
         self.stream.write(data)
@@ -150,13 +158,15 @@ class FrameWriter:
     def finish(self, tree: Any, metadata: dict[str, Any], writer_info: dict[str, Any]) -> int:
         """Write the INDEX frame and the footer; returns the file's length.
 
-        ``tree`` holds TensorRefs.  An index over MAX_INDEX_LENGTH raises LimitError
+        ``tree`` holds TensorRefs; its typed extensions need ``required_features`` (SPEC 9.2).  An index over MAX_INDEX_LENGTH raises LimitError
         before the INDEX frame is written (SPEC 16: a writer fails first)."""
         for tid, entry in enumerate(self.entries):
             if not self.announced[tid]:
                 raise RuntimeError(f"tensor {entry['name']!r} was never written")
             if any(c is None for c in self.chunks[tid]):
                 raise RuntimeError(f"tensor {entry['name']!r} is missing chunks")
+        if tree_features(tree) & ~self.required_features:
+            raise RuntimeError("the tree holds typed extensions but the preamble did not declare them")
         tensors = []
         for tid, entry in enumerate(self.entries):
             out = self._entry(tid)
@@ -165,7 +175,7 @@ class FrameWriter:
             tensors.append(out)
         index = {
             "format": "nvckpt",
-            "version": [VERSION_MAJOR, VERSION_MINOR],
+            "version": list(self.version),
             "writer": writer_info,
             "codecs": [p.to_json() for p in self.codec_table],
             "tensors": tensors,
@@ -243,7 +253,7 @@ def locate_index(source: Any, *, max_index_memory: int | None = None) -> tuple[P
     if xxh3(payload) != footer.index_checksum:
         raise ChecksumError("index checksum does not match", offset=payload_at)
     with no_gc():
-        index = parse_index(unpack_index(payload, max_index_memory), footer.index_offset)
+        index = parse_index(unpack_index(payload, max_index_memory), footer.index_offset, preamble.required_features)
     return preamble, index
 
 

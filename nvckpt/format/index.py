@@ -10,10 +10,10 @@ from typing import Any
 import msgpack
 
 from ..errors import FormatError, LimitError, NvckptError, brief
-from .constants import EXT_TENSOR, EXT_TUPLE, MAX_CODECS, MAX_TENSORS, MAX_TREE_DEPTH, VERSION_MAJOR
+from .constants import EXT_TENSOR, EXT_TUPLE, FEATURE_TYPED_TREE, MAX_CODECS, MAX_TENSORS, MAX_TREE_DEPTH, VERSION_MAJOR
 from .bulk import LazyEntries, decode_index
 from .entry import ChunkStore, TensorEntry, check_list, check_map, check_overlaps, parse_entry, reference_problem
-from .tree import MAX_PAYLOAD_DEPTH, TensorRef, check_depth, check_tree, leaf_paths, memory_budget, unpackb
+from .tree import MAX_PAYLOAD_DEPTH, TensorRef, check_depth, check_tree, leaf_paths, memory_budget
 
 
 
@@ -46,8 +46,9 @@ def unpack_index(payload: bytes, max_memory: int | None = None) -> dict[str, Any
     return check_map(data, "index")
 
 
-def parse_index(data: dict[str, Any], index_offset: int) -> Index:
-    """Validate a decoded index.  Chunk payloads must lie in [preamble end, index_offset)."""
+def parse_index(data: dict[str, Any], index_offset: int, required_features: int = FEATURE_TYPED_TREE) -> Index:
+    """Validate a decoded index.  Chunk payloads must lie in [preamble end, index_offset).
+    ``required_features``: the preamble's (the tree's typed extensions need FEATURE_TYPED_TREE)."""
     if data.get("format") != "nvckpt":
         raise FormatError(f"index 'format' is {brief(data.get('format'), 40)}, expected 'nvckpt'")
     version = check_list(data.get("version"), "index 'version'")
@@ -100,7 +101,7 @@ def parse_index(data: dict[str, Any], index_offset: int) -> Index:
     if "tree" not in data:
         raise FormatError("index has no 'tree'")
     tree = data["tree"]
-    check_tree(tree, len(tensors))
+    check_tree(tree, len(tensors), required_features)
     paths: dict[str, int] = {}
     by_name = names
     for path, ref in leaf_paths(tree):

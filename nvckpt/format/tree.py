@@ -2,13 +2,16 @@
 
 Containers and Python scalars are stored as themselves; a tensor is stored as
 an ext-type reference to its index entry, a tuple as an ext type holding an
-array.  No pickle: nothing in a file can run code when it is loaded.
+array, and the typed extensions of SPEC 9.2 (torch.dtype, torch.device,
+complex, ints beyond 64 bits, set, frozenset) as ext types 3..8 with fixed
+byte layouts.  No pickle: nothing in a file can run code when it is loaded.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import re
 import struct
 import threading
 from itertools import chain
@@ -19,7 +22,20 @@ from typing import Any, Callable, Iterator
 import msgpack
 
 from ..errors import FormatError, LimitError, UnsupportedObjectError, brief
-from .constants import EXT_TENSOR, EXT_TUPLE, MAX_TREE_DEPTH
+from .constants import (
+    EXT_BIGINT,
+    EXT_COMPLEX,
+    EXT_DEVICE,
+    EXT_DTYPE,
+    EXT_FROZENSET,
+    EXT_SET,
+    EXT_TENSOR,
+    EXT_TUPLE,
+    FEATURE_TYPED_TREE,
+    MAX_BIGINT_BYTES,
+    MAX_TREE_DEPTH,
+    MAX_TYPE_NAME_BYTES,
+)
 
 _KEY_TYPES = (str, int, float, bool, type(None))
 
@@ -31,11 +47,94 @@ class TensorRef:
     tensor_id: int
 
 
+@dataclass(frozen=True)
+class DtypeName:
+    """A ``torch.dtype`` in the tree (ext 3), by its name in the torch module ("float32")."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class DeviceName:
+    """A ``torch.device`` in the tree (ext 4), as ``str(device)`` ("cpu", "cuda:0")."""
+
+    spec: str
+
+
+class BigInt(int):
+    """An int outside msgpack's range [-2^63, 2^64), marked for ext 6 (strict_types hands int subclasses to the hook)."""
+
+
+_INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
+_DTYPE_NAME = re.compile(r"[a-z][a-z0-9_]*\Z")
+_DEVICE_SPEC = re.compile(r"[a-z][a-z0-9_]*(:(0|[1-9][0-9]{0,8}))?\Z")
+TYPED_LEAVES = (DtypeName, DeviceName, complex)
+
+
+def bigint_bytes(value: int) -> bytes:
+    """SPEC 9.2, ext 6: two's complement, little-endian, the fewest bytes that hold it."""
+    return value.to_bytes((value if value >= 0 else ~value).bit_length() // 8 + 1, "little", signed=True)
+
+
+def same_value(item: Any) -> Any:
+    """What SPEC 9.2 compares set items by: numbers by exact value across bool, int, float and complex
+    (every NaN the same, -0.0 as 0.0, a complex with imaginary part 0 as its real part), strs and bins by
+    bytes, tuples item by item, frozensets as sets, dtypes and devices by their names."""
+    if item is None:
+        return ("nil",)
+    if isinstance(item, (bool, int)):
+        return ("num", int(item))
+    if isinstance(item, float):
+        if item != item:
+            return ("nan",)
+        if item in (float("inf"), float("-inf")):
+            return ("inf", item > 0)
+        return ("num", int(item)) if item == int(item) else ("frac", item)
+    if isinstance(item, complex):
+        return same_value(item.real) if item.imag == 0 else ("complex", same_value(item.real), same_value(item.imag))
+    if isinstance(item, str):
+        return ("str", item)
+    if isinstance(item, bytes):
+        return ("bin", item)
+    if isinstance(item, tuple):
+        return ("tuple", tuple(same_value(x) for x in item))
+    if isinstance(item, frozenset):
+        return ("frozenset", frozenset(same_value(x) for x in item))
+    if isinstance(item, DtypeName):
+        return ("dtype", item.name)
+    if isinstance(item, DeviceName):
+        return ("device", item.spec)
+    raise TypeError(type(item))
+
+
+def set_item_problem(item: Any) -> str | None:
+    """Why ``item`` cannot be a set item (SPEC 9.2: nil, bool, int, float, str, bin, complex, dtype, device,
+    and tuples and frozensets of those); None when it can."""
+    if item is None or isinstance(item, (bool, int, float, str, bytes, complex, DtypeName, DeviceName)):
+        return None
+    if isinstance(item, (tuple, frozenset)):
+        return next((p for p in map(set_item_problem, item) if p is not None), None)
+    return f"a set cannot hold {'a tensor' if isinstance(item, TensorRef) else type(item).__name__}"
+
+
 def _pack_hook(obj: Any) -> msgpack.ExtType:
     if isinstance(obj, TensorRef):
         return msgpack.ExtType(EXT_TENSOR, struct.pack("<I", obj.tensor_id))
     if isinstance(obj, tuple):
         return msgpack.ExtType(EXT_TUPLE, pack_tree(list(obj)))
+    if isinstance(obj, DtypeName):
+        return msgpack.ExtType(EXT_DTYPE, obj.name.encode("ascii"))
+    if isinstance(obj, DeviceName):
+        return msgpack.ExtType(EXT_DEVICE, obj.spec.encode("ascii"))
+    if isinstance(obj, complex):
+        return msgpack.ExtType(EXT_COMPLEX, struct.pack("<dd", obj.real, obj.imag))
+    if isinstance(obj, int) and not _INT_MIN <= obj <= _INT_MAX:
+        return msgpack.ExtType(EXT_BIGINT, bigint_bytes(obj))
+    if isinstance(obj, (set, frozenset)):
+        # A set has no order: its items are written sorted by their encoding, so a file does not depend on hashing.
+        items = sorted(pack_tree(x) for x in obj)
+        body = msgpack.Packer().pack_array_header(len(items)) + b"".join(items)
+        return msgpack.ExtType(EXT_FROZENSET if isinstance(obj, frozenset) else EXT_SET, body)
     raise UnsupportedObjectError(f"cannot store an object of type {type(obj).__qualname__}")
 
 
@@ -47,26 +146,72 @@ def pack_tree(node: Any) -> bytes:
 _nesting = threading.local()
 
 
+def _nested_array(data: bytes, what: str) -> list:
+    # A tuple's or set's payload is unpacked by a nested call from inside msgpack's C unpacker: bound
+    # the nesting here, before the C stack overflows (about 41 KB of it per level).
+    depth = getattr(_nesting, "depth", 0)
+    if depth >= MAX_TREE_DEPTH:
+        raise LimitError(f"tree nesting exceeds the limit of {MAX_TREE_DEPTH}")
+    _nesting.depth = depth + 1
+    try:
+        items = unpack_tree(data)
+    finally:
+        _nesting.depth = depth
+    if not isinstance(items, list):
+        raise FormatError(f"{what} ext payload is not an array")
+    return items
+
+
+def _type_name(data: bytes, pattern: re.Pattern, what: str) -> str:
+    text = data.decode("ascii", "replace")
+    if not 1 <= len(data) <= MAX_TYPE_NAME_BYTES or not pattern.match(text):
+        raise FormatError(f"{what} ext payload {text[:80]!r} is not a valid name (SPEC 9.2)")
+    return text
+
+
+def _set_items(data: bytes, what: str) -> list:
+    items = _nested_array(data, what)
+    seen: set = set()
+    for item in items:
+        problem = set_item_problem(item)
+        if problem is not None:
+            raise FormatError(f"{what}: {problem} (SPEC 9.2)")
+        key = same_value(item)
+        if key in seen:
+            shown = brief(item) if isinstance(item, (tuple, frozenset)) else f"{item!r:.80}"
+            raise FormatError(f"{what} holds {shown} twice (SPEC 9.2)")
+        seen.add(key)
+    return items
+
+
 def _ext_hook(code: int, data: bytes) -> Any:
     if code == EXT_TENSOR:
         if len(data) != 4:
             raise FormatError(f"tensor reference has {len(data)} bytes, expected 4")
         return TensorRef(struct.unpack("<I", data)[0])
     if code == EXT_TUPLE:
-        # A tuple's payload is unpacked by a nested call from inside msgpack's C unpacker: bound the
-        # nesting here, before the C stack overflows (about 41 KB of it per level).
-        depth = getattr(_nesting, "depth", 0)
-        if depth >= MAX_TREE_DEPTH:
-            raise LimitError(f"tree nesting exceeds the limit of {MAX_TREE_DEPTH}")
-        _nesting.depth = depth + 1
-        try:
-            items = unpack_tree(data)
-        finally:
-            _nesting.depth = depth
-        if not isinstance(items, list):
-            raise FormatError("tuple ext payload is not an array")
-        return tuple(items)
-    raise FormatError(f"unknown ext type {code} (the tree holds ext types {EXT_TENSOR} and {EXT_TUPLE}, nothing else any)")
+        return tuple(_nested_array(data, "tuple"))
+    if code == EXT_DTYPE:
+        return DtypeName(_type_name(data, _DTYPE_NAME, "dtype"))
+    if code == EXT_DEVICE:
+        return DeviceName(_type_name(data, _DEVICE_SPEC, "device"))
+    if code == EXT_COMPLEX:
+        if len(data) != 16:
+            raise FormatError(f"complex ext payload has {len(data)} bytes, expected 16")
+        return complex(*struct.unpack("<dd", data))
+    if code == EXT_BIGINT:
+        if len(data) > MAX_BIGINT_BYTES:
+            raise LimitError(f"integer of {len(data)} bytes exceeds the limit of {MAX_BIGINT_BYTES}")
+        value = int.from_bytes(data, "little", signed=True)
+        if _INT_MIN <= value <= _INT_MAX or bigint_bytes(value) != data:
+            raise FormatError(f"integer ext payload {data.hex()[:80]} is not the shortest encoding of an int "
+                              "outside [-2^63, 2^64) (SPEC 9.2)")
+        return value
+    if code == EXT_SET:
+        return set(_set_items(data, "set"))
+    if code == EXT_FROZENSET:
+        return frozenset(_set_items(data, "frozenset"))
+    raise FormatError(f"unknown ext type {code} in the tree")
 
 
 def _is_nan(key: Any) -> bool:
@@ -99,10 +244,10 @@ def check_depth(value: Any, what: str, limit: int = MAX_PAYLOAD_DEPTH) -> None:
     """LimitError if containers in ``value`` nest more than ``limit`` levels (``value`` is level 1).
 
     Iterative, so any depth msgpack produced is safe to look at."""
-    if not isinstance(value, (list, tuple, dict)):
+    containers = (list, tuple, dict, set, frozenset)
+    if not isinstance(value, containers):
         return
     stack = [(value, 1)]
-    containers = (list, tuple, dict)
     while stack:
         item, depth = stack.pop()
         if depth > limit:
@@ -171,7 +316,7 @@ def unpackb(data: bytes) -> Any:
 
     msgpack's own limits bound what a payload can make it allocate (no container
     longer than the payload) and its nesting (1024 levels, without recursion);
-    tuples nest through ``_ext_hook``, bounded there; ``memory_budget`` bounds the total."""
+    tuples, sets and frozensets nest through ``_ext_hook``, bounded there (``_nested_array``); ``memory_budget`` bounds the total."""
     if getattr(_nesting, "budget", None) is not None:
         return msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False, use_list=True,
                                object_pairs_hook=_counted_map, list_hook=_counted_list)
@@ -187,19 +332,26 @@ def unpack_tree(data: bytes) -> Any:
     except (RecursionError, msgpack.StackError):
         raise LimitError(f"tree nesting exceeds the limit of {MAX_TREE_DEPTH}") from None
     except MemoryError:
-        raise LimitError(f"a tuple of {len(data)} bytes does not fit in memory") from None
+        raise LimitError(f"a tuple or set of {len(data)} bytes does not fit in memory") from None
     except Exception as exc:  # msgpack raises many types on bad input
         raise FormatError(f"tree is not valid msgpack: {str(exc)[:200]}") from None
 
 
-def check_tree(node: Any, num_tensors: int) -> None:
-    """Validate types, depth and tensor references of a decoded tree."""
+def check_tree(node: Any, num_tensors: int, required_features: int = FEATURE_TYPED_TREE) -> None:
+    """Validate types, depth and tensor references of a decoded tree.  The typed extensions (SPEC 9.2)
+    are allowed only when ``required_features`` (the preamble's) has FEATURE_TYPED_TREE."""
+    typed_ok = bool(required_features & FEATURE_TYPED_TREE)
     stack = [(node, 1)]
     while stack:
         item, depth = stack.pop()
-        if isinstance(item, (list, tuple, dict)) and depth > MAX_TREE_DEPTH:
+        if isinstance(item, (list, tuple, dict, set, frozenset)) and depth > MAX_TREE_DEPTH:
             raise LimitError(f"tree nesting exceeds the limit of {MAX_TREE_DEPTH}")
-        if isinstance(item, TensorRef):
+        if not typed_ok and is_typed(item):
+            raise FormatError(f"the tree holds a {type(item).__name__} (a typed extension, SPEC 9.2) but the preamble "
+                              "does not set required_features bit 1")
+        if isinstance(item, (set, frozenset)):
+            stack.extend((x, depth + 1) for x in item if isinstance(x, (tuple, frozenset)) or is_typed(x))
+        elif isinstance(item, TensorRef):
             if item.tensor_id >= num_tensors:
                 raise FormatError(f"tree refers to tensor {item.tensor_id}, but the index has {num_tensors}")
         elif isinstance(item, (list, tuple)):
@@ -209,20 +361,45 @@ def check_tree(node: Any, num_tensors: int) -> None:
                 if not isinstance(k, _KEY_TYPES):
                     raise FormatError(f"tree map key of type {type(k).__name__} is not allowed")
                 stack.append((v, depth + 1))
-        elif not isinstance(item, (str, bytes, int, float, bool, type(None))):
+        elif not isinstance(item, (str, bytes, int, float, bool, type(None), *TYPED_LEAVES)):
             raise FormatError(f"unexpected {type(item).__name__} in the tree")
 
 
-def resolve_refs(node: Any, get: Callable[[int], Any]) -> Any:
-    """The tree with every TensorRef replaced by ``get(tensor_id)``."""
+def is_typed(item: Any) -> bool:
+    """A value that only the typed extensions of SPEC 9.2 encode."""
+    return (isinstance(item, (set, frozenset, *TYPED_LEAVES))
+            or (type(item) in (int, BigInt) and not _INT_MIN <= item <= _INT_MAX))
+
+
+def tree_features(node: Any) -> int:
+    """The required_features bits a file with this tree must set (FEATURE_TYPED_TREE, or 0)."""
+    stack = [node]
+    while stack:
+        item = stack.pop()
+        if is_typed(item):
+            return FEATURE_TYPED_TREE
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return 0
+
+
+def resolve_refs(node: Any, get: Callable[[int], Any], typed: Callable[[Any], Any] | None = None) -> Any:
+    """The tree with every TensorRef replaced by ``get(tensor_id)``, and (with ``typed``) every DtypeName
+    and DeviceName by ``typed(value)`` (the loader makes torch objects of them)."""
     if isinstance(node, TensorRef):
         return get(node.tensor_id)
+    if typed is not None and isinstance(node, (DtypeName, DeviceName)):
+        return typed(node)
     if isinstance(node, dict):
-        return {k: resolve_refs(v, get) for k, v in node.items()}
+        return {k: resolve_refs(v, get, typed) for k, v in node.items()}
     if isinstance(node, tuple):
-        return tuple(resolve_refs(v, get) for v in node)
+        return tuple(resolve_refs(v, get, typed) for v in node)
     if isinstance(node, list):
-        return [resolve_refs(v, get) for v in node]
+        return [resolve_refs(v, get, typed) for v in node]
+    if typed is not None and isinstance(node, (set, frozenset)):
+        return type(node)(resolve_refs(v, get, typed) for v in node)
     return node
 
 
@@ -241,3 +418,35 @@ def leaf_paths(node: Any, parts: tuple[str, ...] = ()) -> Iterator[tuple[str, Te
     elif isinstance(node, (list, tuple)):
         for i, v in enumerate(node):
             yield from leaf_paths(v, parts + (str(i),))
+
+
+def find_path(node: Any, path: str) -> Any:
+    """The node at ``path`` (SPEC 14.1: segments joined by "/", dict keys as escape() writes them, list and
+    tuple items by their index); raises KeyError when no node has that path."""
+    if path == "":
+        return node
+    for segment in path.split("/"):
+        if isinstance(node, dict):
+            node = next((v for k, v in node.items() if escape(k) == segment), _MISSING)
+        elif isinstance(node, (list, tuple)) and segment.isdigit() and str(int(segment)) == segment and int(segment) < len(node):
+            node = node[int(segment)]
+        else:
+            node = _MISSING
+        if node is _MISSING:
+            raise KeyError(path)
+    return node
+
+
+def tensor_refs(node: Any) -> Iterator[TensorRef]:
+    """Every tensor reference under ``node`` (sets hold none)."""
+    if isinstance(node, TensorRef):
+        yield node
+    elif isinstance(node, dict):
+        for v in node.values():
+            yield from tensor_refs(v)
+    elif isinstance(node, (list, tuple)):
+        for v in node:
+            yield from tensor_refs(v)
+
+
+_MISSING = object()

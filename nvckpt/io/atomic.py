@@ -22,6 +22,8 @@ import os
 import secrets
 from typing import Any, Callable, Iterator
 
+from ..errors import NvckptError
+
 TMP_SUFFIX = ".nvckpt-tmp"
 _TOKEN = 8  # hex digits of the random part
 _NAME_MAX = 255
@@ -68,7 +70,8 @@ def _named(exc: OSError, given: str) -> OSError:
     return OSError(exc.errno, exc.strerror, given)
 
 
-def _fsync(path: str) -> None:
+def fsync_path(path: str) -> None:
+    """fsync a file or a directory by path."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -91,6 +94,17 @@ def _lock(tmp: str) -> int | None:
     except OSError:
         pass
     return fd
+
+
+def about_target(exc: BaseException, path: str, tmp: str) -> BaseException:
+    """An OSError as the user should read it: naming the file they asked for, not the temporary file
+    beside it (nor nothing: a write that fails for a full disk names no file)."""
+    if isinstance(exc, OSError) and exc.filename in (None, tmp, os.fsencode(tmp)) and exc.filename2 is None:
+        return _named(exc, path)
+    if isinstance(exc, NvckptError) and exc.path == tmp:
+        exc.path = None
+        return exc.located(path=path)  # the same exception, renamed: raised as it is
+    return exc
 
 
 class AtomicReplace:
@@ -149,7 +163,7 @@ class AtomicReplace:
             if close is not None:
                 close(sync=True)
             else:
-                _fsync(self.tmp)
+                fsync_path(self.tmp)
             self._keep_attributes()
             os.replace(self.tmp, self.path)
         except OSError as exc:
@@ -159,13 +173,11 @@ class AtomicReplace:
             self.abort()
             raise
         self._unlock()
-        _fsync(os.path.dirname(self.path))
+        fsync_path(os.path.dirname(self.path))
 
     def as_target(self, exc: BaseException) -> BaseException:
         """An OSError about the temporary file (a write to it failed), restated for the path the caller gave."""
-        if isinstance(exc, OSError) and exc.filename in (self.tmp, os.fsencode(self.tmp)):
-            return _named(exc, self.given)
-        return exc
+        return about_target(exc, self.given, self.tmp)
 
     def abort(self) -> None:
         try:
@@ -185,14 +197,14 @@ class AtomicReplace:
     def __enter__(self) -> "AtomicReplace":
         return self
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        if exc_type is None:
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: object) -> None:
+        if exc is None:
             self.commit()
             return
         self.abort()
-        mapped = self.as_target(exc)
-        if mapped is not exc:
-            raise mapped from None
+        renamed = self.as_target(exc)
+        if renamed is not exc:
+            raise renamed from None
 
 
 @contextlib.contextmanager
@@ -202,4 +214,4 @@ def atomic_output(path: str | os.PathLike) -> Iterator[str]:
         yield out.tmp
 
 
-__all__ = ["AtomicReplace", "atomic_output", "temporary_name", "leftover_temporaries", "TMP_SUFFIX"]
+__all__ = ["AtomicReplace", "atomic_output", "fsync_path", "temporary_name", "leftover_temporaries", "TMP_SUFFIX"]

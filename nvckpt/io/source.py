@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import threading
 from typing import Any
 
@@ -33,7 +34,12 @@ class Source:
         if isinstance(target, (str, os.PathLike)):
             self.name = os.fspath(target)
             self._fd = os.open(self.name, os.O_RDONLY | getattr(os, "O_BINARY", 0))
-            self.size = os.fstat(self._fd).st_size
+            st = os.fstat(self._fd)
+            if stat.S_ISDIR(st.st_mode):  # Linux opens a folder read-only; its reads then fail naming no file
+                os.close(self._fd)
+                self._fd = None
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), self.name)
+            self.size = st.st_size
         elif isinstance(target, (bytes, bytearray)):
             raise TypeError("a checkpoint is opened from a path (str or os.PathLike) or a binary file object, "
                             f"not {type(target).__name__}: use os.fsdecode(path) for a bytes path")
@@ -80,7 +86,12 @@ class Source:
         if fd is not None:
             parts, got = [], 0
             while got < length:  # pread may return short reads
-                part = os.pread(fd, length - got, offset + got)
+                try:
+                    part = os.pread(fd, length - got, offset + got)
+                except OSError as exc:
+                    if exc.filename is None and exc.errno is not None:
+                        raise type(exc)(exc.errno, exc.strerror, self.name) from None  # name the file (EIO)
+                    raise
                 if not part:
                     raise TruncatedError(f"file ended while reading {length} bytes", path=self.name, offset=offset)
                 parts.append(part)
@@ -96,6 +107,44 @@ class Source:
                 raise TruncatedError(f"file ended while reading {length} bytes", path=self.name, offset=offset)
         self.count(length)
         return data
+
+    def pread_into(self, offset: int, buf: Any) -> None:
+        """Exactly ``len(buf)`` bytes from ``offset`` into the writable buffer ``buf`` (no copy through bytes)."""
+        view = memoryview(buf).cast("B")
+        length = view.nbytes
+        if self._fd is None:
+            view[:] = self.pread(offset, length)
+            return
+        with self._state:  # counted as in flight, as pread is: close() waits for it
+            if self._closing or self.closed:
+                raise NvckptError("read from a closed checkpoint", path=self.name)
+            self._active += 1
+        try:
+            self._pread_into(offset, view, length)
+        finally:
+            with self._state:
+                self._active -= 1
+                if not self._active:
+                    self._state.notify_all()
+
+    def _pread_into(self, offset: int, view: memoryview, length: int) -> None:
+        if offset < 0 or offset + length > self.size:
+            raise TruncatedError(f"read of {length} bytes at {offset} runs past the end of the file ({self.size} bytes)", path=self.name, offset=offset)
+        fd = self._fd
+        if fd is None:
+            raise NvckptError("read from a closed checkpoint", path=self.name)
+        got = 0
+        while got < length:
+            try:
+                n = os.preadv(fd, [view[got:]], offset + got)
+            except OSError as exc:
+                if exc.filename is None and exc.errno is not None:
+                    raise type(exc)(exc.errno, exc.strerror, self.name) from None  # name the file (EIO)
+                raise
+            if n <= 0:
+                raise TruncatedError(f"file ended while reading {length} bytes", path=self.name, offset=offset)
+            got += n
+        self.count(length)
 
     def close(self) -> None:
         """Close a file this Source opened (once the reads in flight are done); a caller's file object is

@@ -3,7 +3,12 @@
 bf16_rne: a bfloat16 tensor that is round-to-nearest-even of a float32 one,
 with the NaN rule of SPEC.md.  Computed in integer arithmetic, so it gives the
 same bits on every device and library (torch's own float->bf16 cast differs
-between CPU and CUDA for NaN).
+between CPU and CUDA for NaN).  copy: a tensor bit for bit equal to another of
+the same dtype and shape that is not a view of its storage.
+
+Both are found where the tensors live (torch ops on their device, no copy to the
+host): candidates are matched on a fingerprint of their first elements first,
+then verified in full.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..format.constants import BF16_RNE
+from ..format.constants import BF16_RNE, COPY
 
 if TYPE_CHECKING:
     from .walk import PlannedTensor
@@ -73,16 +78,46 @@ def find_derived(tensors: list[PlannedTensor]) -> None:
                 break
 
 
-def _heads(tensors: list[PlannedTensor], *, rne: bool) -> list[bytes]:
+def find_copies(tensors: list[PlannedTensor]) -> None:
+    """Store a tensor as a ``copy`` of an earlier one when their bytes, dtype and shape are equal
+    (different storages: tensors of one storage are views already, walk._dedupe)."""
+    stored = [t for t in tensors if t.data is not None and t.data.numel() > 0 and not t.entry.get("internal")]
+    groups: dict[tuple, list[PlannedTensor]] = {}
+    for t in stored:
+        groups.setdefault((t.entry["dtype"], tuple(t.entry["shape"]), t.data.device), []).append(t)
+    candidates = [g for g in groups.values() if len(g) > 1]
+    if not candidates:
+        return
+    flat = [t for g in candidates for t in g]
+    heads = dict(zip((id(t) for t in flat), _heads(flat, rne=False, raw=True)))
+    for group in candidates:
+        firsts: dict[bytes, list[PlannedTensor]] = {}
+        for t in group:
+            head = heads[id(t)]
+            for src in firsts.get(head, []):
+                if torch.equal(src.flat_bytes(), t.flat_bytes()):  # bit for bit, on their device
+                    t.entry["derived"] = {"function": COPY, "source": src.tensor_id}
+                    t.data = None
+                    t.chunks = []
+                    break
+            else:
+                firsts.setdefault(head, []).append(t)
+
+
+def _heads(tensors: list[PlannedTensor], *, rne: bool, raw: bool = False) -> list[bytes]:
     """The bf16 bits of each tensor's first 64 elements (rounded from fp32 with ``rne``): one host copy per device."""
     out: list[bytes] = [b""] * len(tensors)
     by_device: dict[Any, list[int]] = {}
     for i, t in enumerate(tensors):
         by_device.setdefault(t.data.device, []).append(i)
     for idx in by_device.values():
-        parts = [tensors[i].data.reshape(-1)[:64] for i in idx]
-        flat = torch.cat(parts)
-        bits = (bf16_rne(flat) if rne else flat).view(torch.int16).cpu().numpy()
+        if raw:  # the first 64 bytes, any dtype
+            parts = [tensors[i].flat_bytes()[:64] for i in idx]
+            bits = torch.cat(parts).cpu().numpy()
+        else:
+            parts = [tensors[i].data.reshape(-1)[:64] for i in idx]
+            flat = torch.cat(parts)
+            bits = (bf16_rne(flat) if rne else flat).view(torch.int16).cpu().numpy()
         at = 0
         for i, part in zip(idx, parts):
             out[i] = bits[at: at + part.numel()].tobytes()
@@ -90,4 +125,4 @@ def _heads(tensors: list[PlannedTensor], *, rne: bool) -> list[bytes]:
     return out
 
 
-__all__ = ["bf16_rne", "is_bf16_rne_of", "find_derived"]
+__all__ = ["bf16_rne", "is_bf16_rne_of", "find_derived", "find_copies"]

@@ -11,14 +11,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..errors import LimitError, UnsupportedObjectError
 from ..format.constants import MAX_NAME_BYTES, MAX_RANK, MAX_TENSOR_BYTES, MAX_TENSORS, MAX_TREE_DEPTH
 from ..format.dtypes import DTYPES
-from ..format.tree import TensorRef, escape
+from ..format.tree import BigInt, DeviceName, DtypeName, TensorRef, escape, same_value, set_item_problem, tree_features
 from .chunking import CPU_CHUNK_SIZE, check_chunk_size, chunk_ranges
-from .derived import find_derived
+from .derived import find_copies, find_derived
 from .dtypes import name_of
 
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
@@ -59,6 +60,7 @@ class SavePlan:
     tree: Any
     tensors: list[PlannedTensor]
     metadata: dict[str, Any]
+    required_features: int = 0  # SPEC 3: FEATURE_TYPED_TREE when the tree holds a typed extension (SPEC 9.2)
 
     def data_tensors(self) -> list[PlannedTensor]:
         return [t for t in self.tensors if t.data is not None]
@@ -93,7 +95,68 @@ def _check_int(value: int, path: str) -> int:
     return value
 
 
+def _typed_value(node: Any, path: str) -> Any:
+    """A leaf that SPEC 9.2's typed extensions store (dtype, device, complex, big int, NumPy scalar), as the
+    tree holds it; None when ``node`` is none of them."""
+    if isinstance(node, torch.dtype):
+        return DtypeName(str(node).removeprefix("torch."))
+    if isinstance(node, torch.device):
+        return DeviceName(str(node))
+    if isinstance(node, np.generic) and node.dtype.kind in "biufc":
+        # NumPy scalars are stored as the Python number they hold: np.int64 as int, np.float32 as float.
+        return _scalar_leaf(node.item(), path)
+    return None
+
+
+def _scalar_leaf(value: Any, path: str) -> Any:
+    if isinstance(value, complex):
+        return complex(value)
+    if isinstance(value, int) and not isinstance(value, bool) and not _INT_MIN <= value <= _INT_MAX:
+        return BigInt(int(value))
+    return _plain_scalar(value, path)
+
+
+def _set_value(node: set | frozenset, path: str) -> Any:
+    """A set or frozenset of scalars (SPEC 9.2); its items are hashable, so never containers of tensors."""
+    items = []
+    for item in node:
+        value = _set_item(item, path)
+        problem = set_item_problem(value)
+        if problem is not None:
+            raise UnsupportedObjectError(f"{type(node).__name__} at {path or '<root>'}: {problem}; a set may hold "
+                                         "None, bool, int, float, complex, str, bytes, torch.dtype, torch.device and "
+                                         "tuples and frozensets of those")
+        items.append(value)
+    if len({same_value(v) for v in items}) != len(items):
+        raise UnsupportedObjectError(f"{type(node).__name__} at {path or '<root>'} holds two items that the file "
+                                     "would store as one (two NaNs, or 1 and 1.0 after conversion)")
+    return frozenset(items) if isinstance(node, frozenset) else set(items)
+
+
+def _nesting(value: Any) -> int:
+    """Container levels of a set value (SPEC 9: a set or tuple is one level)."""
+    if isinstance(value, (tuple, set, frozenset)):
+        return 1 + max(map(_nesting, value), default=0)
+    return 0
+
+
+def _set_item(item: Any, path: str) -> Any:
+    typed = _typed_value(item, path)
+    if typed is not None:
+        return typed
+    if isinstance(item, tuple):
+        return tuple(_set_item(x, path) for x in item)
+    if isinstance(item, frozenset):
+        return _set_value(item, path)
+    if item is None or isinstance(item, (bool, int, float, str, bytes, complex)):
+        return _scalar_leaf(item, path)
+    return item  # refused by the caller, naming its type
+
+
 def _check_tensor(t: torch.Tensor, path: str) -> None:
+    if t.is_nested:
+        raise UnsupportedObjectError(f"tensor at {path or '<root>'} is a nested tensor; store its components "
+                                     "(a list: t.unbind()) instead")
     if t.layout != torch.strided:
         raise UnsupportedObjectError(f"tensor at {path or '<root>'} has layout {t.layout}; only dense tensors are stored")
     if t.is_quantized or t.device.type == "meta":
@@ -112,7 +175,8 @@ def plan_save(
     *,
     metadata: dict[str, Any] | None = None,
     chunk_size: int = CPU_CHUNK_SIZE,
-    derive_bf16: bool = False,
+    derive: bool = False,
+    copies: bool = False,
 ) -> SavePlan:
     check_chunk_size(chunk_size)
     leaves: list[tuple[str, torch.Tensor]] = []  # (path, tensor) in tree order
@@ -134,6 +198,8 @@ def plan_save(
                 raise UnsupportedObjectError(f"dict at {path or '<root>'} has two NaN keys; a map may hold at most one")
             out = {}
             for k, v in node.items():
+                if isinstance(k, np.generic) and k.dtype.kind in "biuf":
+                    k = k.item()  # a NumPy scalar key is the Python number it holds, as a value is
                 if not isinstance(k, _KEY_TYPES):
                     raise UnsupportedObjectError(f"dict key {k!r} at {path or '<root>'} has type {type(k).__qualname__}; keys must be str, int, float, bool or None")
                 key = _plain_scalar(k, path)  # the name is made of the key as stored (an int enum is its int)
@@ -142,11 +208,21 @@ def plan_save(
         if isinstance(node, (list, tuple)):
             items = [walk(v, parts + (str(i),), depth + 1) for i, v in enumerate(node)]
             return _List(items) if isinstance(node, list) else _Tuple(items)
-        if node is None or isinstance(node, (bool, int, float, str, bytes)):
-            return _Scalar(_plain_scalar(node, path))
+        if node is None or isinstance(node, (bool, int, float, str, bytes, complex)):
+            return _Scalar(_scalar_leaf(node, path))
+        if isinstance(node, (set, frozenset)):
+            value = _set_value(node, path)
+            if depth + _nesting(value) - 1 > MAX_TREE_DEPTH:
+                raise LimitError(f"object nesting at {path} exceeds the limit of {MAX_TREE_DEPTH}")
+            return _Scalar(value)
+        typed = _typed_value(node, path)
+        if typed is not None:
+            return _Scalar(typed)
+        hint = " (convert it with torch.from_numpy)" if isinstance(node, np.ndarray) else ""
         raise UnsupportedObjectError(
-            f"cannot store {type(node).__module__}.{type(node).__qualname__} at {path or '<root>'}: "
-            "nvckpt stores tensors, dicts, lists, tuples, str, bytes, int, float, bool and None (no pickle)"
+            f"cannot store {type(node).__module__}.{type(node).__qualname__} at {path or '<root>'}{hint}: "
+            "nvckpt stores tensors, dicts, lists, tuples, sets, str, bytes, int, float, complex, bool, None, "
+            "torch.dtype and torch.device (no pickle)"
         )
 
     skeleton = walk(obj, (), 1)  # the root container is level 1, as in check_tree
@@ -154,13 +230,15 @@ def plan_save(
         _check_metadata(metadata)
 
     plan_tensors, leaf_ids = _dedupe(leaves, chunk_size)
-    if derive_bf16:
-        find_derived(plan_tensors)
+    if derive:
+        find_derived(plan_tensors)  # bf16 roundings of fp32 tensors, then exact copies among what is left
+    if copies:
+        find_copies(plan_tensors)
     if len(plan_tensors) > MAX_TENSORS:
         raise LimitError(f"{len(plan_tensors)} tensors exceed the limit of {MAX_TENSORS}")
     tree = _finish(skeleton, leaf_ids)
     # A copy, as the tree is: an async_save must not see the caller change its metadata afterwards.
-    return SavePlan(tree, plan_tensors, copy.deepcopy(metadata) if metadata else {})
+    return SavePlan(tree, plan_tensors, copy.deepcopy(metadata) if metadata else {}, tree_features(tree))
 
 
 # Skeleton nodes keep plain Python values apart from leaf indices.

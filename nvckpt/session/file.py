@@ -15,6 +15,9 @@ from operator import add, eq
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
+import numpy as np
+
+from ..codecs import planes as fast
 from ..codecs.base import Pipeline
 from ..codecs.registry import pipeline_from_json
 from ..errors import ChecksumError, FormatError, LimitError, NvckptError, TensorNotFoundError, UnsupportedCodecError, UnsupportedFeatureError
@@ -47,6 +50,8 @@ class CheckpointFile:
         except BaseException:
             self.source.close()
             raise
+        # (k, signshift) of the pipelines the fast host decoder runs (nvckpt.codecs.planes), else None
+        self.planar = [fast.planar_form(p) for p in self.pipelines]
         self._workers = workers or os.cpu_count() or 1
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
@@ -95,10 +100,37 @@ class CheckpointFile:
             raise ChecksumError("chunk checksum does not match its stored bytes", path=self.path, tensor=entry.name, chunk=i, offset=c.offset)
         return data
 
-    def decode_payload(self, entry: TensorEntry, i: int, data: bytes) -> memoryview:
+    def decode_payload(self, entry: TensorEntry, i: int, data: Any) -> memoryview:
         c = entry.chunks[i]
         pipeline = self.pipelines[c.codec_id]
+        form = self.planar[c.codec_id]
+        if form is not None:
+            out = np.empty(c.raw_length, dtype=np.uint8)
+            self.decode_into(entry, i, data, out)
+            return memoryview(out)
         return self._decoded(entry, i, lambda: pipeline.decode(memoryview(data), c.raw_length), pipeline)
+
+    def decode_into(self, entry: TensorEntry, i: int, data: Any, out: np.ndarray) -> None:
+        """Decode chunk ``i`` (stored bytes ``data``, checksum verified) into ``out`` (its raw length, uint8)."""
+        c = entry.chunks[i]
+        pipeline = self.pipelines[c.codec_id]
+        if pipeline.is_raw:
+            if memoryview(data).nbytes != c.raw_length:
+                raise FormatError(f"raw chunk stores {memoryview(data).nbytes} bytes, raw_length is {c.raw_length}",
+                                  path=self.path, tensor=entry.name, chunk=i, offset=c.offset)
+            out[:] = np.frombuffer(data, dtype=np.uint8)
+            return
+        form = self.planar[c.codec_id]
+        if form is None:
+            out[:] = np.frombuffer(self.decode_payload(entry, i, data), dtype=np.uint8)
+            return
+        try:
+            fast.decode_chunk(data, form[0], form[1], out)
+        except MemoryError:
+            raise
+        except Exception as exc:  # a frame libzstd rejects, or one that decodes to another length
+            raise FormatError(f"{pipeline.describe()} could not decode the chunk: {exc}", path=self.path,
+                              tensor=entry.name, chunk=i, offset=c.offset) from None
 
     def decode_coder(self, entry: TensorEntry, i: int, data: Any) -> memoryview:
         """Only the coder (last step) of chunk ``i``'s pipeline: the GPU loader undoes the filters on the device."""
@@ -130,47 +162,95 @@ class CheckpointFile:
             raise LimitError(f"reading it would materialize {nbytes} bytes, more than max_tensor_bytes="
                              f"{self.max_tensor_bytes}", path=self.path, tensor=entry.name)
 
+    def fill(self, entry: TensorEntry, i: int, start: int, out: np.ndarray) -> None:
+        """Chunk ``i`` of ``entry``, read, verified and decoded into ``out``, which holds the tensor's raw
+        bytes from ``start`` on: straight into ``out`` where the chunk lies inside it (a raw chunk is read
+        there by the OS, a zstd one decoded there), through a scratch buffer at a slice's edges."""
+        c = entry.chunks[i]
+        lo, hi = max(start, c.raw_start), min(start + out.nbytes, c.raw_start + c.raw_length)
+        whole = lo == c.raw_start and hi == c.raw_start + c.raw_length
+        pipeline = self.pipelines[c.codec_id]
+        if pipeline.is_raw and c.stored_length == c.raw_length and whole:
+            dest = out[lo - start: hi - start]
+            try:
+                self.source.pread_into(c.offset, dest)
+            except NvckptError as exc:
+                raise exc.located(tensor=entry.name, chunk=i)
+            if xxh3(dest) != c.checksum:
+                raise ChecksumError("chunk checksum does not match its stored bytes", path=self.path, tensor=entry.name, chunk=i, offset=c.offset)
+            return
+        stored = _scratch("stored", c.stored_length)
+        try:
+            self.source.pread_into(c.offset, stored)
+        except NvckptError as exc:
+            raise exc.located(tensor=entry.name, chunk=i)
+        if xxh3(stored) != c.checksum:
+            raise ChecksumError("chunk checksum does not match its stored bytes", path=self.path, tensor=entry.name, chunk=i, offset=c.offset)
+        if whole:
+            self.decode_into(entry, i, stored, out[lo - start: hi - start])
+            return
+        raw = _scratch("raw", c.raw_length)
+        self.decode_into(entry, i, stored, raw)
+        out[lo - start: hi - start] = raw[lo - c.raw_start: hi - c.raw_start]
+
     def read_into(self, entry: TensorEntry, start: int, stop: int, out: memoryview) -> None:
         """Raw bytes [start, stop) of a stored tensor into ``out`` (writable, stop - start bytes),
         reading and decoding only the chunks that hold them, on the decode threads.
-
-        Neighbouring chunks are read with one pread and handed to a thread together, so a
-        tensor of a million small chunks costs a few thousand tasks, not a million."""
+        Neighbouring small chunks are read with one pread and handed to a thread together, so a
+        tensor of a million small chunks costs a few thousand tasks, not a million; a chunk on its
+        own is read (and decoded) straight into ``out`` where it lies inside it (``fill``)."""
         assert entry.chunks is not None
+        dest = np.frombuffer(out, dtype=np.uint8)
         groups = _groups(entry, entry.chunks.covering(start, stop))
-        self.map(lambda g: self._fill(entry, g, start, stop, out), groups)
+        self.map(lambda g: self._fill(entry, g, start, dest), groups)
 
-    def _fill(self, entry: TensorEntry, group: range, start: int, stop: int, out: memoryview) -> None:
+    def _fill(self, entry: TensorEntry, group: range, start: int, out: np.ndarray) -> None:
+        if len(group) == 1:
+            self.fill(entry, group.start, start, out)
+            return
         table = entry.chunks
         assert table is not None
+        stop = start + out.nbytes
         offs, stored, raws, codecs, checks, starts = table.columns(group.start, group.stop)
-        if len(group) == 1:
-            data: Any = self.read_payload(entry, group.start)
-            at: Any = [0]
-        else:
-            base = offs[0]
-            try:
-                data = self.source.pread(base, offs[-1] + stored[-1] - base)
-            except NvckptError as exc:
-                raise exc.located(tensor=entry.name, chunk=group.start)
-            view = memoryview(data)
-            at = [o - base for o in offs]
-            sums = map(xxh3, map(view.__getitem__, map(slice, at, map(add, at, stored))))
-            if not all(map(eq, sums, checks)):
-                bad = next(k for k, (a, n, c) in enumerate(zip(at, stored, checks)) if xxh3(view[a: a + n]) != c)
-                raise ChecksumError("chunk checksum does not match its stored bytes", path=self.path,
-                                    tensor=entry.name, chunk=group.start + bad, offset=offs[bad])
-            if (offs[-1] - base == starts[-1] - starts[0] and stored == raws
-                    and all(self.pipelines[c].is_raw for c in set(codecs))):
-                # Raw chunks stored back to back: their bytes are the tensor's bytes, one copy.
-                lo, hi = max(start, starts[0]), min(stop, starts[-1] + raws[-1])
-                out[lo - start: hi - start] = view[lo - starts[0]: hi - starts[0]]
-                return
+        base = offs[0]
+        try:
+            data = self.source.pread(base, offs[-1] + stored[-1] - base)
+        except NvckptError as exc:
+            raise exc.located(tensor=entry.name, chunk=group.start)
         view = memoryview(data)
+        at = [o - base for o in offs]
+        sums = map(xxh3, map(view.__getitem__, map(slice, at, map(add, at, stored))))
+        if not all(map(eq, sums, checks)):
+            bad = next(k for k, (a, n, c) in enumerate(zip(at, stored, checks)) if xxh3(view[a: a + n]) != c)
+            raise ChecksumError("chunk checksum does not match its stored bytes", path=self.path,
+                                tensor=entry.name, chunk=group.start + bad, offset=offs[bad])
+        if (offs[-1] - base == starts[-1] - starts[0] and stored == raws
+                and all(self.pipelines[c].is_raw for c in set(codecs))):
+            # Raw chunks stored back to back: their bytes are the tensor's bytes, one copy.
+            lo, hi = max(start, starts[0]), min(stop, starts[-1] + raws[-1])
+            out[lo - start: hi - start] = np.frombuffer(view[lo - starts[0]: hi - starts[0]], dtype=np.uint8)
+            return
         for k, i in enumerate(group):
-            raw = self.decode_payload(entry, i, view[at[k]: at[k] + stored[k]])
+            chunk = view[at[k]: at[k] + stored[k]]
             lo, hi = max(start, starts[k]), min(stop, starts[k] + raws[k])
-            out[lo - start: hi - start] = raw[lo - starts[k]: hi - starts[k]]
+            if lo == starts[k] and hi == starts[k] + raws[k]:
+                self.decode_into(entry, i, chunk, out[lo - start: hi - start])
+            else:
+                raw = _scratch("raw", raws[k])
+                self.decode_into(entry, i, chunk, raw)
+                out[lo - start: hi - start] = raw[lo - starts[k]: hi - starts[k]]
+
+    def submit(self, fn: Callable, *args: Any) -> Any:
+        """``fn(*args)`` on the decode threads; returns its Future."""
+        with self._pool_lock:
+            if self._closed:
+                raise NvckptError("read from a closed checkpoint", path=self.path)
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="nvckpt-decode")
+            return self._pool.submit(fn, *args)
+
+
+_tls = threading.local()
 
 
 #: Small chunks are read together (one pread, one task): neighbours in the file, at most _GROUP_GAP apart
@@ -201,6 +281,15 @@ def _groups(entry: TensorEntry, indices: range) -> list[range]:
         end = o + stored[k]
     groups.append(range(indices.start + begin, indices.stop))
     return groups
+
+
+def _scratch(name: str, n: int) -> np.ndarray:
+    """This thread's reusable buffer ``name`` of at least ``n`` bytes (first ``n`` returned)."""
+    buf = getattr(_tls, name, None)
+    if buf is None or buf.nbytes < n:
+        buf = np.empty(max(n, 1 << 20), dtype=np.uint8)
+        setattr(_tls, name, buf)
+    return buf[:n]
 
 
 __all__ = ["CheckpointFile", "check_supported"]

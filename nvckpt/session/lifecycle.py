@@ -83,6 +83,15 @@ def _install(async_save: bool) -> None:
                 pass
 
 
+def cancelled_by_sigterm(run: Running) -> None:
+    """A save that SIGTERM's watchdog cancelled has cleaned up: the signal now takes its default action
+    (for a save in the main thread, before its CancelledError could end the process another way)."""
+    if _force.is_set() or (_terminating.is_set() and run.cancel.is_set()):
+        _force.set()
+        if threading.current_thread() is threading.main_thread():
+            _die(signal.SIGTERM)
+
+
 def pending_async() -> list[Running]:
     with _lock:
         return [r for r in _active.values() if r.future is not None]

@@ -4,14 +4,16 @@ materialized from raw bytes (dtype, shape, bools, views on their base, derived t
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from ..errors import ChecksumError, FormatError, LimitError, UnsupportedCodecError
+from ..errors import ChecksumError, FormatError, LimitError, TensorNotFoundError, UnsupportedCodecError, UnsupportedFeatureError
+from ..format.constants import COPY
 from ..format.entry import TensorEntry
 from ..format.structs import xxh3
-from ..format.tree import resolve_refs
+from ..format.tree import DeviceName, DtypeName, TensorRef, find_path, resolve_refs, tensor_refs
 from ..options import LoadOptions, index_memory_limit
 from ..plan.derived import bf16_rne
 from ..plan.dtypes import to_torch
@@ -19,6 +21,10 @@ from .file import CheckpointFile, check_supported
 
 if TYPE_CHECKING:
     from .slicing import TensorSlice
+
+
+_GROUP_BYTES = 256 << 10  # chunks smaller than this are decoded in groups (one task, not one per chunk)
+_GROUP_CHUNKS = 256
 
 
 def _check_bools(entry: TensorEntry, raw: torch.Tensor, path: str) -> None:
@@ -56,8 +62,77 @@ def _typed(entry: TensorEntry, raw: torch.Tensor, shape: tuple[int, ...], path: 
     return raw.view(dtype).reshape(shape)
 
 
-class Checkpoint:
+def torch_device(where: Any) -> torch.device:
+    """``device=`` as a torch.device that exists here (a string, a torch.device, or a CUDA device index)."""
+    if type(where) is int and where >= 0:
+        where = f"cuda:{where}"  # an index is a CUDA device, as in torch.load (torch.device(0) needs one present)
+    try:
+        device = torch.device(where)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be a torch.device, a string such as 'cpu' or 'cuda:0', or a CUDA device "
+                         f"index, got {where!r}") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise UnsupportedFeatureError(f"cannot load onto {device}: this torch ({torch.__version__}) sees no CUDA "
+                                          "device; load with device='cpu'")
+        if device.index is not None and device.index >= count:
+            raise UnsupportedFeatureError(f"cannot load onto {device}: this machine has {count} CUDA device(s)")
+    return device
+
+
+def target_device(options: LoadOptions) -> tuple[torch.device, Callable[[Any, str], Any] | None]:
+    """Where tensors are materialized, and torch.load's relocation function if ``map_location`` is one.
+
+    nvckpt does not record which device a tensor was saved from, so every tensor loads onto one device:
+    a ``map_location`` dict is accepted when all its values name one device."""
+    where = options.device if options.map_location is None else options.map_location
+    if isinstance(where, dict):
+        targets = {str(torch_device(v)) for v in where.values()}
+        if len(targets) != 1:
+            raise ValueError("map_location as a dict needs all its values to be one device: nvckpt does not record "
+                             "which device a tensor was saved from, and loads every tensor onto one device "
+                             "(give device= instead)")
+        return torch.device(targets.pop()), None
+    if callable(where) and not isinstance(where, (str, torch.device)):
+        return torch.device("cpu"), where
+    return torch_device(where), None
+
+
+def torch_value(node: DtypeName | DeviceName) -> Any:
+    """A typed extension of the tree (SPEC 9.2) as the torch object it stands for."""
+    if isinstance(node, DtypeName):
+        dtype = getattr(torch, node.name, None)
+        if not isinstance(dtype, torch.dtype):
+            raise UnsupportedFeatureError(f"the saved object holds torch.{node.name}, a dtype this torch "
+                                          f"({torch.__version__}) does not have")
+        return dtype
+    try:
+        return torch.device(node.spec)
+    except RuntimeError:
+        raise UnsupportedFeatureError(f"the saved object holds the device {node.spec!r}, which this torch "
+                                      f"({torch.__version__}) does not know") from None
+
+
+def _check_box(entry: TensorEntry, offsets: Sequence[int], lengths: Sequence[int],
+               path: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Offsets and lengths as int tuples, one per dim, inside the tensor (ValueError otherwise)."""
+    offsets, lengths = tuple(offsets), tuple(lengths)
+    shape = tuple(entry.shape)
+    if len(offsets) != len(shape) or len(lengths) != len(shape):
+        raise ValueError(f"{path}, tensor {entry.name!r}: a box of {len(offsets)} offsets and {len(lengths)} "
+                         f"lengths for a tensor of {len(shape)} dims {list(shape)}")
+    for d, (o, n, size) in enumerate(zip(offsets, lengths, shape)):
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (o, n)) or o < 0 or n < 0 or o + n > size:
+            raise ValueError(f"{path}, tensor {entry.name!r}: box [{o}, {o}+{n}) is outside dim {d} of size {size}")
+    return tuple(map(int, offsets)), tuple(map(int, lengths))
+
+
+class Checkpoint(Mapping):
     """An open nvckpt file: lazy, random access, safe to share between threads.
+
+    A read-only Mapping of tensor names to tensors (``ck["model/weight"]``, ``ck.items()``, ``ck.get(name)``,
+    ``name in ck``), like safetensors' ``safe_open``; each access reads that tensor from the file.
 
     ``untrusted=True`` decodes with the hardened CPU decoders only, never
     nvCOMP (SPEC.md 20: checksums are not signatures, and nvCOMP's decoders
@@ -69,7 +144,7 @@ class Checkpoint:
     def __init__(self, target: Any, options: LoadOptions | None = None) -> None:
         options = options or LoadOptions()
         self.options = options
-        self.device = torch.device(options.device)
+        self.device, self._relocate = target_device(options)
         self.untrusted = options.untrusted
         self._file = CheckpointFile(target, workers=options.workers, max_tensor_bytes=options.max_tensor_bytes,
                                     max_index_memory=index_memory_limit(options))
@@ -88,6 +163,12 @@ class Checkpoint:
         from ..engines.gpu.backend import CudaBackend
 
         return CudaBackend(self.device, gpu_zstd=self.options.gpu.gpu_zstd, timing=self.options.gpu.timing)
+
+    # A Mapping compares by contents: an open file is equal only to itself (comparing would read both files).
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    __hash__ = object.__hash__
 
     # context manager
     def __enter__(self) -> "Checkpoint":
@@ -124,7 +205,12 @@ class Checkpoint:
             return dict(self._stats, bytes_read=self.bytes_read)
 
     def keys(self) -> list[str]:
+        """Every tensor's name (its path in the saved object, SPEC 14.1), in the order it was saved."""
         return list(self._file.index.paths)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        """``ck[name]``: the same as ``get_tensor(name)``."""
+        return self.get_tensor(name)
 
     def __contains__(self, name: object) -> bool:
         return name in self._file.index.paths
@@ -136,9 +222,11 @@ class Checkpoint:
         return len(self._file.index.paths)
 
     def metadata(self) -> dict[str, Any]:
+        """The ``metadata=`` dict given to ``save`` (JSON-like; read-only)."""
         return self._file.index.metadata
 
     def writer(self) -> dict[str, Any]:
+        """What wrote the file: {"name", "version", ...} (SPEC 8.2; "nvcomp" when ANS chunks were written)."""
         return self._file.index.writer
 
     # -- materializing ------------------------------------------------------
@@ -170,21 +258,72 @@ class Checkpoint:
             if progress is not None:
                 progress(sum(e.nbytes for e in entries))
             return out
-        out = {}
+        return self._host_tensors(entries, progress)
+
+    def _host_tensors(self, entries: list[TensorEntry], progress: Callable[[int], None] | None) -> dict[int, torch.Tensor]:
+        """Every chunk of ``entries`` read, verified and decoded on the decode threads, straight into the
+        tensors' memory; small chunks in tasks of ~256 KiB, so thousands of small tensors cost little.
+        A tensor's checksum is a task started by whichever thread finishes its last chunk, so it runs
+        beside the other chunks' decoding (and on bytes still in cache)."""
+        f = self._file
+        dests = {e.tensor_id: allocate(e.nbytes, e, self.path) for e in entries}
+        arrays = {tid: t.numpy() for tid, t in dests.items()}
+        left = {e.tensor_id: len(e.chunks) for e in entries}
+        lock = threading.Lock()
+        checks: list[Any] = []
+        tasks: list[list[tuple[TensorEntry, int]]] = []
+        group: list[tuple[TensorEntry, int]] = []
+        size = 0
         for e in entries:
-            try:
-                raw = self._host_raw(e, 0, e.nbytes)
-            except UnsupportedCodecError as exc:
-                if self.untrusted:
-                    exc.reason += " (refused: the file was opened with untrusted=True, which never runs nvCOMP)"
-                    exc.located()
-                raise
-            if e.checksum is not None and xxh3(raw.numpy()) != e.checksum:
+            for i, c in enumerate(e.chunks):
+                if c.raw_length >= _GROUP_BYTES:
+                    tasks.append([(e, i)])
+                    continue
+                group.append((e, i))
+                size += c.raw_length
+                if size >= _GROUP_BYTES or len(group) >= _GROUP_CHUNKS:
+                    tasks.append(group)
+                    group, size = [], 0
+        if group:
+            tasks.append(group)
+
+        def check(e: TensorEntry) -> None:
+            if xxh3(arrays[e.tensor_id]) != e.checksum:
                 raise ChecksumError("tensor checksum does not match its decoded bytes", path=self.path, tensor=e.name)
-            out[e.tensor_id] = self._to_device(raw)
-            if progress is not None:
-                progress(e.nbytes)
-        return out
+
+        def run(task: list[tuple[TensorEntry, int]]) -> None:
+            for e, i in task:
+                try:
+                    f.fill(e, i, 0, arrays[e.tensor_id])
+                except UnsupportedCodecError as exc:
+                    if self.untrusted:
+                        exc.reason += " (refused: the file was opened with untrusted=True, which never runs nvCOMP)"
+                        exc.located()
+                    raise
+                with lock:
+                    left[e.tensor_id] -= 1
+                    last = left[e.tensor_id] == 0
+                if last and e.checksum is not None:
+                    if e.nbytes < _GROUP_BYTES:
+                        check(e)
+                    else:
+                        checks.append(f.submit(check, e))
+                if last and progress is not None:
+                    progress(e.nbytes)
+
+        for e in entries:  # tensors without chunks (empty ones)
+            if not e.chunks and e.checksum is not None:
+                check(e)
+        if len(tasks) <= 1 or f._workers == 1:
+            for task in tasks:
+                run(task)
+        else:
+            futures = [f.submit(run, task) for task in tasks]
+            for fut in futures:
+                fut.result()
+        for fut in list(checks):
+            fut.result()
+        return {tid: self._to_device(t) for tid, t in dests.items()}
 
     def _rows(self, entry: TensorEntry, first: int, stop: int) -> torch.Tensor:
         """Rows [first, stop) of a stored tensor on the target device, decoding only the chunks that hold them."""
@@ -229,35 +368,105 @@ class Checkpoint:
             if e.view is not None:
                 out[tid] = out[e.view["base"]].as_strided(e.shape, e.view["stride"], e.view["offset"])
             elif e.derived is not None:
+                source = out[e.derived["source"]]
                 try:
-                    out[tid] = bf16_rne(out[e.derived["source"]])
+                    out[tid] = source.clone() if e.derived["function"] == COPY else bf16_rne(source)
                 except (RuntimeError, MemoryError) as exc:
                     raise allocation_error(exc, e.nbytes, e, self.path) from None
+        return out if self._relocate is None else self._relocated(out)
+
+    def _relocated(self, tensors: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """torch.load's callable ``map_location(storage, "cpu")``, once per storage (views keep sharing)."""
+        moved: dict[Any, Any] = {}
+        out = {}
+        for tid, t in tensors.items():
+            storage = t.untyped_storage()
+            key = storage.data_ptr() if storage.nbytes() else ("empty", tid)
+            if key not in moved:
+                new = self._relocate(storage, "cpu")  # type: ignore[misc]
+                if isinstance(new, torch.TypedStorage):
+                    new = new.untyped()
+                if not isinstance(new, torch.UntypedStorage):
+                    raise TypeError(f"map_location returned a {type(new).__qualname__}, not a storage")
+                moved[key] = new
+            new = moved[key]
+            out[tid] = torch.empty(0, dtype=t.dtype, device=new.device).set_(new, t.storage_offset(), t.shape, t.stride())
         return out
 
     # -- public reads ---------------------------------------------------------
     def get_tensor(self, name: str) -> torch.Tensor:
+        """The tensor named ``name`` (one of ``keys()``), on this checkpoint's device; raises
+        TensorNotFoundError (a KeyError) for an unknown name."""
         tid = self._file.entry(name).tensor_id
         return self._load([tid])[tid]
 
+    def read_box(self, name: str, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+        """The n-d box ``[offsets[d], offsets[d] + lengths[d])`` of every dim ``d`` of a stored tensor.
+
+        Decodes only the chunks holding the box's rows of dim 0 (chunks are
+        whole rows: nvckpt.plan.chunking).  A row box therefore costs its own
+        bytes; a box narrower than the tensor in a later dim (a column box)
+        decodes whole rows of its row range and keeps its columns, so it costs
+        rows x full row bytes (loading Shard(1) from a Shard(0) save decodes
+        every stored row once per reader).  Views and derived tensors are
+        built whole, then cut."""
+        entry = self._file.entry(name)
+        offsets, lengths = _check_box(entry, offsets, lengths, self.path)
+        if not entry.shape:
+            return self._load([entry.tensor_id])[entry.tensor_id]
+        if entry.chunks is None:  # a view or a derived tensor: it has no rows of its own to read
+            whole = self._load([entry.tensor_id])[entry.tensor_id]
+            rows = whole.narrow(0, offsets[0], lengths[0])
+        else:
+            rows = self._rows(entry, offsets[0], offsets[0] + lengths[0])
+        for d in range(1, len(offsets)):
+            if lengths[d] != entry.shape[d]:
+                rows = rows.narrow(d, offsets[d], lengths[d])
+        return rows
+
     def get_slice(self, name: str) -> "TensorSlice":
+        """A lazy handle on tensor ``name``: ``get_slice(name)[a:b]`` reads only the chunks holding rows a..b-1;
+        ``get_shape()`` and ``get_dtype()`` read nothing."""
         from .slicing import TensorSlice
 
         return TensorSlice(self, self._file.entry(name))
 
-    def load(self, keys: Iterable[str] | None = None, *, progress: Callable[[int], None] | None = None) -> Any:
-        """The whole saved object (or, with ``keys``, a dict of just those tensors).
-
-        ``progress(n)`` is called with the raw bytes of the stored tensors as they are decoded."""
-        if keys is not None:
-            keys = list(keys)
-            ids = [self._file.entry(k).tensor_id for k in keys]
-            loaded = self._load(ids, progress)
-            return {k: loaded[t] for k, t in zip(keys, ids)}
+    def _node(self, key: str) -> Any:
+        """The tree node a ``load(keys=...)`` key names: a tensor's name, or the path of any value in the tree."""
         index = self._file.index
-        # Every entry the tree refers to (a reference to an "internal" entry is legal, SPEC 9).
-        loaded = self._load({*index.paths.values(), *(e.tensor_id for e in index.tensors if not e.internal)}, progress)
-        return resolve_refs(index.tree, loaded.__getitem__)
+        if key in index.paths:
+            return TensorRef(index.paths[key])
+        try:
+            return find_path(index.tree, key)
+        except KeyError:
+            pass
+        try:
+            return TensorRef(self._file.entry(key).tensor_id)  # an internal base is reachable by name too
+        except TensorNotFoundError:
+            raise TensorNotFoundError(f"nothing is saved at {key!r}: it is neither a tensor's name (keys()) nor the "
+                                      "path of a value in the saved object", path=self.path) from None
+
+    def load(self, keys: Iterable[str] | None = None, *, progress: Callable[[int], None] | None = None) -> Any:
+        """The whole saved object; with ``keys``, only part of it, reading only the tensors that part holds.
+
+        ``keys``: one path (a str: "model" gives the model's state_dict, "model/weight" one tensor, "step"
+        a scalar) returns the value at that path; a list of paths returns a dict path -> value.  Paths are
+        those of ``keys()`` (SPEC 14.1), or of any value in the saved object.
+        ``progress(n)`` is called with the raw bytes of the stored tensors as they are decoded."""
+        index = self._file.index
+        if keys is None:
+            # Every entry the tree refers to (a reference to an "internal" entry is legal, SPEC 9).
+            loaded = self._load({*index.paths.values(), *(e.tensor_id for e in index.tensors if not e.internal)}, progress)
+            return resolve_refs(index.tree, loaded.__getitem__, torch_value)
+        one = isinstance(keys, str)
+        wanted = [keys] if one else list(keys)
+        for k in wanted:
+            if not isinstance(k, str):
+                raise TypeError(f"keys must be a str or an iterable of str, got an item {k!r}")
+        nodes = {k: self._node(k) for k in wanted}
+        loaded = self._load({r.tensor_id for n in nodes.values() for r in tensor_refs(n)}, progress)
+        values = {k: resolve_refs(n, loaded.__getitem__, torch_value) for k, n in nodes.items()}
+        return values[keys] if one else values
 
 
 __all__ = ["Checkpoint"]

@@ -33,7 +33,10 @@ from . import lifecycle
 
 @dataclass(frozen=True)
 class SaveResult:
-    """What a save wrote: sizes, time, and what the engine measured (``stats``)."""
+    """What a save wrote: sizes, time, and what the engine measured (``stats``).
+
+    ``raw_bytes`` counts every tensor a load restores (views and derived tensors with their own
+    bytes, not the internal bases), so ``ratio`` is what the file saves over holding the state."""
 
     path: str | None
     raw_bytes: int
@@ -60,7 +63,8 @@ def write_items(stream: Any, items: Iterable[TensorReady | EncodedChunk], plan: 
     """Frame an engine's items onto ``stream``; returns the file's length.  ``progress(raw bytes)`` per chunk."""
     try:
         check_index_floor(plan.entries(), plan.chunk_lengths(), plan.tree, plan.metadata, info)
-        writer = FrameWriter(stream, plan.entries(), plan.chunk_lengths(), alignment=alignment)
+        writer = FrameWriter(stream, plan.entries(), plan.chunk_lengths(), alignment=alignment,
+                             required_features=plan.required_features)
         for item in items:
             if isinstance(item, TensorReady):
                 writer.tensor(item.tensor_id, item.checksum)
@@ -108,7 +112,8 @@ class SaveSession:
         self.options = options
         self.target = target
         self.progress = progress
-        self.plan = plan_save(obj, metadata=options.metadata, derive_bf16=options.derive_bf16,
+        bf16, copies = options.derives
+        self.plan = plan_save(obj, metadata=options.metadata, derive=bf16, copies=copies,
                               chunk_size=options.chunk_size or CPU_CHUNK_SIZE)
         self.device = _gpu_device(self.plan, options)
         if options.chunk_size is None and self.device is not None:
@@ -204,6 +209,10 @@ class SaveSession:
         running = running or self.register(cancel)
         try:
             return self._run(cancel)
+        except CancelledError:
+            lifecycle.end(running)
+            lifecycle.cancelled_by_sigterm(running)
+            raise
         finally:
             lifecycle.end(running)
 
@@ -218,24 +227,19 @@ class SaveSession:
         items, extra = self._items()
         items = _cancellable(items, cancel)
         info = writer_info(extra)
-        raw_bytes = self.plan.stored_raw_bytes
+        raw_bytes = self.plan.raw_bytes  # every tensor the file restores: views and derived ones too
         alignment = self.options.alignment
+        if alignment is None:  # O_DIRECT / GPUDirect reads of single chunks want 4 KiB; the CPU reader nothing
+            alignment = 1 if self.device is None else 4096
         if hasattr(self.target, "write"):
             size = write_items(self.target, items, self.plan, alignment=alignment, info=info, progress=self.progress)
             return self._result(None, raw_bytes, size)
         direct = self.options.direct_io
         out = AtomicReplace(os.fspath(self.target), lambda tmp: FileSink(tmp, direct=direct))
-        try:
+        with out:  # commits on success; on an error removes the temporary file, naming the target in OSErrors
             size = write_items(out.writer, items, self.plan, alignment=alignment, info=info, progress=self.progress)
             if cancel.is_set():
-                raise CancelledError("async save cancelled; the file at the target path was not changed")
-        except BaseException as exc:
-            out.abort()
-            mapped = out.as_target(exc)
-            if mapped is not exc:
-                raise mapped from None
-            raise
-        out.commit()
+                raise CancelledError("the save was cancelled; the file at the target path was not changed")
         return self._result(out.path, raw_bytes, size)
 
     def _result(self, path: str | None, raw_bytes: int, size: int) -> SaveResult:
@@ -246,7 +250,7 @@ def _cancellable(items: Iterator, cancel: threading.Event) -> Iterator:
     try:
         for item in items:
             if cancel.is_set():
-                raise CancelledError("async save cancelled; the file at the target path was not changed")
+                raise CancelledError("the save was cancelled; the file at the target path was not changed")
             yield item
     finally:
         close = getattr(items, "close", None)

@@ -7,22 +7,38 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..format.entry import TensorEntry
+from ..plan.dtypes import to_torch
+from .file import check_supported
 
 if TYPE_CHECKING:
     from .load import Checkpoint
 
 
 class TensorSlice:
-    """``get_slice(name)[rows, ...]``: decodes only the chunks holding the rows asked for."""
+    """``get_slice(name)[rows, ...]``: decodes only the chunks holding the rows asked for.
+
+    As safetensors' slices: ``get_shape()`` (a list) and ``get_dtype()`` (the file's dtype name, SPEC 10:
+    "float32", "bfloat16"); as a tensor: ``shape`` (a tuple), ``dtype`` (a torch.dtype), ``ndim``, ``len()``."""
 
     def __init__(self, checkpoint: Checkpoint, entry: TensorEntry) -> None:
         self._ck = checkpoint
         self._entry = entry
-        self.shape = entry.shape
-        self.dtype = entry.dtype.name
+        self.shape = tuple(entry.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        check_supported(self._entry, self._ck.path)
+        return to_torch(self._entry.dtype.name)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
 
     def get_shape(self) -> list[int]:
         return list(self.shape)
+
+    def get_dtype(self) -> str:
+        return self._entry.dtype.name
 
     def __len__(self) -> int:
         if not self.shape:

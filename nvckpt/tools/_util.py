@@ -162,3 +162,37 @@ def on_device(tree: Any, device: str) -> Any:
 
 class UsageError(ValueError):
     """A command was asked for something that makes no sense (the CLI's exit code 2)."""
+
+
+# What a file holds, from its first bytes (convert and the "not an nvckpt file" hints trust content, not names).
+_TORCH_LEGACY = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"  # pickle of torch's legacy MAGIC_NUMBER
+
+
+def sniff_format(path: str | os.PathLike) -> str | None:
+    """"nvckpt", "torch" (torch.save's zip or legacy format), "safetensors", or None, by content."""
+    from ..format.constants import PREAMBLE_MAGIC
+
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+            size = os.fstat(f.fileno()).st_size
+    except OSError:
+        return None
+    if head.startswith(PREAMBLE_MAGIC):
+        return "nvckpt"
+    if head.startswith(b"PK\x03\x04") or head.startswith(_TORCH_LEGACY):
+        return "torch"
+    if len(head) >= 9 and 0 < int.from_bytes(head[:8], "little") <= size - 8 and head[8:9] == b"{":
+        return "safetensors"
+    return None
+
+
+def convert_hint(path: str | os.PathLike) -> str:
+    """For an error about a file that is not an nvckpt file: what it is and the command that reads it."""
+    fmt = sniff_format(path)
+    if fmt in ("torch", "safetensors"):
+        name = os.fspath(path)
+        stem = os.path.splitext(name)[0]
+        what = "a torch.save file" if fmt == "torch" else "a safetensors file"
+        return f"; it is {what}: `nvckpt convert {name} {stem}.nvckpt` converts it"
+    return ""

@@ -1,4 +1,7 @@
-"""`nvckpt bench`: a small, honest CPU benchmark of nvckpt against torch.save and safetensors.
+"""`nvckpt bench`: a small, honest CPU benchmark of nvckpt against torch.save, safetensors and ZipNN.
+
+Peers that are not installed (safetensors, zipnn) are left out; the order-0 entropy limit of the
+byte planes is printed beside, as a yardstick for the compressing formats.
 
 Every save ends with fsync (nvckpt.save does it to commit its atomic rename;
 the others get one here, so that all pay the same).  Loads read files that were
@@ -97,9 +100,25 @@ def _fsynced(path: str, write: Callable[[Any], None]) -> None:
         os.fsync(f.fileno())
 
 
+def touch(tree: Any) -> Any:
+    """Read one byte of every page of every CPU tensor in ``tree``: safetensors (and a memory map) return
+    before reading anything, so a load is timed until its data is in memory, as nvckpt's and torch's are."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, torch.Tensor):
+            if node.device.type == "cpu" and node.numel():
+                node.detach().reshape(-1).view(torch.uint8)[::4096].sum()
+        elif isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+    return tree
+
+
 def _synced(fn: Callable[[], Any], device: str) -> Callable[[], Any]:
     if device == "cpu":
-        return fn
+        return lambda: touch(fn())
 
     def run() -> Any:
         out = fn()
@@ -151,9 +170,91 @@ def measure_safetensors(obj: Any, path: str, *, repeat: int, raw_bytes: int, dev
     return Measurement("safetensors", raw_bytes, os.path.getsize(path), save_s, load_s, exact, note)
 
 
+def _tensors(obj: Any) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(obj, torch.Tensor):
+        return [("", obj)]
+    if isinstance(obj, dict):
+        return [(f"{k}/{n}", t) for k, v in obj.items() for n, t in _tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [(f"{i}/{n}", t) for i, v in enumerate(obj) for n, t in _tensors(v)]
+    return []
+
+
+def entropy_limit(obj: Any) -> float:
+    """raw bytes / the order-0 entropy of each tensor's byte planes (byteshuffle), summed: what a coder of
+    independent bytes per plane could reach at best (ZipNN and nvckpt's portable codec come close)."""
+    import numpy as np
+
+    raw = bits = 0.0
+    seen: set[int] = set()
+    for _, t in _tensors(obj):
+        if t.numel() == 0 or id(t) in seen:
+            continue
+        seen.add(id(t))
+        b = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        k = t.element_size()
+        elements = b.reshape(-1, k)
+        for j in range(k):
+            counts = np.bincount(elements[:, j], minlength=256).astype(np.float64)
+            counts = counts[counts > 0]
+            bits += -(counts * np.log2(counts / len(elements))).sum()
+        raw += b.nbytes
+    return raw * 8 / bits if bits else 1.0
+
+
+def measure_zipnn(obj: Any, path: str, *, repeat: int, raw_bytes: int, device: str = "cpu") -> Measurement | None:
+    """ZipNN (IBM's lossless model compressor, Huffman on byte groups) of each float tensor, other tensors as raw
+    bytes, one file with fsync; None if zipnn is not installed.  Loaded back on the CPU (ZipNN's own)."""
+    import warnings
+
+    try:
+        with warnings.catch_warnings():  # zipnn 0.5 uses torch.jit.script, which torch now deprecates
+            warnings.simplefilter("ignore", DeprecationWarning)
+            from zipnn import ZipNN
+    except ImportError:
+        return None
+    import json
+    import struct
+
+    z = ZipNN(input_format="torch", threads=os.cpu_count() or 1)
+    tensors = [(n, t) for n, t in _tensors(obj)]
+
+    def save() -> None:
+        parts = []
+        for name, t in tensors:
+            t = t.detach().cpu().contiguous()
+            if t.dtype in (torch.bfloat16, torch.float16, torch.float32) and t.numel():
+                parts.append((name, 1, bytes(z.compress(t.clone()))))  # ZipNN 0.5.4 reorders its input in place
+            else:
+                parts.append((name, 0, t.reshape(-1).view(torch.uint8).numpy().tobytes()))
+        header = json.dumps([[n, c, len(b)] for n, c, b in parts]).encode()
+
+        def write(f: Any) -> None:
+            f.write(struct.pack("<Q", len(header)) + header)
+            for _, _, b in parts:
+                f.write(b)
+        _fsynced(path, write)
+
+    def load() -> list:
+        with open(path, "rb") as f:
+            data = f.read()
+        n = struct.unpack_from("<Q", data)[0]
+        at, out = 8 + n, []
+        for name, coded, size in json.loads(data[8: 8 + n]):
+            piece = data[at: at + size]
+            at += size
+            out.append(z.decompress(piece) if coded else piece)
+        return out
+
+    save_s, _ = best_of(repeat, save)
+    load_s, _ = best_of(repeat, load)
+    return Measurement("ZipNN", raw_bytes, os.path.getsize(path), save_s, load_s, None, "float tensors, Huffman")
+
+
 def bench(obj: Any, *, repeat: int = 3, codec: str = "auto", directory: str | None = None,
           device: str = "cpu") -> list[Measurement]:
-    """Measure nvckpt, torch.save and (if installed) safetensors on one state, held and loaded on ``device``."""
+    """Measure nvckpt, torch.save and (if installed) safetensors and ZipNN on one state, held and loaded on ``device``.
+    The last row is the order-0 entropy limit of the byte planes (no times)."""
     obj = on_device(obj, device) if device != "cpu" else obj
     with tempfile.TemporaryDirectory(prefix="nvckpt-bench-", dir=directory) as tmp:
         rows = [measure_nvckpt(obj, os.path.join(tmp, "state.nvckpt"), repeat=repeat, codec=codec, device=device)]
@@ -163,7 +264,14 @@ def bench(obj: Any, *, repeat: int = 3, codec: str = "auto", directory: str | No
                                  device=device)
         if st is not None:
             rows.append(st)
+        zn = measure_zipnn(obj, os.path.join(tmp, "state.zipnn"), repeat=repeat, raw_bytes=raw, device=device)
+        if zn is not None:
+            rows.append(zn)
+        limit = entropy_limit(obj)
+        rows.append(Measurement("order-0 entropy limit of the byte planes", raw, int(raw / limit), 0.0, 0.0, None,
+                                "a bound for coders of independent bytes"))
         return rows
 
 
-__all__ = ["bench", "Measurement", "best_of", "first_difference", "measure_nvckpt", "measure_torch"]
+__all__ = ["bench", "Measurement", "best_of", "first_difference", "measure_nvckpt", "measure_torch", "measure_zipnn",
+           "entropy_limit"]

@@ -1,4 +1,4 @@
-"""`nvckpt convert`: between nvckpt, safetensors and torch.save files, in every direction.
+"""`nvckpt convert`: between nvckpt, safetensors and torch.save files and DCP directories, in every direction.
 
 A source is read into memory as the object it holds (a tree of dicts, lists
 and tensors) and written in the target format:
@@ -14,15 +14,22 @@ and tensors) and written in the target format:
   tensors).
 - torch.save files are read with ``torch.load(weights_only=True)``: a file that
   needs arbitrary code to load is refused.  They hold no metadata.
+- a DCP directory (format "dcp": nvckpt.dcp.Writer's, recognised by its
+  manifest) is read as its global tensors assembled from the rank files
+  (nvckpt.dcp.assemble), nested as the saved state dict; as a target it is
+  written from this one process (one rank file, loadable at any world size).
+  ``nvckpt merge`` and ``nvckpt split`` are these two directions to nvckpt.
 """
 
 from __future__ import annotations
 
 import base64
+import errno
 import json
 import os
 import pickle
 import re
+import shutil
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,10 +43,11 @@ from ..io.atomic import atomic_output
 from ..options import LoadOptions, SaveOptions
 from ..session.load import Checkpoint
 from ..session.save import SaveSession
-from ._util import ProgressFactory, UsageError, check_output_folder, nest_by_name, null_bar, on_device
+from ._util import ProgressFactory, UsageError, check_output_folder, nest_by_name, null_bar, on_device, sniff_format
 
-FORMATS = ("nvckpt", "safetensors", "torch")
-EXTENSIONS = {".nvckpt": "nvckpt", ".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch"}
+FORMATS = ("nvckpt", "safetensors", "torch", "dcp")
+EXTENSIONS = {".nvckpt": "nvckpt", ".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch",
+              ".ckpt": "torch"}  # .ckpt: Lightning's (torch.save inside, or nvckpt with NvckptCheckpointIO: sniffed)
 CODECS = PRESETS
 
 # safetensors metadata keys written by nvckpt (SPEC-independent convention of this tool).
@@ -48,11 +56,19 @@ META_TREE = "nvckpt.tree"  # base64 of the msgpack tree (as in the index), tenso
 META_TREE_NAMES = "nvckpt.tree_names"  # ...this JSON list of safetensors tensor names
 
 
-def format_of(path: str | os.PathLike, explicit: str | None = None) -> str:
+def format_of(path: str | os.PathLike, explicit: str | None = None, *, sniff: bool = False) -> str:
+    """The format of ``path``: ``explicit``; else (``sniff``, for a source) what its content is; else its extension."""
     if explicit is not None:
         if explicit not in FORMATS:
             raise UsageError(f"unknown format {explicit!r} (choose from {', '.join(FORMATS)})")
         return explicit
+    from ..dcp.layout import is_dcp_directory
+
+    if is_dcp_directory(path):
+        return "dcp"
+    found = sniff_format(path) if sniff else None
+    if found is not None:
+        return found
     ext = os.path.splitext(os.fspath(path))[1].lower()
     if ext not in EXTENSIONS:
         raise UsageError(
@@ -223,6 +239,58 @@ def read_torch(path: str | os.PathLike) -> Loaded:
 
 # -- writers ---------------------------------------------------------------
 
+def read_dcp(path: str | os.PathLike, make_bar: ProgressFactory) -> Loaded:
+    """The state in a DCP directory, its global tensors assembled from the shards (on the GPU where the
+    rank files hold GPU-only chunks and there is one)."""
+    from ..dcp.assemble import assemble
+    from ..dcp.layout import read_manifest
+
+    m = read_manifest(path)
+    needs_gpu = False
+    for name in m.files:
+        with Checkpoint(os.path.join(m.directory, name)) as probe:
+            needs_gpu = needs_gpu or any(p.needs_gpu for p in probe.file.pipelines)
+    device = "cuda" if needs_gpu and torch.cuda.is_available() else "cpu"
+    bar = make_bar("reading", sum(t.nbytes for t in m.tensors.values()))
+    try:
+        tree = assemble(path, device=device, progress=bar.update)
+    finally:
+        bar.close()
+    return Loaded(tree, {"nvckpt.dcp": {"world_size": m.world_size, "save_id": m.save_id}})
+
+
+def write_dcp(loaded: Loaded, dst: str | os.PathLike, *, codec: str, zstd_level: int) -> tuple[int, list[str]]:
+    from ..dcp.assemble import write_directory
+    from ..dcp.layout import read_manifest
+
+    if codec not in CODECS:
+        raise UsageError(f"codec must be one of {', '.join(CODECS)}, got {codec!r}")
+    tree = loaded.tree
+    notes = []
+    if not isinstance(tree, dict):
+        tree = {"state": tree}
+        notes.append("the source holds no dict at its top: the DCP state dict is {'state': <it>}")
+    if loaded.metadata:
+        notes.append("metadata is not kept in a DCP directory")
+    write_directory(tree, dst, codec=codec, zstd_level=zstd_level)
+    return _size(dst), notes + ([] if read_manifest(dst).tensors else ["the directory holds no tensors"])
+
+
+def _size(path: str | os.PathLike) -> int:
+    """A file's size, or the total of a directory's files."""
+    if not os.path.isdir(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path))
+
+
+def _check_output_directory(path: str | os.PathLike) -> None:
+    final = os.path.abspath(os.fspath(path))
+    if os.path.exists(final) and not os.path.isdir(final):
+        raise FileExistsError(17, "exists and is not a directory", os.fspath(path))
+    if not os.path.isdir(os.path.dirname(final)):
+        raise FileNotFoundError(2, "No such directory", os.path.dirname(final))
+
+
 def write_nvckpt(loaded: Loaded, dst: str | os.PathLike, *, codec: str, zstd_level: int, make_bar: ProgressFactory) -> int:
     if codec not in CODECS:
         raise UsageError(f"codec must be one of {', '.join(CODECS)}, got {codec!r}")
@@ -310,10 +378,7 @@ def write_safetensors(loaded: Loaded, dst: str | os.PathLike, *, keep_tree: bool
     unsupported = sorted({str(t.dtype) for t in out.values() if t.dtype not in _safetensors_dtypes(st)})
     if unsupported:
         raise UnsupportedObjectError(f"safetensors cannot store dtype {', '.join(unsupported)}")
-    with atomic_output(dst) as tmp:
-        st.save_file(out, tmp, metadata=meta)
-        size = os.path.getsize(tmp)
-    return size, notes
+    return written("safetensors", dst, lambda tmp: st.save_file(out, tmp, metadata=meta)), notes
 
 
 def _safetensors_dtypes(st) -> set[torch.dtype]:
@@ -330,10 +395,30 @@ def write_torch(loaded: Loaded, dst: str | os.PathLike) -> tuple[int, list[str]]
     if loaded.metadata:
         notes.append(f"the metadata ({', '.join(map(repr, list(loaded.metadata)[:5]))}) is dropped: "
                      "torch.save files have no metadata")
+    return written("torch.save", dst, lambda tmp: torch.save(loaded.tree, tmp)), notes
+
+
+def written(writer: str, dst: str | os.PathLike, write: Any) -> int:
+    """``write(tmp)`` through the atomic replace; returns the file's size.  A foreign writer's failure to
+    write (safetensors' SafetensorError, torch's RuntimeError from its zip writer) is the OSError it is."""
     with atomic_output(dst) as tmp:
-        torch.save(loaded.tree, tmp)
-        size = os.path.getsize(tmp)
-    return size, notes
+        try:
+            write(tmp)
+        except OSError:
+            raise
+        except Exception as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            named = re.search(r"os error (\d+)", str(exc))  # safetensors (Rust) quotes the OS error's number
+            code = int(named.group(1)) if named else errno.ENOSPC if _disk_full(tmp) else errno.EIO
+            raise OSError(code, f"{os.strerror(code)} ({writer} failed: {first[:160]})", os.fspath(dst)) from None
+        return os.path.getsize(tmp)
+
+
+def _disk_full(path: str) -> bool:
+    try:
+        return shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free < (1 << 20)
+    except OSError:
+        return False
 
 
 # -- the tool --------------------------------------------------------------
@@ -351,14 +436,19 @@ def convert(
 ) -> ConvertReport:
     """Convert ``src`` to ``dst``; formats from the extensions unless given."""
     start = time.perf_counter()
-    src_format = format_of(src, src_format)
+    src_format = format_of(src, src_format, sniff=True)
     dst_format = format_of(dst, dst_format)
     if os.path.abspath(os.fspath(src)) == os.path.abspath(os.fspath(dst)):
         raise UsageError("source and destination are the same file")
-    check_output_folder(dst)
+    if dst_format == "dcp":
+        _check_output_directory(dst)
+    else:
+        check_output_folder(dst)
     make_bar = progress or null_bar
     if src_format == "nvckpt":
         loaded = read_nvckpt(src, make_bar)
+    elif src_format == "dcp":
+        loaded = read_dcp(src, make_bar)
     elif src_format == "safetensors":
         loaded = read_safetensors(src, make_bar)
     else:
@@ -367,7 +457,14 @@ def convert(
     if dst_format != "nvckpt":
         loaded.tree = on_device(loaded.tree, "cpu")
     if dst_format == "nvckpt":
+        try:
+            size = write_nvckpt(loaded, dst, codec=codec, zstd_level=zstd_level, make_bar=make_bar)
+        except UnsupportedObjectError as exc:  # what the source holds: name it
+            raise exc.located(path=os.fspath(src))
         size = write_nvckpt(loaded, dst, codec=codec, zstd_level=zstd_level, make_bar=make_bar)
+    elif dst_format == "dcp":
+        size, more = write_dcp(loaded, dst, codec=codec, zstd_level=zstd_level)
+        notes += more
     elif dst_format == "safetensors":
         size, more = write_safetensors(loaded, dst, keep_tree=keep_tree)
         notes += more
@@ -377,7 +474,7 @@ def convert(
     tensors = _tensors(loaded.tree)
     return ConvertReport(
         os.fspath(src), os.fspath(dst), src_format, dst_format, len(tensors),
-        sum(t.nbytes for t in tensors), os.path.getsize(src), size, time.perf_counter() - start, notes,
+        sum(t.nbytes for t in tensors), _size(src), size, time.perf_counter() - start, notes,
     )
 
 

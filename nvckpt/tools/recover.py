@@ -41,7 +41,7 @@ from ..format.entry import TensorEntry, parse_entry, reference_problem
 from ..format.frames import FrameWriter, check_index_floor, iter_frames, read_meta_frame
 from ..format.index import Index, parse_index, unpack_index
 from ..format.structs import FrameHeader, Preamble, xxh3
-from ..format.tree import TensorRef, escape, resolve_refs
+from ..format.tree import TensorRef, escape, resolve_refs, tree_features
 from ..io.atomic import atomic_output
 from ..io.source import Source
 from ..session.file import CheckpointFile
@@ -364,7 +364,7 @@ def recover(src: str | os.PathLike, dst: str | os.PathLike, *, progress: Progres
         try:
             with atomic_output(dst) as tmp:
                 with open(tmp, "wb", buffering=8 << 20) as out:
-                    writer = FrameWriter(out, entries, lengths)
+                    writer = FrameWriter(out, entries, lengths, required_features=tree_features(tree))
                     for t in kept:
                         tid = new_id[t.tensor_id]
                         writer.tensor(tid, t.checksum)

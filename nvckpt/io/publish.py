@@ -1,0 +1,106 @@
+"""Publishing a directory atomically: the checkpoint directory of a distributed save (nvckpt.dcp).
+
+Every rank writes its file into one hidden staging directory beside the
+target (each file itself through ``AtomicReplace``: fsynced, renamed); the
+coordinator then writes the metadata there, fsyncs the staging directory and
+publishes it over the target in one step:
+
+- no target yet: ``rename(staging, target)``;
+- a previous checkpoint at the target: the two are swapped with
+  ``renameat2(RENAME_EXCHANGE)`` (Linux 3.15+), so at every instant the target
+  is the complete old checkpoint or the complete new one; the old one, now
+  under the staging name, is then removed.  Where the exchange is not
+  available (another OS, a filesystem without it), the old directory is
+  renamed aside first: a crash between the two renames leaves no target, but
+  the old checkpoint whole under ``.NAME.XXXXXXXX.nvckpt-old``.
+
+A save that fails or is killed leaves only a hidden ``.NAME.XXXXXXXX.nvckpt-tmpdir``
+beside the target, never a half-visible directory; ``remove_stale`` (the next
+save's coordinator) deletes those.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import glob
+import os
+import secrets
+import shutil
+
+from .atomic import fsync_path
+
+TMPDIR_SUFFIX = ".nvckpt-tmpdir"
+OLD_SUFFIX = ".nvckpt-old"
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def staging_name(final: str | os.PathLike) -> str:
+    """A fresh hidden directory name beside ``final``."""
+    folder, base = os.path.split(os.path.abspath(os.fspath(final)))
+    return os.path.join(folder, f".{base}.{secrets.token_hex(4)}{TMPDIR_SUFFIX}")
+
+
+def stale_names(final: str | os.PathLike) -> list[str]:
+    """Staging and set-aside directories of earlier saves to ``final`` that did not finish."""
+    folder, base = os.path.split(os.path.abspath(os.fspath(final)))
+    pattern = os.path.join(glob.escape(folder), f".{glob.escape(base)}.????????")
+    return sorted(glob.glob(pattern + TMPDIR_SUFFIX) + glob.glob(pattern + OLD_SUFFIX))
+
+
+def remove_stale(final: str | os.PathLike, keep: str | None = None) -> list[str]:
+    """Remove what ``stale_names`` lists (except ``keep``); returns what was removed."""
+    removed = []
+    for path in stale_names(final):
+        if keep is not None and os.path.abspath(path) == os.path.abspath(keep):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap two paths atomically; False where the OS or filesystem cannot."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), a, None, b)
+
+
+def publish_directory(staging: str, final: str | os.PathLike) -> None:
+    """Make the complete ``staging`` directory the one at ``final`` (see the module docstring)."""
+    final = os.path.abspath(os.fspath(final))
+    parent = os.path.dirname(final)
+    fsync_path(staging)
+    if not os.path.lexists(final):
+        os.rename(staging, final)
+    elif not os.path.isdir(final) or os.path.islink(final):
+        raise NotADirectoryError(20, "not a directory: a checkpoint directory cannot replace it", final)
+    elif _exchange(staging, final):
+        fsync_path(parent)
+        shutil.rmtree(staging, ignore_errors=True)  # the old checkpoint, now under the staging name
+    else:
+        aside = staging[: -len(TMPDIR_SUFFIX)] + OLD_SUFFIX
+        os.rename(final, aside)
+        try:
+            os.rename(staging, final)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.rename(aside, final)  # put the old one back
+            raise
+        fsync_path(parent)
+        shutil.rmtree(aside, ignore_errors=True)
+    fsync_path(parent)
+
+
+__all__ = ["publish_directory", "remove_stale", "stale_names", "staging_name", "TMPDIR_SUFFIX", "OLD_SUFFIX"]

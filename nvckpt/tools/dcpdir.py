@@ -1,0 +1,126 @@
+"""`nvckpt info | ls | verify DIR` on a DCP directory written by nvckpt.dcp.Writer, without torch.
+
+The manifest (nvckpt.dcp.layout) says which rank file holds which shard of
+which global tensor; each rank file is an ordinary nvckpt file, read through
+its index (info, ls) or checked whole (verify).  Missing or damaged rank
+files and shards that do not cover their tensor are named.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import closing
+from typing import Any
+
+from ..dcp.layout import Manifest, read_manifest
+from ..errors import NvckptError
+from ..session.file import CheckpointFile
+from ._util import ProgressFactory, ratio
+from .verify import Problem, VerifyReport, verify
+
+
+def _structural_problems(m: Manifest) -> list[Problem]:
+    """What the manifest alone shows: missing rank files, sizes that changed, tensors not fully covered."""
+    problems = []
+    for name, size in m.files.items():
+        path = os.path.join(m.directory, name)
+        if not os.path.isfile(path):
+            problems.append(Problem(f"rank file {name} is missing"))
+        elif os.path.getsize(path) != size:
+            problems.append(Problem(f"rank file {name} is {os.path.getsize(path)} bytes, the manifest says {size}"))
+    for fqn, t in m.tensors.items():
+        gap = t.coverage_gaps()
+        if gap:
+            problems.append(Problem(f"its shards {'miss' if gap > 0 else 'overlap by'} {abs(gap)} elements of the "
+                                    f"global tensor {list(t.shape)}", tensor=fqn))
+    return problems
+
+
+def describe_directory(path: str | os.PathLike) -> dict[str, Any]:
+    """Everything `nvckpt info DIR` prints: the rank files and the global tensors they form."""
+    m = read_manifest(path)
+    files = []
+    stored = 0
+    for name, size in m.files.items():
+        row: dict[str, Any] = {"file": name, "bytes": size}
+        try:
+            with closing(CheckpointFile(os.path.join(m.directory, name), workers=1)) as f:
+                raw = sum(e.nbytes for e in f.index.tensors if e.chunks is not None)
+                row.update(entries=len(f.index.tensors), raw_bytes=raw, stored_bytes=f.source.size,
+                           ratio=ratio(raw, f.source.size), rank=f.index.metadata.get("nvckpt.dcp", {}).get("rank"))
+                stored += f.source.size
+        except (NvckptError, OSError) as exc:
+            row["error"] = str(exc)
+        files.append(row)
+    raw = sum(t.nbytes for t in m.tensors.values())
+    return {
+        "path": m.directory, "format": "nvckpt DCP directory", "world_size": m.world_size, "save_id": m.save_id,
+        "files": files, "tensors": len(m.tensors), "objects": len(m.objects),
+        "shards": sum(len(t.shards) for t in m.tensors.values()),
+        "raw_bytes": raw, "stored_bytes": stored, "ratio": ratio(raw, stored),
+        "problems": [p.to_json() for p in _structural_problems(m)],
+    }
+
+
+def list_directory(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """One row per global tensor (and per non-tensor value): `nvckpt ls DIR`."""
+    m = read_manifest(path)
+    stored_of: dict[tuple[str, str], int] = {}
+    for name in m.files:
+        try:
+            with closing(CheckpointFile(os.path.join(m.directory, name), workers=1)) as f:
+                for e in f.index.tensors:
+                    stored_of[(name, e.name)] = e.stored_bytes
+        except (NvckptError, OSError):
+            continue  # `verify` names it; ls shows what can be read
+    rows = []
+    for fqn, t in m.tensors.items():
+        raw = t.nbytes
+        stored = sum(stored_of.get((s.file, s.tensor), 0) for s in t.shards)
+        rows.append({"name": fqn, "dtype": t.dtype, "shape": list(t.shape), "shards": len(t.shards),
+                     "files": sorted({s.file for s in t.shards}), "nbytes": raw, "stored_bytes": stored,
+                     "ratio": ratio(raw, stored), "kind": "tensor"})
+    for fqn, (file, tensor) in m.objects.items():
+        rows.append({"name": fqn, "dtype": "-", "shape": [], "shards": 1, "files": [file], "nbytes": 0,
+                     "stored_bytes": stored_of.get((file, tensor), 0), "ratio": None, "kind": "object"})
+    return rows
+
+
+def verify_directory(path: str | os.PathLike, *, progress: ProgressFactory | None = None,
+                     workers: int | None = None) -> VerifyReport:
+    """Every rank file verified whole, and the manifest against them; problems name the rank file."""
+    m = read_manifest(path)
+    report = VerifyReport(m.directory)
+    report.problems.extend(_structural_problems(m))
+    wanted: dict[str, list[tuple[str, str, tuple[int, ...], str]]] = {}
+    for fqn, t in m.tensors.items():
+        for s in t.shards:
+            wanted.setdefault(s.file, []).append((fqn, s.tensor, s.sizes, t.dtype))
+    for fqn, (file, tensor) in m.objects.items():
+        wanted.setdefault(file, []).append((fqn, tensor, None, "uint8"))
+    for name in m.files:
+        where = os.path.join(m.directory, name)
+        if not os.path.isfile(where):
+            continue
+        try:
+            one = verify(where, progress=progress, workers=workers)
+        except NvckptError as exc:
+            report.problems.append(Problem(f"{name}: {exc.reason}", exc.tensor, exc.chunk, exc.offset))
+            continue
+        for field in ("file_bytes", "tensors", "chunks", "stored_bytes", "chunks_decoded", "tensor_checksums"):
+            setattr(report, field, getattr(report, field) + getattr(one, field))
+        report.problems.extend(Problem(f"{name}: {p.message}", p.tensor, p.chunk, p.offset) for p in one.problems)
+        report.undecoded.extend(Problem(f"{name}: {p.message}", p.tensor, p.chunk, p.offset) for p in one.undecoded)
+        with closing(CheckpointFile(where, workers=1)) as f:
+            entries = {e.name: e for e in f.index.tensors}
+            for fqn, tensor, sizes, dtype in wanted.get(name, []):
+                e = entries.get(tensor)
+                if e is None:
+                    report.problems.append(Problem(f"{name}: holds no {tensor!r}, a shard of {fqn!r}", tensor=tensor))
+                elif e.dtype.name != dtype or (sizes is not None and tuple(e.shape) != tuple(sizes)):
+                    report.problems.append(Problem(f"{name}: {e.dtype.name}{list(e.shape)}, the manifest says "
+                                                   f"{dtype}{list(sizes or [])} for a shard of {fqn!r}", tensor=tensor))
+    return report
+
+
+__all__ = ["describe_directory", "list_directory", "verify_directory"]

@@ -1,0 +1,111 @@
+"""A real Lightning Trainer saves and resumes through NvckptCheckpointIO, and the losses continue exactly."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import warnings
+
+import pytest
+import torch
+
+pl = pytest.importorskip("lightning.pytorch")
+
+import nvckpt  # noqa: E402
+from nvckpt.integrations.lightning import DROPPED, NvckptCheckpointIO  # noqa: E402
+
+
+class Net(pl.LightningModule):
+    def __init__(self, lr: float = 0.05, note: object = "plain") -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                                       torch.nn.Linear(16, 1))
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)}
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(64, 8, generator=g)
+        data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))
+        return torch.utils.data.DataLoader(data, batch_size=16)  # the same order every epoch, resumed or not
+
+
+def trainer(tmp_path, epochs: int, plugin, **kw) -> "pl.Trainer":
+    return pl.Trainer(default_root_dir=tmp_path, max_epochs=epochs, plugins=[plugin], accelerator="cpu", devices=1,
+                      logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)], **kw)
+
+
+@pytest.fixture(autouse=True)
+def quiet_lightning():
+    # Lightning warns about its own defaults (few dataloader workers, ...): not what this test checks.
+    # A Trainer also sets process-wide torch flags: give them back to the other tests.
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", module=r"lightning\..*")
+        warnings.filterwarnings("ignore", message=r".*(num_workers|does not have many workers|LeafSpec).*")
+        yield
+    torch.use_deterministic_algorithms(deterministic)
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_trainer_saves_and_resumes_through_nvckpt(tmp_path, async_save):
+    pl.seed_everything(0, verbose=False)
+    straight = Net()
+    trainer(tmp_path / "a", 4, NvckptCheckpointIO()).fit(straight)
+
+    pl.seed_everything(0, verbose=False)
+    first = Net()
+    trainer(tmp_path / "b", 2, NvckptCheckpointIO(async_save=async_save)).fit(first)
+    last = tmp_path / "b" / "ckpt" / "last.ckpt"
+    assert last.read_bytes()[:8] == b"\x89NVCKPT\n"  # an nvckpt file, under Lightning's name
+    with nvckpt.open(last) as ck:
+        assert "state_dict/net.0.weight" in ck and "optimizer_states/0/state/0/exp_avg" in ck
+
+    pl.seed_everything(0, verbose=False)
+    resumed = Net()
+    trainer(tmp_path / "b", 4, NvckptCheckpointIO()).fit(resumed, ckpt_path=str(last))
+    assert len(straight.losses) == len(first.losses) + len(resumed.losses) == 16
+    assert first.losses + resumed.losses == straight.losses  # bit for bit: model, AdamW, StepLR, BatchNorm
+
+
+def test_what_the_tree_cannot_hold_is_refused_by_name_or_dropped(tmp_path):
+    pl.seed_everything(0, verbose=False)
+    model = Net(note=pathlib.Path("/data/run"))  # a hyper-parameter torch.save would pickle
+    with pytest.raises(nvckpt.UnsupportedObjectError, match="hyper_parameters/note"):
+        trainer(tmp_path / "a", 1, NvckptCheckpointIO()).fit(model)
+
+    pl.seed_everything(0, verbose=False)
+    model = Net(note=pathlib.Path("/data/run"))
+    with pytest.warns(UserWarning, match="hyper_parameters/note"):
+        trainer(tmp_path / "b", 1, NvckptCheckpointIO(unsupported="drop")).fit(model)
+    with nvckpt.open(tmp_path / "b" / "ckpt" / "last.ckpt") as ck:
+        assert ck.metadata()[DROPPED] == ["hyper_parameters/note"]
+        assert ck.load("hyper_parameters") == {"lr": 0.05}
+
+
+def test_old_torch_checkpoints_still_load_and_remove_works(tmp_path):
+    io = NvckptCheckpointIO()
+    old = tmp_path / "old.ckpt"
+    torch.save({"state_dict": {"w": torch.ones(2)}, "epoch": 3}, old)
+    assert io.load_checkpoint(old)["epoch"] == 3
+    new = tmp_path / "new.ckpt"
+    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "epoch": 4}, new)
+    assert io.load_checkpoint(new, map_location=lambda s, loc: s)["epoch"] == 4
+    io.remove_checkpoint(new)
+    assert not new.exists()
+    with pytest.raises(TypeError, match="storage_options"):
+        io.save_checkpoint({}, new, storage_options="fast")
+    with pytest.raises(nvckpt.UnsupportedObjectError, match="local files"):
+        io.save_checkpoint({}, "s3://bucket/x.ckpt")
+    assert os.listdir(tmp_path) == ["old.ckpt"]

@@ -1,0 +1,172 @@
+"""The habits torch users bring: torch.load's keywords, keys= as paths and subtrees, Checkpoint as a Mapping,
+safetensors' slice methods, and one clear error for each thing that is not possible here."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+import nvckpt
+
+
+@pytest.fixture()
+def ckpt(tmp_path):
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": 7, "pair": (torch.ones(2), "x")}
+    path = tmp_path / "ckpt.nvckpt"
+    nvckpt.save(state, path)
+    return path, state
+
+
+def same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(same, a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("where", ["cpu", torch.device("cpu"), {"cuda:0": "cpu", "cpu": "cpu"},
+                                   lambda storage, location: storage])
+def test_map_location_as_torch_accepts_it(ckpt, where):
+    path, state = ckpt
+    back = nvckpt.load(path, map_location=where)
+    assert same(back, state)
+    assert back["model"]["weight"].device.type == "cpu"
+
+
+def test_map_location_callable_is_called_once_per_storage(tmp_path):
+    base = torch.arange(10.0)
+    path = tmp_path / "views.nvckpt"
+    nvckpt.save({"a": base[:5], "b": base[3:]}, path)
+    seen = []
+
+    def move(storage, location):
+        seen.append(location)
+        return storage
+
+    back = nvckpt.load(path, map_location=move)
+    assert seen == ["cpu"]  # one shared storage
+    assert back["a"].untyped_storage().data_ptr() == back["b"].untyped_storage().data_ptr()
+    assert torch.equal(back["b"], base[3:])
+    with pytest.raises(TypeError, match="not a storage"):
+        nvckpt.load(path, map_location=lambda s, loc: "elsewhere")
+
+
+def test_map_location_that_nvckpt_cannot_honour_says_what_to_use(ckpt):
+    path, _ = ckpt
+    with pytest.raises(ValueError, match="does not record which device"):
+        nvckpt.load(path, map_location={"cuda:0": "cpu", "cuda:1": "meta"})
+    with pytest.raises(ValueError, match="not both"):
+        nvckpt.load(path, map_location="cpu", device="meta")
+
+
+@pytest.mark.parametrize("weights_only", [True, False, None])
+def test_weights_only_is_accepted_nvckpt_never_unpickles(ckpt, weights_only):
+    path, state = ckpt
+    assert same(nvckpt.load(path, weights_only=weights_only), state)
+
+
+def test_mmap_answers_with_what_to_use(ckpt):
+    path, state = ckpt
+    with pytest.raises(ValueError, match="nvckpt.open"):
+        nvckpt.load(path, mmap=True)
+    assert same(nvckpt.load(path, mmap=False), state)
+
+
+@pytest.mark.parametrize("device", ["cuda", 0, "cuda:0", torch.device("cuda", 3)])
+def test_cuda_device_without_cuda_is_one_nvckpt_error(ckpt, device):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    path, _ = ckpt
+    with pytest.raises(nvckpt.UnsupportedFeatureError, match="no CUDA device; load with device='cpu'"):
+        nvckpt.load(path, device=device)
+
+
+def test_a_device_that_is_no_device_is_a_value_error(ckpt):
+    with pytest.raises(ValueError, match="device must be"):
+        nvckpt.load(ckpt[0], device="gpu0")
+
+
+def test_bytes_path_says_what_to_do(ckpt):
+    with pytest.raises(TypeError, match="os.fsdecode"):
+        nvckpt.load(bytes(ckpt[0]))
+
+
+def test_keys_one_path_returns_that_value(ckpt):
+    path, state = ckpt
+    assert torch.equal(nvckpt.load(path, keys="model/weight"), state["model"]["weight"])
+    assert same(nvckpt.load(path, keys="model"), state["model"])  # just the model's state_dict
+    assert nvckpt.load(path, keys="step") == 7
+    assert same(nvckpt.load(path, keys="pair"), state["pair"])
+    assert same(nvckpt.load(path, keys="optimizer/param_groups/0"), state["optimizer"]["param_groups"][0])
+
+
+def test_keys_a_list_returns_a_dict_reading_only_what_it_needs(ckpt):
+    path, state = ckpt
+    with nvckpt.open(path) as ck:
+        before = ck.bytes_read
+        got = ck.load(["model", "step"])
+        model_bytes = ck.bytes_read - before
+    assert same(got, {"model": state["model"], "step": 7})
+    with nvckpt.open(path) as ck:
+        before = ck.bytes_read
+        ck.load()
+        assert ck.bytes_read - before > model_bytes  # the optimizer's state was not read above
+
+
+def test_keys_unknown_path_names_it(ckpt):
+    with pytest.raises(nvckpt.TensorNotFoundError, match="nothing is saved at 'model/nope'"):
+        nvckpt.load(ckpt[0], keys="model/nope")
+    with pytest.raises(TypeError, match="str"):
+        nvckpt.load(ckpt[0], keys=[3])
+
+
+def test_checkpoint_is_a_mapping_like_safe_open(ckpt):
+    path, state = ckpt
+    with nvckpt.open(path) as ck:
+        assert torch.equal(ck["model/weight"], state["model"]["weight"])
+        assert ck.get("missing") is None and "model/bias" in ck
+        assert dict(ck.items()).keys() == set(ck.keys())
+        assert ck == ck and ck != {} and hash(ck) == hash(ck)
+        with pytest.raises(KeyError):
+            ck["missing"]
+        sl = ck.get_slice("model/weight")
+        assert sl.get_shape() == [4, 8] and sl.shape == (4, 8) and sl.ndim == 2
+        assert sl.get_dtype() == "float32" and sl.dtype is torch.float32
+        assert torch.equal(sl[1:3], state["model"]["weight"][1:3])
+
+
+def test_save_and_load_document_every_option():
+    for fn, fields in ((nvckpt.save, nvckpt.SaveOptions), (nvckpt.open, nvckpt.LoadOptions)):
+        for name in fields.__dataclass_fields__:
+            assert f"``{name}``" in fn.__doc__, (fn.__name__, name)
+    assert "Returns" in nvckpt.save.__doc__ and "Raises" in nvckpt.save.__doc__
+    for method in ("get_tensor", "get_slice", "keys", "metadata", "writer", "load"):
+        assert getattr(nvckpt.Checkpoint, method).__doc__, method
+
+
+def test_stream_load_keeps_working():
+    stream = io.BytesIO()
+    nvckpt.save({"w": torch.ones(2)}, stream)
+    stream.seek(0)
+    assert torch.equal(nvckpt.load(stream, keys="w"), torch.ones(2))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("where", [0, "cuda", torch.device("cuda", 0), {"cpu": "cuda:0"},
+                                   lambda storage, location: storage.cuda(0)])
+def test_map_location_onto_a_gpu(ckpt, where):
+    path, state = ckpt
+    back = nvckpt.load(path, map_location=where)
+    assert back["model"]["weight"].device == torch.device("cuda", 0)
+    assert torch.equal(back["model"]["weight"].cpu(), state["model"]["weight"])
+    assert torch.equal(nvckpt.load(path, device=0, keys="model/bias").cpu(), state["model"]["bias"])

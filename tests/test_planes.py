@@ -1,0 +1,97 @@
+"""The portable codec's host fast path (nvckpt.codecs.planes) and the signshift filter (SPEC 11.9)."""
+
+import io
+
+import numpy as np
+import pytest
+import torch
+import zstandard
+
+import nvckpt
+from nvckpt.codecs import ByteShuffle, Pipeline, SignShift, Zstd, planes
+from nvckpt.codecs.presets import portable
+
+
+@pytest.mark.parametrize("k,shift", [(1, False), (2, False), (2, True), (3, False), (4, True), (4, False), (8, True), (16, False)])
+@pytest.mark.parametrize("n", [1, 37, 5000, 300_000])
+def test_planes_round_trip_and_match_the_spec_steps(k, shift, n):
+    raw = np.random.default_rng(n + k).integers(0, 256, n * k, dtype=np.uint8)
+    out = np.empty(planes.chunk_bound(raw.nbytes, k), np.uint8)
+    size = planes.encode_chunk(raw, k, shift, out)
+    # Any zstd library decodes the frames; undoing the SPEC's steps gives the raw bytes back.
+    reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(bytes(out[:size])), read_across_frames=True)
+    data = reader.read(n * k + 1)
+    while len(data) <= n * k and (more := reader.read(n * k + 1 - len(data))):
+        data += more
+    if k > 1:
+        data = bytes(ByteShuffle(k).decode(memoryview(data), len(data)))
+    if shift:
+        data = bytes(SignShift(k).decode(memoryview(data), len(data)))
+    assert data == raw.tobytes()
+    back = np.empty_like(raw)
+    planes.decode_chunk(out[:size], k, shift, back)
+    assert np.array_equal(back, raw)
+
+
+def test_one_frame_per_plane_and_literals_beat_matches_on_weights():
+    w = (torch.randn(256, 512) * 0.02).to(torch.bfloat16).view(torch.uint8).numpy().reshape(-1)
+    out = np.empty(planes.chunk_bound(w.nbytes, 2), np.uint8)
+    size = planes.encode_chunk(w, 2, True, out)
+    from nvckpt.codecs.builtin import zstd_window_sizes
+
+    assert zstd_window_sizes(out[:size]) == [w.nbytes // 2] * 2  # single-segment frames of one plane each
+    shuffled = bytes(ByteShuffle(2).encode(memoryview(bytes(SignShift(2).encode(memoryview(w.tobytes()))))))
+    assert size < len(zstandard.ZstdCompressor(level=1).compress(shuffled))
+
+
+def test_without_the_cffi_backend_frames_are_still_valid(monkeypatch):
+    monkeypatch.setattr(planes, "_native", False)
+    raw = (torch.randn(10000) * 0.1).view(torch.uint8).numpy()
+    out = np.empty(planes.chunk_bound(raw.nbytes, 4), np.uint8)
+    size = planes.encode_chunk(raw, 4, True, out)
+    back = np.empty_like(raw)
+    planes.decode_chunk(out[:size], 4, True, back)
+    assert np.array_equal(back, raw) and size < raw.nbytes and planes.backend() == "zstandard-level1"
+
+
+def test_decoding_rejects_wrong_lengths():
+    raw = np.arange(4096, dtype=np.uint8)
+    out = np.empty(planes.chunk_bound(raw.nbytes, 2), np.uint8)
+    size = planes.encode_chunk(raw, 2, False, out)
+    with pytest.raises(ValueError):
+        planes.decode_chunk(out[:size], 2, False, np.empty(4094, np.uint8))
+    with pytest.raises(ValueError):
+        planes.decode_chunk(out[:size], 2, False, np.empty(4098, np.uint8))
+
+
+def test_portable_presets_and_byte_identical_saves():
+    assert [s.name for s in portable("bfloat16").steps] == ["signshift", "byteshuffle", "zstd"]
+    assert [s.name for s in portable("float16").steps] == ["byteshuffle", "zstd"]
+    assert [s.name for s in portable("uint8").steps] == ["zstd"]
+    state = {"w": torch.randn(300, 200).to(torch.bfloat16), "m": torch.randn(300, 200), "i": torch.arange(999)}
+    files = []
+    for workers in (1, 2):
+        buf = io.BytesIO()
+        nvckpt.save(state, buf, codec="portable", workers=workers)
+        files.append(buf.getvalue())
+    assert files[0] == files[1]  # deterministic whatever the threads
+    back = nvckpt.load(io.BytesIO(files[0]))
+    assert all(torch.equal(back[k].view(torch.uint8), state[k].view(torch.uint8)) for k in state)
+
+
+def test_signshift_checks_its_configuration():
+    for bad in (0, 1, 3, 16, True, "2"):
+        with pytest.raises(ValueError):
+            SignShift(bad)
+    with pytest.raises(ValueError):
+        SignShift(4).decode(memoryview(b"123456"), 6)
+    pipe = Pipeline((SignShift(2), ByteShuffle(2), Zstd(1)))
+    data = memoryview(torch.randn(1000).to(torch.bfloat16).view(torch.uint8).numpy().tobytes())
+    assert bytes(pipe.decode(memoryview(bytes(pipe.encode(data))), len(data))) == bytes(data)
+
+
+def test_many_small_tensors_round_trip(tmp_path):
+    state = {"state": {i: {"step": torch.tensor(float(i)), "exp_avg": torch.full((3,), float(i))} for i in range(3000)}}
+    nvckpt.save(state, tmp_path / "s.nvckpt")
+    back = nvckpt.load(tmp_path / "s.nvckpt")
+    assert all(torch.equal(back["state"][i]["step"], state["state"][i]["step"]) for i in range(3000))
