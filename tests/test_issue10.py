@@ -251,7 +251,7 @@ def _with_deep_key(entry: bytes, parsed: dict) -> bytes:
 @pytest.mark.parametrize("edit, error, match", [
     (lambda e, p: e.replace(b"\xa5t1000", b"\xa5t\xff\xfe00"), nvckpt.FormatError, "utf-8"),
     (lambda e, p: b"\x85\xa4name\xa1x" + e[1:], nvckpt.FormatError, "twice"),
-    (lambda e, p: e.replace(b"\xa5t1000", b"\xd4\x05\x00"), nvckpt.FormatError, "ext type 5"),
+    (lambda e, p: e.replace(b"\xa5t1000", b"\xd4\x09\x00"), nvckpt.FormatError, "ext type 9"),
     (_with_deep_key, nvckpt.LimitError, "deep"),
     (lambda e, p: e[:-3], nvckpt.FormatError, "msgpack"),
 ], ids=["utf8", "duplicate-key", "ext", "stack", "truncated"])
