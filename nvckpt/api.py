@@ -76,8 +76,10 @@ def open(target: str | os.PathLike | Any, **options: Any) -> Checkpoint:  # noqa
     index; the file does not record where a tensor was saved from, so any file loads on any device.
     ``workers``: CPU decode threads (default: all cores).
     ``untrusted``: for files from an untrusted source, decode only with the hardened CPU decoders (no
-    nvCOMP; nvcomp-ans chunks are refused).
-    ``max_tensor_bytes``: refuse (LimitError) to materialize a tensor or slice larger than this.
+    nvCOMP; nvcomp-ans chunks are refused) and bound the memory of the decoded index to
+    ``max_index_memory`` bytes (default ``nvckpt.options.UNTRUSTED_INDEX_MEMORY``, 1 GiB; a trusted
+    open has no bound of its own unless it is given).
+    ``max_tensor_bytes``: refuse (LimitError) to materialize a tensor, view or slice larger than this.
     ``gpu``: the GPU loader's knobs (``nvckpt.GpuLoadOptions``).
     ``map_location``: torch.load's, instead of ``device``: a device, a string, a dict whose values all
     name one device, or a callable ``fn(storage, "cpu") -> storage`` called once per storage.

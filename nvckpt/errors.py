@@ -8,6 +8,7 @@ that one line on stderr says what is wrong and where.
 from __future__ import annotations
 
 __all__ = [
+    "brief",
     "NvckptError",
     "FormatError",
     "TruncatedError",
@@ -34,6 +35,24 @@ def located_message(reason: str, *, path: str | None = None, tensor: str | None 
     if offset is not None:
         where.append(f"offset {offset}")
     return f"{', '.join(where)}: {reason}" if where else reason
+
+
+def brief(value: object, limit: int = 80) -> str:
+    """A short description of a value read from a file, for an error message.
+
+    Never the repr of a container (a hostile file can nest them a thousand deep
+    or hold a hundred million items): its type and size instead."""
+    if isinstance(value, (list, tuple)):
+        return f"{'an array' if isinstance(value, list) else 'a tuple'} of {len(value)} items"
+    if isinstance(value, dict):
+        return f"a map of {len(value)} entries"
+    if isinstance(value, (str, bytes, bytearray)):
+        text = repr(value[:limit])
+        return text + ("..." if len(value) > limit else "")
+    if value is None or isinstance(value, (bool, int, float)):
+        text = repr(value)
+        return text if len(text) <= limit else text[:limit] + "..."
+    return f"a {type(value).__name__}"
 
 
 class NvckptError(Exception):

@@ -145,6 +145,7 @@ class LoadOptions:
     workers: int | None = None
     untrusted: bool = False
     max_tensor_bytes: int | None = None
+    max_index_memory: int | None = None  # None: no bound of its own, or UNTRUSTED_INDEX_MEMORY with untrusted=True
     gpu: GpuLoadOptions = field(default_factory=GpuLoadOptions)
     # torch.load's keywords, for code migrating from it (see ``open``'s docstring).
     map_location: Any = None
@@ -159,12 +160,26 @@ class LoadOptions:
             raise TypeError(f"weights_only must be a bool or None, got {self.weights_only!r}")
         if self.map_location is not None and self.device != "cpu":
             raise ValueError("give device= or map_location=, not both")
-        if self.max_tensor_bytes is not None and (type(self.max_tensor_bytes) is not int or self.max_tensor_bytes < 0):
-            raise ValueError(f"max_tensor_bytes must be a non-negative integer or None, got {self.max_tensor_bytes!r}")
+        for name in ("max_tensor_bytes", "max_index_memory"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value < 0):
+                raise ValueError(f"{name} must be a non-negative integer or None, got {value!r}")
         if self.workers is not None:
             _positive(self, "workers")
         if not isinstance(self.gpu, GpuLoadOptions):
             raise TypeError(f"gpu must be a nvckpt.GpuLoadOptions, got {type(self.gpu).__qualname__}")
+
+
+#: The memory the decoded index of a file opened with untrusted=True may take, unless max_index_memory
+#: says otherwise: the index of a checkpoint of about 4 million chunks (or tensors) fits.
+UNTRUSTED_INDEX_MEMORY = 1 << 30
+
+
+def index_memory_limit(options: LoadOptions) -> int | None:
+    """The bound on the decoded index's memory that ``options`` ask for (None: none of nvckpt's own)."""
+    if options.max_index_memory is not None:
+        return options.max_index_memory
+    return UNTRUSTED_INDEX_MEMORY if options.untrusted else None
 
 
 T = TypeVar("T")
@@ -200,7 +215,7 @@ def with_signature(cls: type, *leading: str) -> Callable[[Callable], Callable]:
     return wrap
 
 
-__all__ = ["SaveOptions", "LoadOptions", "GpuSaveOptions", "GpuLoadOptions", "options_from", "with_signature"]
+__all__ = ["UNTRUSTED_INDEX_MEMORY", "index_memory_limit", "SaveOptions", "LoadOptions", "GpuSaveOptions", "GpuLoadOptions", "options_from", "with_signature"]
 
 
 def default_memory_budget(device_total: int | None) -> int:

@@ -114,6 +114,9 @@ def make_seeds() -> list[bytes]:
     nv.index["tree"] = {"deep": deep, "t": msgpack.ExtType(2, craft.pack([1, [2, (3.5)]]))}
     nv.index["codecs"].append([{"name": "future-codec", "configuration": {"x": 1}}])
     seeds.append(craft.build(nv))
+    # An index large enough to be decoded in pieces, with a chunk table long enough for the bulk (columns) path.
+    seeds.append(save({"many": torch.arange(1100, dtype=torch.int64).to(torch.uint8), "w": w32}, chunk_size=1,
+                      codec="raw", alignment=1))
     return seeds
 
 
@@ -219,6 +222,101 @@ def mutate_value(root: Any, rng: random.Random) -> Any:
     else:
         parent[key] = random_value(rng)
     return root
+
+
+# -- deep nests and huge counts: what random mutation never reaches -------------------------------------
+
+DEPTHS = [63, 64, 65, 66, 127, 128, 129, 130, 136, 137, 193, 194, 200, 1023, 1024, 1025, 5000]
+COUNTS = [1 << 16, (1 << 16) + 1, (1 << 31) - 1, 1 << 31, (1 << 32) - 1]
+SENTINEL = "\x00nvckpt-fuzz-sentinel\x00"
+PLACES = ("tree", "metadata", "writer", "unknown-key", "entry-key", "entry-shape", "view", "codec-config",
+          "tensor-frame", "codec-frame")
+
+
+def deep_nest(rng: random.Random, depth: int | None = None, kind: str | None = None) -> bytes:
+    """msgpack bytes of containers nested ``depth`` deep: arrays, maps, tuple exts (each inside the ext data
+    of the one around it), or a mix; built as bytes, since no msgpack packer nests that far."""
+    depth = rng.choice(DEPTHS) if depth is None else depth
+    kind = kind or rng.choice(["list", "map", "tuple", "mixed"])
+    leaf = rng.choice([b"\xc0", b"\x01", b"\xd6\x01\x00\x00\x00\x00", b"\x90", b"\x80"])
+    if kind == "list":
+        return b"\x91" * depth + leaf
+    if kind == "map":
+        return b"\x81\xa1k" * depth + leaf
+    node = leaf
+    for i in range(min(depth, 300) if kind == "tuple" else depth):
+        step = "tuple" if kind == "tuple" else rng.choice(["list", "map", "tuple"]) if i % 8 == 0 else "list"
+        if step == "list":
+            node = b"\x91" + node
+        elif step == "map":
+            node = b"\x81\xa1k" + node
+        else:
+            node = craft.pack(msgpack.ExtType(2, b"\x91" + node))
+    return node
+
+
+def huge_count(rng: random.Random) -> bytes:
+    """A container or string whose header says more than the payload holds (a lying count), or a real
+    container of many tiny items (what a parser's memory grows with)."""
+    r = rng.random()
+    if r < 0.5:
+        n = rng.choice(COUNTS)
+        head = rng.choice([b"\xdd", b"\xdf", b"\xdb", b"\xc6"]) if n >= 1 << 16 else b"\xdc"
+        return head + (n & 0xFFFFFFFF).to_bytes(4, "big") + rng.choice([b"", b"\xc0", b"\x90" * 3])
+    n = rng.choice([1000, 1 << 16, 200_000])
+    item = rng.choice([b"\x90", b"\x80", b"\xc0", b"\xa2ab", b"\xcb" + bytes(8), b"\xd4\x02\x90"])
+    return b"\xdd" + n.to_bytes(4, "big") + item * n
+
+
+def hostile_value(rng: random.Random) -> bytes:
+    return deep_nest(rng) if rng.random() < 0.6 else huge_count(rng)
+
+
+def _splice(payload: bytes, raw: bytes) -> bytes:
+    packed = craft.pack(SENTINEL)
+    assert payload.count(packed) == 1
+    return payload.replace(packed, raw)
+
+
+def place_hostile(data: bytes, rng: random.Random, raw: bytes | None = None, place: str | None = None) -> bytes:
+    """``data`` (a valid file) with ``raw`` msgpack bytes (a deep nest or a huge count, by default) put at
+    ``place``: a value the index or a TENSOR or CODEC frame holds.  Checksums are made to match."""
+    raw = hostile_value(rng) if raw is None else raw
+    place = place or rng.choice(PLACES)
+    nv = craft.parse(data)
+    ix = nv.index
+    entries = ix["tensors"]
+    if place in ("tensor-frame", "codec-frame"):
+        kind = craft.TENSOR if place == "tensor-frame" else craft.CODEC
+        frames = [f for f in nv.frames if f.frame_type == kind]
+        if frames:
+            f = rng.choice(frames)
+            value = craft.unpack(f.payload)
+            if isinstance(value, dict):
+                value[rng.choice(["shape", "name", "extra"])] = SENTINEL
+            else:
+                value = [{"name": "raw", "configuration": {"x": SENTINEL}}]
+            f.payload = _splice(craft.pack(value), raw)
+            return craft.build(nv)
+        place = "unknown-key"
+    if place == "tree":
+        ix["tree"] = {**(ix["tree"] if isinstance(ix["tree"], dict) else {}), "fuzz:deep": SENTINEL}
+    elif place == "metadata":
+        ix["metadata"] = {"deep": SENTINEL}
+    elif place == "writer":
+        ix["writer"] = dict(ix.get("writer") or {}, extra=SENTINEL)
+    elif place in ("entry-key", "entry-shape", "view") and entries:
+        e = rng.choice(entries)
+        if place == "view" and isinstance(e.get("view"), dict):
+            e["view"]["extra"] = SENTINEL
+        else:
+            e["shape" if place == "entry-shape" else "extra"] = SENTINEL
+    elif place == "codec-config" and ix.get("codecs"):
+        ix["codecs"][0][0]["configuration"] = {"x": SENTINEL}
+    else:
+        ix[rng.choice(["future", "zzz"])] = SENTINEL
+    nv.index_frame().payload = _splice(craft.pack(ix), raw)
+    return craft.build(nv, fix_index=False)
 
 
 def _flip(data: bytes, rng: random.Random, count: int = 1) -> bytes:
@@ -332,6 +430,11 @@ def mutate_blind(data: bytes, rng: random.Random, seeds: list[bytes]) -> bytes:
 
 
 def mutate(data: bytes, rng: random.Random, seeds: list[bytes]) -> bytes:
+    if rng.random() < 0.08:
+        try:
+            return place_hostile(data, rng)
+        except Exception:
+            pass  # not a well-formed file: mutate it another way
     if rng.random() < 0.7:
         try:
             return mutate_structured(data, rng)

@@ -1171,6 +1171,7 @@ def gen_invalid(s: Suite, bases: dict) -> None:
         section="9", flags=["tree"], description="a tree map whose key is an array", danger="keys must be scalars")
 
     gen_second_edition(s, bases, edit, index_edit, raw_index, T)
+    gen_issue10(s, bases, raw_index)
     gen_issue11(s, edit, index_edit)
 
     # -- bool values ----------------------------------------------------------------------------------------
@@ -1179,6 +1180,131 @@ def gen_invalid(s: Suite, bases: dict) -> None:
     inv("bool-byte-2", edit(lambda nv: setattr(nv.chunk_frame(0, 0), "payload", b"\x01\x02\x00"), bdata), "format",
         section="10", level="should", flags=["dtype", "bool"], description="a bool tensor holding the byte 0x02",
         danger="a bool that is neither true nor false is undefined behaviour in C++ and Rust")
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 10: hostile nests and counts, and chunk tables long enough for a reader's bulk decoding
+# --------------------------------------------------------------------------------------------
+
+def _int_as(v: int, variant: int) -> bytes:
+    """A non-negative int in one of nine msgpack encodings (the shortest, or a wider one that holds it)."""
+    forms = [None, (0xCF, ">Q", 1 << 64), (0xD3, ">q", 1 << 63), (0xCE, ">I", 1 << 32), (0xD2, ">i", 1 << 31),
+             (0xCD, ">H", 1 << 16), (0xD1, ">h", 1 << 15), (0xCC, ">B", 1 << 8), (0xD0, ">b", 1 << 7)]
+    form = forms[variant % len(forms)]
+    if form is None or v >= form[2]:
+        return craft.pack(v)
+    return bytes([form[0]]) + struct.pack(form[1], v)
+
+
+def _pack_index_with_chunks(index: dict, chunk_bytes: Callable[[int, list[int]], bytes]) -> bytes:
+    """The index with every chunk entry [o, s, r, c, x] packed by ``chunk_bytes(i, chunk)`` (the rest as usual)."""
+    out = bytes([0x80 | len(index)])
+    for key, value in index.items():
+        out += craft.pack(key)
+        if key != "tensors":
+            out += craft.pack(value)
+            continue
+        out += b"\xdd" + struct.pack(">I", len(value))
+        for entry in value:
+            out += b"\xdf" + struct.pack(">I", len(entry))
+            for k, v in entry.items():
+                out += craft.pack(k)
+                if k == "chunks":
+                    out += b"\xdd" + struct.pack(">I", len(v)) + b"".join(chunk_bytes(i, c) for i, c in enumerate(v))
+                else:
+                    out += craft.pack(v)
+    return out
+
+
+def _wide_chunk(i: int, c: list[int]) -> bytes:
+    return b"\x95" + b"".join(_int_as(v, i + j) for j, v in enumerate(c))
+
+
+def gen_issue10(s: Suite, bases: dict, raw_index: Callable) -> None:
+    inv = s.invalid
+    _, _, base = bases["valid-base"]
+    nv0 = craft.parse(base)
+
+    # A chunk table long enough that a reader may decode it in bulk (nvckpt: from the msgpack bytes into
+    # columns, no object per chunk), its ints in every encoding msgpack has for them.
+    n = 1500
+    many = {"t": tensor_from_bytes(randbytes(1010, n), torch.uint8, (n,))}
+    mdata = save(many, codec="raw", chunk_size=1, alignment=1)
+    nvm = craft.parse(mdata)
+    nvm.index_frame().payload = _pack_index_with_chunks(nvm.index, _wide_chunk)
+    wide = craft.build(nvm, fix_index=False)
+    s.valid("valid-many-chunks", wide, expected_decode(many, None, mdata), section="8.4",
+            flags=["multi-chunk", "codec-raw", "msgpack-encoding", "bulk"],
+            description=f"one tensor of {n} one-byte chunks, each chunk's ints in another of msgpack's nine int "
+                        "encodings (the shortest, uint 8-64, int 8-64): a reader that decodes long chunk tables in bulk "
+                        "must accept every encoding")
+
+    def long_table(i_bad: int, bad: Callable[[list[int]], bytes]) -> bytes:
+        nv = craft.parse(mdata)
+        nv.index_frame().payload = _pack_index_with_chunks(
+            nv.index, lambda i, c: bad(c) if i == i_bad else _wide_chunk(i, c))
+        return craft.build(nv, fix_index=False)
+
+    inv("chunk-list-long-negative", long_table(1234, lambda c: b"\x95" + craft.pack(c[0]) + b"\xff" + craft.pack(c[2])
+                                               + craft.pack(c[3]) + craft.pack(c[4])),
+        "format", section="8.4", flags=["offsets", "bulk"],
+        description=f"chunk 1234 of {n} has stored_length -1 (a negative fixint)",
+        danger="a bulk decoder that reads ints as unsigned bytes takes -1 for 2^64-1, or 255")
+    inv("chunk-list-long-bool", long_table(1400, lambda c: b"\x95" + b"".join(craft.pack(v) for v in c[:3]) + b"\xc2"
+                                           + craft.pack(c[4])),
+        "format", section="1", flags=["bulk", "types"],
+        description=f"chunk 1400 of {n} has the codec id false (a bool where an int is listed)",
+        danger="a bulk decoder (or a language where false == 0) takes it for codec 0")
+    before = craft.parse(mdata).index["tensors"][0]["chunks"][1299]
+    inv("chunk-list-long-overlap", long_table(1300, lambda c: craft.pack(before)),
+        "format", section="8.4", flags=["overlap", "bulk"],
+        description=f"chunk 1300 of {n} lists the same bytes as chunk 1299 (offset, length and checksum)",
+        danger="overlapping ranges let one stored byte appear twice; a check of neighbours only in sorted order "
+               "must still find it")
+
+    # Nests and counts, far beyond what random mutation reaches.
+    inv("tree-tuple-depth-200", raw_index(_index_with_raw_tree(nv0.index, craft.pack(nest(200, 1, "tuple")))),
+        "limit", section="9", flags=["depth", "limit", "tuples", "stack"], also=["format"],
+        description="tuples nested 200 deep, each inside the ext data of the one around it (1.4 KB)",
+        danger="each tuple is parsed by a nested call of the msgpack parser: a recursive reader's C stack "
+               "overflows (nvckpt before issue 10: a segfault at 194 levels)")
+    inv("metadata-depth-2000", raw_index(_pack_map_raw(nv0.index, "metadata", b"\x81\xa1m" + b"\x91" * 2000 + b"\xc0")),
+        "limit", section="8.6", flags=["depth", "limit", "metadata", "stack"], also=["format"],
+        description="metadata arrays nested 2000 deep", danger="a stack bomb in the metadata, which tools print")
+
+    def frame_payload(kind: int, payload: bytes) -> bytes:
+        nv = craft.parse(base)
+        next(f for f in nv.frames if f.frame_type == kind).payload = payload
+        return craft.build(nv)  # chunk offsets follow the frames that moved: only the frame is wrong
+
+    deep = craft.pack(nest(200, 1, "tuple"))
+    entry0 = craft.unpack(next(f for f in nv0.frames if f.frame_type == craft.TENSOR).payload)
+    tensor_deep = _pack_map([(craft.pack(k), deep if k == "shape" else craft.pack(v)) for k, v in entry0.items()])
+    inv("tensor-frame-tuple-depth-200", frame_payload(craft.TENSOR, tensor_deep), "format", section="8.3",
+        flags=["depth", "tuples", "stack", "frame"], readers=STREAMING, also=["limit"],
+        description="a TENSOR frame whose 'shape' is tuples nested 200 deep",
+        danger="a streaming or recovering reader parses TENSOR frames: the same stack bomb, where nothing else looks")
+    codec_deep = b"\x91" + _pack_map([(craft.pack("name"), craft.pack("raw")),
+                                      (craft.pack("configuration"), _pack_map([(craft.pack("x"), deep)]))])
+    inv("codec-frame-tuple-depth-200", frame_payload(craft.CODEC, codec_deep), "format", section="11.1",
+        flags=["depth", "tuples", "stack", "frame"], readers=STREAMING, also=["limit"],
+        description="a CODEC frame whose step configuration holds tuples nested 200 deep",
+        danger="as above, in the codec table a streaming reader builds from CODEC frames")
+    inv("index-array-count-2p32", raw_index(_pack_map_raw(nv0.index, "tensors", b"\xdd\xff\xff\xff\xff\xc0")),
+        "format", section="20", flags=["limit", "lying-size", "count"], also=["limit", "truncated"],
+        description="the 'tensors' array header says 2^32-1 entries; the payload holds one byte of them",
+        danger="a parser that allocates what a header says before reading it asks for 32 GiB")
+    inv("tree-map-count-2p32", raw_index(_index_with_raw_tree(nv0.index, b"\xdf\xff\xff\xff\xff\xa1k\xc0")),
+        "format", section="20", flags=["limit", "lying-size", "count", "tree"], also=["limit", "truncated"],
+        description="a tree map header says 2^32-1 entries, one follows", danger="as above, for a map")
+    inv("metadata-str-length-2p32", raw_index(_pack_map_raw(nv0.index, "metadata", b"\x81\xa1m\xdb\xff\xff\xff\xffabc")),
+        "format", section="20", flags=["limit", "lying-size", "metadata"], also=["limit", "truncated"],
+        description="a metadata str header says 2^32-1 bytes, three follow", danger="as above, for a str")
+
+
+def _pack_map_raw(index: dict, key: str, value: bytes) -> bytes:
+    """The index with ``key``'s value replaced by the raw msgpack bytes ``value``."""
+    return _pack_map([(craft.pack(k), value if k == key else craft.pack(v)) for k, v in index.items()])
 
 
 # --------------------------------------------------------------------------------------------

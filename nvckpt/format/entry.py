@@ -5,11 +5,15 @@ from __future__ import annotations
 import math
 from array import array
 from bisect import bisect_left, bisect_right
+from itertools import accumulate, chain, islice
+from operator import add, le
 from dataclasses import dataclass
 from typing import Any, Iterator, NamedTuple, Sequence
 
-from ..errors import FormatError, LimitError, UnsupportedFeatureError
+from ..errors import FormatError, LimitError, UnsupportedFeatureError, brief
 from . import dtypes
+from .bulk import ChunkColumns
+from .tree import check_depth
 from .constants import (
     DERIVED_FUNCTIONS,
     FRAME_HEADER_SIZE,
@@ -23,6 +27,8 @@ from .constants import (
 )
 
 U64_MAX = (1 << 64) - 1
+_COMMON_KEYS = frozenset(("name", "dtype", "shape", "chunks", "checksum", "nchunks"))
+_KNOWN_KEYS = _COMMON_KEYS | {"view", "derived", "internal"}
 
 
 class Chunk(NamedTuple):
@@ -34,55 +40,123 @@ class Chunk(NamedTuple):
     raw_start: int  # where its bytes start in the tensor's raw bytes
 
 
-class ChunkTable(Sequence[Chunk]):
-    """A tensor's chunk table as columns of u64 (48 bytes a chunk, not a Python object each)."""
+class ChunkStore:
+    """The chunk tables of one index as columns of u64 (48 bytes a chunk, not a Python object each).
 
-    __slots__ = ("_offset", "_stored", "_raw", "_codec", "_checksum", "_start")
+    Every tensor's ChunkTable is a slice of one store, so a file of a million
+    one-chunk tensors costs six arrays, not six million."""
+
+    __slots__ = ("offset", "stored", "raw", "codec", "checksum", "start")
 
     def __init__(self) -> None:
-        self._offset, self._stored, self._raw = array("Q"), array("Q"), array("Q")
-        self._codec, self._checksum, self._start = array("H"), array("Q"), array("Q")
-
-    def append(self, offset: int, stored: int, raw: int, codec: int, checksum: int) -> None:
-        self._start.append(self._start[-1] + self._raw[-1] if self._raw else 0)
-        self._offset.append(offset)
-        self._stored.append(stored)
-        self._raw.append(raw)
-        self._codec.append(codec)
-        self._checksum.append(checksum)
+        self.offset, self.stored, self.raw = array("Q"), array("Q"), array("Q")
+        self.codec, self.checksum, self.start = array("H"), array("Q"), array("Q")
 
     def __len__(self) -> int:
-        return len(self._offset)
+        return len(self.offset)
+
+    def nbytes(self) -> int:
+        return len(self) * 42
+
+    def add_columns(self, columns: list[Any], starts: Any) -> "ChunkTable":
+        """``add`` for numpy columns (u64, codec u16): copied in as bytes."""
+        lo = len(self.offset)
+        for column, values in zip((self.offset, self.stored, self.raw, self.codec, self.checksum, self.start),
+                                  (*columns, starts)):
+            column.frombytes(values.astype(values.dtype.newbyteorder("=")).tobytes())
+        return ChunkTable(self, lo, len(self.offset) - lo)
+
+    def add_one(self, offset: int, stored: int, raw: int, codec: int, checksum: int) -> "ChunkTable":
+        """A table of one chunk."""
+        lo = len(self.offset)
+        self.offset.append(offset)
+        self.stored.append(stored)
+        self.raw.append(raw)
+        self.codec.append(codec)
+        self.checksum.append(checksum)
+        self.start.append(0)
+        return ChunkTable(self, lo, 1)
+
+    def add(self, columns: tuple[Any, Any, Any, Any, Any], starts: Any) -> "ChunkTable":
+        """Append one tensor's columns (offset, stored, raw, codec, checksum; raw starts); returns its table."""
+        lo = len(self.offset)
+        for column, values in zip((self.offset, self.stored, self.raw, self.codec, self.checksum), columns):
+            column.extend(values)
+        self.start.extend(starts)
+        return ChunkTable(self, lo, len(self.offset) - lo)
+
+
+class ChunkTable(Sequence[Chunk]):
+    """A tensor's chunk table: chunks [lo, lo + n) of a ChunkStore."""
+
+    __slots__ = ("_s", "_lo", "_n")
+
+    def __init__(self, store: ChunkStore | None = None, lo: int = 0, n: int = 0) -> None:
+        self._s = store if store is not None else ChunkStore()
+        self._lo, self._n = lo, n
+
+    def append(self, offset: int, stored: int, raw: int, codec: int, checksum: int) -> None:
+        """Add a chunk at the end (only to the last table of its store)."""
+        s = self._s
+        if self._lo + self._n != len(s):
+            raise RuntimeError("only the last table of a ChunkStore can grow")
+        s.start.append(self.raw_bytes)
+        s.offset.append(offset)
+        s.stored.append(stored)
+        s.raw.append(raw)
+        s.codec.append(codec)
+        s.checksum.append(checksum)
+        self._n += 1
+
+    def __len__(self) -> int:
+        return self._n
 
     def __getitem__(self, i: int) -> Chunk:  # type: ignore[override]
-        return Chunk(self._offset[i], self._stored[i], self._raw[i], self._codec[i], self._checksum[i], self._start[i])
+        if not -self._n <= i < self._n:
+            raise IndexError("chunk index out of range")
+        j = self._lo + (i % self._n)
+        s = self._s
+        return Chunk(s.offset[j], s.stored[j], s.raw[j], s.codec[j], s.checksum[j], s.start[j])
+
+    def columns(self, first: int = 0, stop: int | None = None) -> list[array]:
+        """offset, stored, raw, codec, checksum and raw start of chunks [first, stop), as arrays."""
+        stop = self._n if stop is None else stop
+        s, lo, hi = self._s, self._lo + first, self._lo + stop
+        return [c[lo:hi] for c in (s.offset, s.stored, s.raw, s.codec, s.checksum, s.start)]
+
+    def _cols(self) -> list[Any]:
+        return self.columns()
 
     def __iter__(self) -> Iterator[Chunk]:
-        return map(Chunk, self._offset, self._stored, self._raw, self._codec, self._checksum, self._start)
+        return map(Chunk, *self._cols())
 
     @property
     def raw_bytes(self) -> int:
-        return self._start[-1] + self._raw[-1] if self._raw else 0
+        if not self._n:
+            return 0
+        j = self._lo + self._n - 1
+        return self._s.start[j] + self._s.raw[j]
 
     @property
     def stored_bytes(self) -> int:
-        return sum(self._stored)
+        return sum(self._s.stored[self._lo: self._lo + self._n])
 
     def codec_ids(self) -> list[int]:
         """The codec ids used, in order of first use."""
-        return list(dict.fromkeys(self._codec))
+        return list(dict.fromkeys(self._s.codec[self._lo: self._lo + self._n]))
 
     def covering(self, start: int, stop: int) -> range:
         """Indices of the chunks that hold raw bytes [start, stop)."""
-        if stop <= start or not self._start:
+        if stop <= start or not self._n:
             return range(0)
-        return range(bisect_right(self._start, start) - 1, bisect_left(self._start, stop))
+        lo, hi, starts = self._lo, self._lo + self._n, self._s.start
+        return range(bisect_right(starts, start, lo, hi) - 1 - lo, bisect_left(starts, stop, lo, hi) - lo)
 
     def to_json(self) -> list[list[int]]:
         return [list(c[:5]) for c in self]
 
 
-@dataclass
+@dataclass(slots=True)
 class TensorEntry:
     tensor_id: int
     name: str
@@ -134,7 +208,7 @@ class TensorEntry:
 
 def check_int(value: Any, what: str, lo: int = 0, hi: int = U64_MAX) -> int:
     if type(value) is not int or not lo <= value <= hi:
-        raise FormatError(f"{what} must be an integer in {lo}..{hi}, got {value!r:.80}")
+        raise FormatError(f"{what} must be an integer in {lo}..{hi}, got {brief(value)}")
     return value
 
 
@@ -155,13 +229,20 @@ def check_list(value: Any, what: str) -> list:
 
 
 def parse_entry(tid: int, raw: Any, *, ncodecs: int | None = None, index_offset: int | None = None,
-                ranges: list | None = None) -> TensorEntry:
+                store: ChunkStore | None = None) -> TensorEntry:
     """Check one entry of the index (``ncodecs`` and ``index_offset`` given: it has a chunk table) or
     one TENSOR frame's description (neither given: it has ``nchunks``), SPEC 8.3-8.5.
 
-    ``ranges`` collects (offset, end, tensor id, chunk index) of every chunk, for the overlap check."""
+    ``store`` collects the chunk tables of an index (the overlap check runs over it, SPEC 8.4)."""
     in_index = ncodecs is not None
+    if in_index and store is not None and type(raw) is dict:
+        quick = _quick_entry(tid, raw, ncodecs, index_offset, store)  # type: ignore[arg-type]
+        if quick is not None:
+            return quick
     raw = check_map(raw, f"tensor {tid}")
+    if len(raw) > 5 or not raw.keys() <= _COMMON_KEYS:  # unknown keys (ignored, but bounded: SPEC 9, "Parser bound")
+        for key in raw.keys() - _KNOWN_KEYS:
+            check_depth(raw[key], f"tensor {tid}: {brief(key)}")
     name = raw.get("name")
     if not isinstance(name, str):
         raise FormatError(f"tensor {tid}: 'name' must be a string")
@@ -195,8 +276,11 @@ def parse_entry(tid: int, raw: Any, *, ncodecs: int | None = None, index_offset:
 
     chunks = None
     if in_index and "chunks" in raw:
-        chunks = _parse_chunks(tid, where, check_list(raw["chunks"], f"{where}: 'chunks'"), dtype, nbytes,
-                               unsupported is None, ncodecs, index_offset, ranges)
+        chunk_list = raw["chunks"]
+        if not isinstance(chunk_list, ChunkColumns):
+            check_list(chunk_list, f"{where}: 'chunks'")
+        chunks = _parse_chunks(where, chunk_list, dtype, nbytes,
+                               unsupported is None, ncodecs, index_offset, store if store is not None else ChunkStore())
         nchunks = len(chunks)
     elif in_index:
         nchunks = 0
@@ -209,6 +293,7 @@ def parse_entry(tid: int, raw: Any, *, ncodecs: int | None = None, index_offset:
     view = derived = None
     if "view" in raw:
         view = check_map(raw["view"], f"{where}: 'view'")
+        check_depth(view, f"{where}: 'view'")
         check_int(view.get("base"), f"{where}: view base", 0, MAX_TENSORS)
         check_int(view.get("offset"), f"{where}: view offset", 0, MAX_TENSOR_BYTES)
         stride = check_list(view.get("stride"), f"{where}: view stride")
@@ -218,46 +303,172 @@ def parse_entry(tid: int, raw: Any, *, ncodecs: int | None = None, index_offset:
             check_int(s, f"{where}: view stride", 0, MAX_TENSOR_BYTES)
     if "derived" in raw:
         derived = check_map(raw["derived"], f"{where}: 'derived'")
+        check_depth(derived, f"{where}: 'derived'")
         if derived.get("function") not in DERIVED_FUNCTIONS:  # SPEC 8.5: fail when the tensor is read, not at open
-            unsupported = unsupported or (f"unknown derived function {derived.get('function')!r:.60} "
+            unsupported = unsupported or (f"unknown derived function {brief(derived.get('function'), 60)} "
                                           f"(known: {', '.join(DERIVED_FUNCTIONS)})")
         check_int(derived.get("source"), f"{where}: derived source", 0, MAX_TENSORS)
     return TensorEntry(tid, name, dtype, shape, chunks, view, derived, checksum, internal, nchunks, unsupported)
 
 
-def _parse_chunks(tid: int, where: str, chunk_list: list, dtype: dtypes.DType, nbytes: int, known: bool,
-                  ncodecs: int, index_offset: int, ranges: list | None) -> ChunkTable:
+def _quick_entry(tid: int, raw: dict, ncodecs: int, index_offset: int, store: ChunkStore) -> TensorEntry | None:
+    """The common data entry ({name, dtype, shape, chunks[, checksum]}, every value of the plain type, one
+    chunk or a few) checked with fewer steps; None for anything else, which parse_entry checks in full."""
+    name, dt, shape, chunk_list = raw.get("name"), raw.get("dtype"), raw.get("shape"), raw.get("chunks")
+    checksum = raw.get("checksum")
+    if not (type(name) is str and type(dt) is str and type(shape) is list and type(chunk_list) is list
+            and len(raw) == (4 if checksum is None else 5) and len(name) <= MAX_NAME_BYTES // 4
+            and len(shape) <= MAX_RANK and 1 <= len(chunk_list) < 16
+            and (checksum is None or type(checksum) is int and 0 <= checksum <= U64_MAX)):
+        return None
+    dtype = dtypes.DTYPES.get(dt)
+    if dtype is None:
+        return None
+    for d in shape:
+        if type(d) is not int or not 0 < d <= U64_MAX:
+            return None
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes > MAX_TENSOR_BYTES or len(chunk_list) > nbytes:
+        return None
+    lowest = PREAMBLE_SIZE + FRAME_HEADER_SIZE
+    total = 0
+    for c in chunk_list:
+        if type(c) is not list or len(c) != 5:
+            return None
+        off, stored, rawlen, codec, check = c
+        if not (type(off) is int and type(stored) is int and type(rawlen) is int and type(codec) is int
+                and type(check) is int and lowest <= off and 1 <= stored <= MAX_CHUNK_LENGTH
+                and 1 <= rawlen <= MAX_CHUNK_LENGTH and 0 <= codec < ncodecs and 0 <= check <= U64_MAX
+                and off + stored <= index_offset and not rawlen % dtype.itemsize):
+            return None
+        total += rawlen
+    if total != nbytes:
+        return None
+    table = _checked_chunks("", chunk_list, dtype, nbytes, True, ncodecs, index_offset, store)
+    return TensorEntry(tid, name, dtype, tuple(shape), table, None, None, checksum, False, len(table), None)
+
+
+def _parse_chunks(where: str, chunk_list: list, dtype: dtypes.DType, nbytes: int, known: bool,
+                  ncodecs: int, index_offset: int, store: ChunkStore) -> ChunkTable:
     if known and len(chunk_list) > nbytes:  # every chunk holds at least one byte
         raise FormatError(f"{where}: {len(chunk_list)} chunks for {nbytes} bytes")
-    table = ChunkTable()
+    if not len(chunk_list):
+        table: ChunkTable | None = store.add(((), (), (), (), ()), ())
+    elif isinstance(chunk_list, ChunkColumns):
+        table = _column_chunks(chunk_list.columns, dtype, nbytes, known, ncodecs, index_offset, store)
+        if table is None:
+            chunk_list = chunk_list.as_list()
+    elif len(chunk_list) >= 16:
+        table = _fast_chunks(chunk_list, dtype, nbytes, known, ncodecs, index_offset, store)
+    else:
+        table = None  # a few chunks: the per-chunk checks are quicker
+    if table is None:  # something is wrong, or unusual: the per-chunk checks say what, in order
+        table = _checked_chunks(where, chunk_list, dtype, nbytes, known, ncodecs, index_offset, store)
+    return table
+
+
+def _fast_chunks(chunk_list: list, dtype: dtypes.DType, nbytes: int, known: bool, ncodecs: int, index_offset: int,
+                 store: ChunkStore) -> ChunkTable | None:
+    """The checks of _checked_chunks on whole columns, without a Python step per chunk (a million
+    chunks in well under a second); None where any check fails, or on anything unusual."""
+    if set(map(type, chunk_list)) != {list} or set(map(len, chunk_list)) != {5}:
+        return None
+    if set(map(type, chain.from_iterable(chunk_list))) != {int}:  # no bool, float or other type
+        return None
+    try:
+        flat = array("Q", chain.from_iterable(chunk_list))
+    except OverflowError:  # a negative value or one of 2^64 or more
+        return None
+    off, stored, raw, codec, check = (flat[i::5] for i in range(5))
+    if (min(off) < PREAMBLE_SIZE + FRAME_HEADER_SIZE or min(stored) < 1 or max(stored) > MAX_CHUNK_LENGTH
+            or min(raw) < 1 or max(raw) > MAX_CHUNK_LENGTH or max(codec) >= ncodecs
+            or max(map(add, off, stored)) > index_offset):
+        return None
+    if known and (sum(raw) != nbytes or (dtype.itemsize > 1 and any(map(dtype.itemsize.__rmod__, raw)))):
+        return None
+    starts = array("Q", accumulate(raw, initial=0))
+    starts.pop()
+    return store.add((off, stored, raw, array("H", codec), check), starts)
+
+
+def _column_chunks(columns: list[Any], dtype: dtypes.DType, nbytes: int, known: bool, ncodecs: int,
+                   index_offset: int, store: ChunkStore) -> ChunkTable | None:
+    """_fast_chunks for numpy columns (nvckpt.format.bulk): the same checks, None where any fails."""
+    import numpy as np
+
+    off, stored, raw, codec, check = columns
+    if (int(off.min()) < PREAMBLE_SIZE + FRAME_HEADER_SIZE or int(off.max()) > index_offset
+            or int(stored.min()) < 1 or int(stored.max()) > MAX_CHUNK_LENGTH or int(raw.min()) < 1
+            or int(raw.max()) > MAX_CHUNK_LENGTH or int(codec.max()) >= ncodecs
+            or int((off + stored).max()) > index_offset):
+        return None
+    if known and (int(raw.sum()) != nbytes or (dtype.itemsize > 1 and bool((raw % dtype.itemsize).any()))):
+        return None
+    starts = np.cumsum(raw) - raw
+    return store.add_columns([off, stored, raw, codec.astype(np.uint16), check], starts)
+
+
+def _checked_chunks(where: str, chunk_list: list, dtype: dtypes.DType, nbytes: int, known: bool,
+                    ncodecs: int, index_offset: int, store: ChunkStore) -> ChunkTable:
+    if len(chunk_list) == 1 and known:
+        c = chunk_list[0]
+        if (type(c) is list and len(c) == 5 and all(type(v) is int for v in c)
+                and PREAMBLE_SIZE + FRAME_HEADER_SIZE <= c[0] <= U64_MAX and 1 <= c[1] <= MAX_CHUNK_LENGTH and c[2] == nbytes and not nbytes % (dtype.itemsize or 1)
+                and 0 <= c[3] < ncodecs and 0 <= c[4] <= U64_MAX and c[0] + c[1] <= index_offset):
+            return store.add_one(c[0], c[1], c[2], c[3], c[4])
+    offs: list[int] = []
+    storeds: list[int] = []
+    raws: list[int] = []
+    codecs: list[int] = []
+    checks: list[int] = []
+    starts: list[int] = []
     total = 0
     lowest = PREAMBLE_SIZE + FRAME_HEADER_SIZE
     for i, c in enumerate(chunk_list):
         if type(c) is not list or len(c) != 5:
             raise FormatError(f"{where}: chunk {i} must be [offset, stored_length, raw_length, codec, checksum]")
         off, stored, rawlen, codec, check = c
-        # The common case in one test; the messages come from check_int.
         if not (type(off) is int and type(stored) is int and type(rawlen) is int and type(codec) is int
-                and type(check) is int and lowest <= off and 1 <= stored <= MAX_CHUNK_LENGTH
-                and 1 <= rawlen <= MAX_CHUNK_LENGTH and 0 <= codec < ncodecs and 0 <= check <= U64_MAX
-                and off <= U64_MAX):
+                and type(check) is int and lowest <= off <= U64_MAX and 1 <= stored <= MAX_CHUNK_LENGTH
+                and 1 <= rawlen <= MAX_CHUNK_LENGTH and 0 <= codec <= MAX_CODECS and 0 <= check <= U64_MAX):
             check_int(off, f"{where}: chunk {i} offset", lowest)
             check_int(stored, f"{where}: chunk {i} stored_length", 1, MAX_CHUNK_LENGTH)
             check_int(rawlen, f"{where}: chunk {i} raw_length", 1, MAX_CHUNK_LENGTH)
             check_int(codec, f"{where}: chunk {i} codec id", 0, MAX_CODECS)
             check_int(check, f"{where}: chunk {i} checksum")
+        if codec >= ncodecs:
             raise FormatError(f"{where}: chunk {i} uses codec id {codec}, the codec table has {ncodecs}")
         if off + stored > index_offset:
             raise FormatError(f"{where}: chunk {i} ({off}..{off + stored}) runs past the index at {index_offset}")
-        if known and rawlen % dtype.itemsize:
+        if known and dtype.itemsize > 1 and rawlen % dtype.itemsize:
             raise FormatError(f"{where}: chunk {i} raw_length {rawlen} is not a multiple of the item size {dtype.itemsize}")
-        table.append(off, stored, rawlen, codec, check)
-        if ranges is not None:
-            ranges.append((off, off + stored, tid, i))
+        offs.append(off)
+        storeds.append(stored)
+        raws.append(rawlen)
+        codecs.append(codec)
+        checks.append(check)
+        starts.append(total)
         total += rawlen
     if known and total != nbytes:
         raise FormatError(f"{where}: chunks hold {total} raw bytes, shape and dtype need {nbytes}")
-    return table
+    return store.add((offs, storeds, raws, codecs, checks), starts)
+
+
+def check_overlaps(store: ChunkStore, names: Any) -> None:
+    """SPEC 8.4: no two chunks of an index share a stored byte.  ``names(i)`` -> (tensor name, chunk index)
+    of the store's chunk i.  A writer lists chunks in file order, so one pass in order usually settles it."""
+    off, stored = store.offset, store.stored
+    if len(off) < 2:
+        return
+    ends = array("Q", map(add, off, stored))
+    if all(map(le, ends, islice(off, 1, None))):
+        return
+    order = sorted(range(len(off)), key=off.__getitem__)
+    for a, b in zip(order, order[1:]):
+        if off[b] < ends[a]:
+            (a_name, a_chunk), (b_name, b_chunk) = names(a), names(b)
+            raise FormatError(f"chunk {b_chunk} of tensor {b_name!r:.200} at offset {off[b]} overlaps "
+                              f"chunk {a_chunk} of tensor {a_name!r:.200} ({off[a]}..{ends[a]})")
 
 
 def reference_problem(entry: TensorEntry, lookup: Any) -> str | None:
@@ -293,4 +504,4 @@ def reference_problem(entry: TensorEntry, lookup: Any) -> str | None:
     return None
 
 
-__all__ = ["Chunk", "ChunkTable", "TensorEntry", "parse_entry", "reference_problem", "check_int", "check_map", "check_list"]
+__all__ = ["Chunk", "ChunkStore", "ChunkTable", "check_overlaps", "TensorEntry", "parse_entry", "reference_problem", "check_int", "check_map", "check_list"]

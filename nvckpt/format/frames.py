@@ -41,7 +41,7 @@ from .constants import (
 )
 from .index import Index, parse_index, unpack_index
 from .structs import Footer, FrameHeader, Preamble, xxh3
-from .tree import pack_tree, tree_features, unpackb
+from .tree import check_depth, no_gc, pack_tree, tree_features, unpackb
 
 _ZEROS = bytes(MAX_ALIGNMENT)
 
@@ -192,6 +192,20 @@ class FrameWriter:
         return self.position
 
 
+def check_index_floor(entries: Sequence[dict[str, Any]], chunk_lengths: Sequence[Sequence[int]], tree: Any,
+                      metadata: dict[str, Any], writer_info: dict[str, Any]) -> None:
+    """SPEC 16: refuse, before the first byte is written, an object whose index cannot fit in
+    MAX_INDEX_LENGTH: its entries, tree and metadata as they will be packed, and at least 6 bytes
+    a chunk (so this never refuses an index that would fit; ``finish`` checks the exact size)."""
+    floor = len(pack_tree(tree)) + len(msgpack.packb(metadata, use_bin_type=True))
+    floor += len(msgpack.packb(writer_info, use_bin_type=True))
+    if floor <= MAX_INDEX_LENGTH:
+        floor += sum(len(msgpack.packb(e, use_bin_type=True)) for e in entries) + 6 * sum(map(len, chunk_lengths))
+    if floor > MAX_INDEX_LENGTH:
+        raise LimitError(f"the index would be at least {floor} bytes, more than the limit of {MAX_INDEX_LENGTH} "
+                         "(too many tensors or chunks, or too large a tree or metadata); nothing was written")
+
+
 class _Packed:
     """Pre-packed msgpack bytes (the tree, with its ext types) to splice into the index."""
 
@@ -210,8 +224,10 @@ def _pack_index(index: dict[str, Any]) -> bytes:
 
 
 # -- reading -----------------------------------------------------------------------------------
-def locate_index(source: Any) -> tuple[Preamble, Index]:
-    """Preamble, footer, INDEX frame: check all of them, return the parsed index."""
+def locate_index(source: Any, *, max_index_memory: int | None = None) -> tuple[Preamble, Index]:
+    """Preamble, footer, INDEX frame: check all of them, return the parsed index.
+
+    ``max_index_memory`` bounds the memory the decoded index may take (LimitError)."""
     if source.size < PREAMBLE_SIZE:
         raise TruncatedError(f"file is {source.size} bytes, shorter than the preamble", path=source.name, offset=0)
     preamble = Preamble.unpack(source.pread(0, PREAMBLE_SIZE))
@@ -236,7 +252,9 @@ def locate_index(source: Any) -> tuple[Preamble, Index]:
     payload = source.pread(payload_at, footer.index_length)
     if xxh3(payload) != footer.index_checksum:
         raise ChecksumError("index checksum does not match", offset=payload_at)
-    return preamble, parse_index(unpack_index(payload), footer.index_offset, preamble.required_features)
+    with no_gc():
+        index = parse_index(unpack_index(payload, max_index_memory), footer.index_offset, preamble.required_features)
+    return preamble, index
 
 
 def read_meta_frame(source: Any, offset: int, header: FrameHeader) -> Any:
@@ -247,11 +265,17 @@ def read_meta_frame(source: Any, offset: int, header: FrameHeader) -> Any:
     if xxh3(payload) != header.payload_checksum:
         raise ChecksumError("frame payload checksum does not match", offset=offset)
     try:
-        return unpackb(payload)
-    except NvckptError:
-        raise
+        value = unpackb(payload)
+    except NvckptError as exc:
+        raise exc.located(offset=offset)
+    except MemoryError:
+        raise LimitError(f"a frame payload of {len(payload)} bytes does not fit in memory", offset=offset) from None
+    except msgpack.StackError:
+        raise LimitError("frame payload nesting is too deep (more than msgpack's 1024 levels)", offset=offset) from None
     except Exception as exc:  # msgpack raises several types on bad input
-        raise FormatError(f"frame payload is not valid msgpack: {exc}", offset=offset) from None
+        raise FormatError(f"frame payload is not valid msgpack: {str(exc)[:200]}", offset=offset) from None
+    check_depth(value, f"the {FRAME_NAMES.get(header.frame_type, 'frame')} frame payload")
+    return value
 
 
 def iter_frames(source: Any, start: int = PREAMBLE_SIZE) -> Iterator[tuple[int, FrameHeader]]:
@@ -275,4 +299,4 @@ def iter_frames(source: Any, start: int = PREAMBLE_SIZE) -> Iterator[tuple[int, 
         raise TruncatedError("file ends inside a frame header", path=source.name, offset=offset)
 
 
-__all__ = ["FrameWriter", "check_alignment", "locate_index", "read_meta_frame", "iter_frames"]
+__all__ = ["FrameWriter", "check_alignment", "check_index_floor", "locate_index", "read_meta_frame", "iter_frames"]

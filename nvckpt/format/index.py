@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from array import array
+from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import FormatError, LimitError, NvckptError
+import msgpack
+
+from ..errors import FormatError, LimitError, NvckptError, brief
 from .constants import EXT_TENSOR, EXT_TUPLE, FEATURE_TYPED_TREE, MAX_CODECS, MAX_TENSORS, MAX_TREE_DEPTH, VERSION_MAJOR
-from .entry import TensorEntry, check_list, check_map, parse_entry, reference_problem
-from .tree import TensorRef, check_tree, leaf_paths, unpackb
+from .bulk import LazyEntries, decode_index
+from .entry import ChunkStore, TensorEntry, check_list, check_map, check_overlaps, parse_entry, reference_problem
+from .tree import MAX_PAYLOAD_DEPTH, TensorRef, check_depth, check_tree, leaf_paths, memory_budget
 
 
 
@@ -23,15 +28,21 @@ class Index:
     paths: dict[str, int]  # every tree path to a tensor (aliases too) -> tensor id
 
 
-def unpack_index(payload: bytes) -> dict[str, Any]:
+def unpack_index(payload: bytes, max_memory: int | None = None) -> dict[str, Any]:
+    """The decoded INDEX payload; ``max_memory`` bounds the memory its decoding may take (LimitError)."""
+    if max_memory is not None and len(payload) > max_memory:
+        raise LimitError(f"the index is {len(payload)} bytes, more than max_index_memory={max_memory}")
     try:
-        data = unpackb(payload)
+        with memory_budget(max_memory):
+            data = decode_index(payload)
     except NvckptError:
         raise
-    except RecursionError:
-        raise LimitError("index nesting is too deep") from None
+    except (RecursionError, msgpack.StackError):
+        raise LimitError("index nesting is too deep (more than msgpack's 1024 levels)") from None
+    except MemoryError:
+        raise LimitError(f"the decoded index of {len(payload)} bytes does not fit in memory") from None
     except Exception as exc:  # msgpack raises several types on malformed input
-        raise FormatError(f"index is not valid msgpack: {exc}") from None
+        raise FormatError(f"index is not valid msgpack: {str(exc)[:200]}") from None
     return check_map(data, "index")
 
 
@@ -39,12 +50,15 @@ def parse_index(data: dict[str, Any], index_offset: int, required_features: int 
     """Validate a decoded index.  Chunk payloads must lie in [preamble end, index_offset).
     ``required_features``: the preamble's (the tree's typed extensions need FEATURE_TYPED_TREE)."""
     if data.get("format") != "nvckpt":
-        raise FormatError(f"index 'format' is {data.get('format')!r:.40}, expected 'nvckpt'")
+        raise FormatError(f"index 'format' is {brief(data.get('format'), 40)}, expected 'nvckpt'")
     version = check_list(data.get("version"), "index 'version'")
     if len(version) != 2 or any(type(v) is not int or not 0 <= v <= 0xFFFF for v in version):
-        raise FormatError(f"index 'version' must be [major, minor], got {version!r:.80}")
+        raise FormatError(f"index 'version' must be [major, minor], got {brief(version)}")
     if version[0] != VERSION_MAJOR:
         raise FormatError(f"index version {version[0]}.{version[1]} disagrees with the preamble's {VERSION_MAJOR}.x")
+    for key, value in data.items():  # the parts no other check walks all of (SPEC 9, "Parser bound")
+        if key not in ("tensors", "tree", "metadata"):
+            check_depth(value, f"index {brief(key)}", MAX_PAYLOAD_DEPTH - 1)
     writer = check_map(data.get("writer", {}), "index 'writer'")
     metadata = check_map(data.get("metadata", {}), "index 'metadata'")
     _check_metadata(metadata)
@@ -54,26 +68,30 @@ def parse_index(data: dict[str, Any], index_offset: int, required_features: int 
         raise LimitError(f"{len(codec_list)} codecs exceed the limit of {MAX_CODECS}")
     codecs = [check_codec_spec(c) for c in codec_list]
 
-    raw_tensors = check_list(data.get("tensors"), "index 'tensors'")
+    raw_tensors = data.get("tensors")
+    if not isinstance(raw_tensors, LazyEntries):
+        check_list(raw_tensors, "index 'tensors'")
     if len(raw_tensors) > MAX_TENSORS:
         raise LimitError(f"{len(raw_tensors)} tensors exceed the limit of {MAX_TENSORS}")
     tensors: list[TensorEntry] = []
-    names: set[str] = set()
-    ranges: list[tuple[int, int, int, int]] = []  # (offset, end, tensor, chunk)
+    names: dict[str, int] = {}  # entry name -> tensor id
+    store = ChunkStore()
+    firsts = array("Q")  # index in the store of each tensor's first chunk
     for tid, raw in enumerate(raw_tensors):
-        entry = parse_entry(tid, raw, ncodecs=len(codecs), index_offset=index_offset, ranges=ranges)
+        firsts.append(len(store))
+        entry = parse_entry(tid, raw, ncodecs=len(codecs), index_offset=index_offset, store=store)
         if entry.name in names:
-            raise FormatError(f"duplicate tensor name {entry.name!r}")
-        names.add(entry.name)
+            raise FormatError(f"duplicate tensor name {entry.name!r:.200}")
+        names[entry.name] = tid
         tensors.append(entry)
+        if isinstance(raw_tensors, list):
+            raw_tensors[tid] = None  # the parsed entry replaces it: memory stays near the index's size
 
-    ranges.sort()
-    for (a_off, a_end, a_t, a_c), (b_off, _, b_t, b_c) in zip(ranges, ranges[1:]):
-        if b_off < a_end:
-            raise FormatError(
-                f"chunk {b_c} of tensor {tensors[b_t].name!r} at offset {b_off} overlaps chunk {a_c} of "
-                f"tensor {tensors[a_t].name!r} ({a_off}..{a_end})"
-            )
+    def chunk_name(i: int) -> tuple[str, int]:
+        tid = bisect_right(firsts, i) - 1
+        return tensors[tid].name, i - firsts[tid]
+
+    check_overlaps(store, chunk_name)
     lookup = (lambda tid: tensors[tid] if tid < len(tensors) else None)
     for entry in tensors:
         problem = reference_problem(entry, lookup)
@@ -85,11 +103,15 @@ def parse_index(data: dict[str, Any], index_offset: int, required_features: int 
     tree = data["tree"]
     check_tree(tree, len(tensors), required_features)
     paths: dict[str, int] = {}
-    by_name = {e.name: e.tensor_id for e in tensors}
+    by_name = names
     for path, ref in leaf_paths(tree):
         # SPEC 14.1: a name identifies one tensor, whether it is an entry's name or a path's.
         if paths.setdefault(path, ref.tensor_id) != ref.tensor_id or by_name.get(path, ref.tensor_id) != ref.tensor_id:
             raise FormatError(f"the name {path!r:.200} stands for two different tensors")
+    del by_name, names
+    for path, tid in paths.items():  # one str object for a name that is both a path and an entry's name
+        if tensors[tid].name == path:
+            tensors[tid].name = path
     return Index(writer, codecs, tensors, tree, metadata, (version[0], version[1]), paths)
 
 
@@ -112,15 +134,16 @@ def check_codec_spec(value: Any) -> list[dict[str, Any]]:
     """One codec table entry (SPEC 11.1), checked for its structure; the codecs layer gives it meaning."""
     if not isinstance(value, list) or not value:
         raise FormatError(f"codec pipeline must be a non-empty array, got {type(value).__name__}")
+    check_depth(value, "a codec pipeline")
     for step in value:
         if not isinstance(step, dict) or not isinstance(step.get("name"), str):
-            raise FormatError(f"codec step must be a map with a string 'name', got {step!r:.200}")
+            raise FormatError(f"codec step must be a map with a string 'name', got {brief(step)}")
         config = step.get("configuration", {})
         if not isinstance(config, dict) or not all(isinstance(k, str) for k in config):
-            raise FormatError(f"codec {step['name']!r}: configuration must be a map with string keys")
+            raise FormatError(f"codec {brief(step['name'])}: configuration must be a map with string keys")
         extra = set(step) - {"name", "configuration"}
         if extra:
-            raise FormatError(f"codec step {step['name']!r} has unknown fields {sorted(extra)}")
+            raise FormatError(f"codec step {brief(step['name'])} has unknown fields {', '.join(sorted(map(brief, extra)))[:200]}")
     return value
 
 

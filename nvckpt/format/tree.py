@@ -9,15 +9,19 @@ byte layouts.  No pickle: nothing in a file can run code when it is loaded.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import re
 import struct
 import threading
+from itertools import chain
+from sys import getsizeof
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import msgpack
 
-from ..errors import FormatError, LimitError, UnsupportedObjectError
+from ..errors import FormatError, LimitError, UnsupportedObjectError, brief
 from .constants import (
     EXT_BIGINT,
     EXT_COMPLEX,
@@ -36,7 +40,7 @@ from .constants import (
 _KEY_TYPES = (str, int, float, bool, type(None))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorRef:
     """A leaf of the tree that stands for index entry ``tensor_id``."""
 
@@ -174,7 +178,8 @@ def _set_items(data: bytes, what: str) -> list:
             raise FormatError(f"{what}: {problem} (SPEC 9.2)")
         key = same_value(item)
         if key in seen:
-            raise FormatError(f"{what} holds {item!r:.80} twice (SPEC 9.2)")
+            shown = brief(item) if isinstance(item, (tuple, frozenset)) else f"{item!r:.80}"
+            raise FormatError(f"{what} holds {shown} twice (SPEC 9.2)")
         seen.add(key)
     return items
 
@@ -222,14 +227,99 @@ def unique_map(pairs: list[tuple[Any, Any]]) -> dict:
     if len(out) != len(pairs):
         seen: set = set()
         dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
-        raise FormatError(f"a msgpack map holds the key {dup!r:.80} twice")
-    if sum(_is_nan(k) for k, _ in pairs) > 1:
+        raise FormatError(f"a msgpack map holds the key {brief(dup)} twice")
+    if len(pairs) > 1 and float in set(map(type, out)) and sum(_is_nan(k) for k in out) > 1:
         raise FormatError("a msgpack map holds two NaN keys (every NaN is the same key, SPEC 1)")
     return out
 
 
+#: How deep any value read from a file may nest, counted from the payload's root (level 1).  Well
+#: above what SPEC.md lets a valid file use (the tree and metadata: 64 levels inside the index map;
+#: values under unknown keys: 64 levels, SPEC 9 "Parser bound"), well below what recursion in
+#: Python (repr, ==, json) or C could trip on.
+MAX_PAYLOAD_DEPTH = 2 * MAX_TREE_DEPTH + 8
+
+
+def check_depth(value: Any, what: str, limit: int = MAX_PAYLOAD_DEPTH) -> None:
+    """LimitError if containers in ``value`` nest more than ``limit`` levels (``value`` is level 1).
+
+    Iterative, so any depth msgpack produced is safe to look at."""
+    containers = (list, tuple, dict, set, frozenset)
+    if not isinstance(value, containers):
+        return
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            raise LimitError(f"{what} nests more than {limit} levels deep")
+        children = item.values() if isinstance(item, dict) else item
+        deeper = [(x, depth + 1) for x in children if isinstance(x, containers)]
+        if deeper:
+            stack.extend(deeper)
+
+
+class _Budget:
+    __slots__ = ("limit", "left")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = self.left = limit
+
+    def spend(self, n: int) -> None:
+        self.left -= n
+        if self.left < 0:
+            raise LimitError(f"the decoded index would take more than max_index_memory={self.limit} bytes of memory")
+
+
+def _counted_map(pairs: list[tuple[Any, Any]]) -> dict:
+    out = unique_map(pairs)
+    _nesting.budget.spend(getsizeof(out) + sum(map(getsizeof, chain.from_iterable(pairs))))
+    return out
+
+
+def _counted_list(items: list) -> list:
+    _nesting.budget.spend(getsizeof(items) + sum(map(getsizeof, items)))
+    return items
+
+
+@contextlib.contextmanager
+def memory_budget(limit: int | None) -> Iterator[None]:
+    """Bound the memory of what ``unpackb`` builds in this thread (``None``: no bound).
+
+    Every array and map is charged its own size and its items' as msgpack
+    builds it (nested containers are charged twice, so the estimate errs high)."""
+    if limit is None:
+        yield
+        return
+    previous = getattr(_nesting, "budget", None)
+    _nesting.budget = _Budget(limit)
+    try:
+        yield
+    finally:
+        _nesting.budget = previous
+
+
+@contextlib.contextmanager
+def no_gc() -> Iterator[None]:
+    """Garbage collection paused: decoding a large index builds millions of containers (none cyclic),
+    and the collector would walk them again and again (a 1M-tensor index: 7 s of 9)."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
 def unpackb(data: bytes) -> Any:
-    """msgpack as the index and tree use it: str keys or scalars, our ext types, unique keys."""
+    """msgpack as the index and tree use it: str keys or scalars, our ext types, unique keys.
+
+    msgpack's own limits bound what a payload can make it allocate (no container
+    longer than the payload) and its nesting (1024 levels, without recursion);
+    tuples, sets and frozensets nest through ``_ext_hook``, bounded there (``_nested_array``); ``memory_budget`` bounds the total."""
+    if getattr(_nesting, "budget", None) is not None:
+        return msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False, use_list=True,
+                               object_pairs_hook=_counted_map, list_hook=_counted_list)
     return msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False, use_list=True,
                            object_pairs_hook=unique_map)
 
@@ -239,10 +329,12 @@ def unpack_tree(data: bytes) -> Any:
         return unpackb(data)
     except (FormatError, LimitError):
         raise
-    except RecursionError:
+    except (RecursionError, msgpack.StackError):
         raise LimitError(f"tree nesting exceeds the limit of {MAX_TREE_DEPTH}") from None
+    except MemoryError:
+        raise LimitError(f"a tuple or set of {len(data)} bytes does not fit in memory") from None
     except Exception as exc:  # msgpack raises many types on bad input
-        raise FormatError(f"tree is not valid msgpack: {exc}") from None
+        raise FormatError(f"tree is not valid msgpack: {str(exc)[:200]}") from None
 
 
 def check_tree(node: Any, num_tensors: int, required_features: int = FEATURE_TYPED_TREE) -> None:

@@ -99,7 +99,7 @@ def _lock(tmp: str) -> int | None:
 def about_target(exc: BaseException, path: str, tmp: str) -> BaseException:
     """An OSError as the user should read it: naming the file they asked for, not the temporary file
     beside it (nor nothing: a write that fails for a full disk names no file)."""
-    if isinstance(exc, OSError) and exc.filename in (None, tmp) and exc.filename2 is None:
+    if isinstance(exc, OSError) and exc.filename in (None, tmp, os.fsencode(tmp)) and exc.filename2 is None:
         return _named(exc, path)
     if isinstance(exc, NvckptError) and exc.path == tmp:
         exc.path = None
@@ -175,6 +175,10 @@ class AtomicReplace:
         self._unlock()
         fsync_path(os.path.dirname(self.path))
 
+    def as_target(self, exc: BaseException) -> BaseException:
+        """An OSError about the temporary file (a write to it failed), restated for the path the caller gave."""
+        return about_target(exc, self.given, self.tmp)
+
     def abort(self) -> None:
         try:
             stop = getattr(self.writer, "abort", None)
@@ -198,7 +202,7 @@ class AtomicReplace:
             self.commit()
             return
         self.abort()
-        renamed = about_target(exc, self.given, self.tmp)
+        renamed = self.as_target(exc)
         if renamed is not exc:
             raise renamed from None
 

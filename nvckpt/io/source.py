@@ -24,6 +24,11 @@ class Source:
 
     def __init__(self, target: Any) -> None:
         self._lock = threading.Lock()
+        # Reads in flight: close() waits for them, so a descriptor is never closed (and its number
+        # reused by another open file) under a read on another thread.
+        self._state = threading.Condition(threading.Lock())
+        self._active = 0
+        self._closing = False
         self._fd: int | None = None
         self._file = None
         if isinstance(target, (str, os.PathLike)):
@@ -62,19 +67,29 @@ class Source:
             self.bytes_read += n
 
     def pread(self, offset: int, length: int) -> bytes:
-        if self.closed:
-            raise NvckptError("read from a closed checkpoint", path=self.name)
+        with self._state:
+            if self._closing or self.closed:
+                raise NvckptError("read from a closed checkpoint", path=self.name)
+            self._active += 1
+        try:
+            return self._pread(offset, length)
+        finally:
+            with self._state:
+                self._active -= 1
+                if not self._active:
+                    self._state.notify_all()
+
+    def _pread(self, offset: int, length: int) -> bytes:
         if offset < 0 or length < 0 or offset + length > self.size:
             raise TruncatedError(f"read of {length} bytes at {offset} runs past the end of the file ({self.size} bytes)", path=self.name, offset=offset)
-        if self._fd is not None:
+        fd = self._fd
+        if fd is not None:
             parts, got = [], 0
             while got < length:  # pread may return short reads
                 try:
-                    part = os.pread(self._fd, length - got, offset + got)
-                except (OSError, TypeError) as exc:
-                    if self.closed:  # closed by another thread meanwhile
-                        raise NvckptError("read from a closed checkpoint", path=self.name) from None
-                    if isinstance(exc, OSError) and exc.filename is None and exc.errno is not None:
+                    part = os.pread(fd, length - got, offset + got)
+                except OSError as exc:
+                    if exc.filename is None and exc.errno is not None:
                         raise type(exc)(exc.errno, exc.strerror, self.name) from None  # name the file (EIO)
                     raise
                 if not part:
@@ -100,15 +115,31 @@ class Source:
         if self._fd is None:
             view[:] = self.pread(offset, length)
             return
+        with self._state:  # counted as in flight, as pread is: close() waits for it
+            if self._closing or self.closed:
+                raise NvckptError("read from a closed checkpoint", path=self.name)
+            self._active += 1
+        try:
+            self._pread_into(offset, view, length)
+        finally:
+            with self._state:
+                self._active -= 1
+                if not self._active:
+                    self._state.notify_all()
+
+    def _pread_into(self, offset: int, view: memoryview, length: int) -> None:
         if offset < 0 or offset + length > self.size:
             raise TruncatedError(f"read of {length} bytes at {offset} runs past the end of the file ({self.size} bytes)", path=self.name, offset=offset)
+        fd = self._fd
+        if fd is None:
+            raise NvckptError("read from a closed checkpoint", path=self.name)
         got = 0
         while got < length:
             try:
-                n = os.preadv(self._fd, [view[got:]], offset + got)
-            except (OSError, TypeError):
-                if self.closed:
-                    raise NvckptError("read from a closed checkpoint", path=self.name) from None
+                n = os.preadv(fd, [view[got:]], offset + got)
+            except OSError as exc:
+                if exc.filename is None and exc.errno is not None:
+                    raise type(exc)(exc.errno, exc.strerror, self.name) from None  # name the file (EIO)
                 raise
             if n <= 0:
                 raise TruncatedError(f"file ended while reading {length} bytes", path=self.name, offset=offset)
@@ -116,11 +147,16 @@ class Source:
         self.count(length)
 
     def close(self) -> None:
-        """Close a file this Source opened; a caller's file object is only let go of."""
-        fd, self._fd = self._fd, None
+        """Close a file this Source opened (once the reads in flight are done); a caller's file object is
+        only let go of.  Reads after this raise NvckptError."""
+        with self._state:
+            self._closing = True
+            while self._active:
+                self._state.wait()
+            fd, self._fd = self._fd, None
+            self._file = None
         if fd is not None:
             os.close(fd)
-        self._file = None
 
 
 class DirectReads:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..errors import LimitError, UnsupportedObjectError
-from ..format.constants import MAX_NAME_BYTES, MAX_RANK, MAX_TENSORS, MAX_TREE_DEPTH
+from ..format.constants import MAX_NAME_BYTES, MAX_RANK, MAX_TENSOR_BYTES, MAX_TENSORS, MAX_TREE_DEPTH
 from ..format.dtypes import DTYPES
 from ..format.tree import BigInt, DeviceName, DtypeName, TensorRef, escape, same_value, set_item_problem, tree_features
 from .chunking import CPU_CHUNK_SIZE, check_chunk_size, chunk_ranges
@@ -164,6 +164,10 @@ def _check_tensor(t: torch.Tensor, path: str) -> None:
     if t.dim() > MAX_RANK:
         raise LimitError(f"tensor at {path or '<root>'} has rank {t.dim()} > {MAX_RANK}")
     name_of(t.dtype)  # raises for dtypes without a byte layout
+    span = math.prod(d or 1 for d in t.shape) * t.element_size()  # SPEC 8.3
+    if span > MAX_TENSOR_BYTES:
+        raise LimitError(f"tensor at {path or '<root>'} of shape {list(t.shape)} spans {span} bytes, more than the "
+                         f"limit of {MAX_TENSOR_BYTES}")
 
 
 def plan_save(
@@ -387,6 +391,8 @@ def _dedupe(leaves: list[tuple[str, torch.Tensor]], chunk_size: int) -> tuple[li
             path, t = leaves[same[0]]
             entry = base_entry(path, t)
             entry["view"] = {"base": base, "offset": key[1] - lo, "stride": list(key[3])}
+            if max(key[3], default=0) > MAX_TENSOR_BYTES or key[1] - lo > MAX_TENSOR_BYTES:  # SPEC 16
+                raise LimitError(f"view at {path or '<root>'} has a stride or offset above {MAX_TENSOR_BYTES} elements")
             tid = add(entry, None)
             for i in same:
                 leaf_ids[i] = tid

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+from operator import add, eq
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -33,14 +34,15 @@ def check_supported(entry: TensorEntry, path: str) -> None:
 
 
 class CheckpointFile:
-    def __init__(self, target: Any, *, workers: int | None = None, max_tensor_bytes: int | None = None) -> None:
+    def __init__(self, target: Any, *, workers: int | None = None, max_tensor_bytes: int | None = None,
+                 max_index_memory: int | None = None) -> None:
         if max_tensor_bytes is not None and (type(max_tensor_bytes) is not int or max_tensor_bytes < 0):
             raise ValueError(f"max_tensor_bytes must be a non-negative integer or None, got {max_tensor_bytes!r}")
         self.max_tensor_bytes = max_tensor_bytes
         self.source = Source(target)
         self.path = self.source.name
         try:
-            self.preamble, self.index = locate_index(self.source)
+            self.preamble, self.index = locate_index(self.source, max_index_memory=max_index_memory)
             self.pipelines: list[Pipeline] = [pipeline_from_json(c) for c in self.index.codecs]
         except NvckptError as exc:
             self.source.close()
@@ -193,10 +195,50 @@ class CheckpointFile:
 
     def read_into(self, entry: TensorEntry, start: int, stop: int, out: memoryview) -> None:
         """Raw bytes [start, stop) of a stored tensor into ``out`` (writable, stop - start bytes),
-        reading and decoding only the chunks that hold them, on the decode threads."""
+        reading and decoding only the chunks that hold them, on the decode threads.
+        Neighbouring small chunks are read with one pread and handed to a thread together, so a
+        tensor of a million small chunks costs a few thousand tasks, not a million; a chunk on its
+        own is read (and decoded) straight into ``out`` where it lies inside it (``fill``)."""
         assert entry.chunks is not None
         dest = np.frombuffer(out, dtype=np.uint8)
-        self.map(lambda i: self.fill(entry, i, start, dest), list(entry.chunks.covering(start, stop)))
+        groups = _groups(entry, entry.chunks.covering(start, stop))
+        self.map(lambda g: self._fill(entry, g, start, dest), groups)
+
+    def _fill(self, entry: TensorEntry, group: range, start: int, out: np.ndarray) -> None:
+        if len(group) == 1:
+            self.fill(entry, group.start, start, out)
+            return
+        table = entry.chunks
+        assert table is not None
+        stop = start + out.nbytes
+        offs, stored, raws, codecs, checks, starts = table.columns(group.start, group.stop)
+        base = offs[0]
+        try:
+            data = self.source.pread(base, offs[-1] + stored[-1] - base)
+        except NvckptError as exc:
+            raise exc.located(tensor=entry.name, chunk=group.start)
+        view = memoryview(data)
+        at = [o - base for o in offs]
+        sums = map(xxh3, map(view.__getitem__, map(slice, at, map(add, at, stored))))
+        if not all(map(eq, sums, checks)):
+            bad = next(k for k, (a, n, c) in enumerate(zip(at, stored, checks)) if xxh3(view[a: a + n]) != c)
+            raise ChecksumError("chunk checksum does not match its stored bytes", path=self.path,
+                                tensor=entry.name, chunk=group.start + bad, offset=offs[bad])
+        if (offs[-1] - base == starts[-1] - starts[0] and stored == raws
+                and all(self.pipelines[c].is_raw for c in set(codecs))):
+            # Raw chunks stored back to back: their bytes are the tensor's bytes, one copy.
+            lo, hi = max(start, starts[0]), min(stop, starts[-1] + raws[-1])
+            out[lo - start: hi - start] = np.frombuffer(view[lo - starts[0]: hi - starts[0]], dtype=np.uint8)
+            return
+        for k, i in enumerate(group):
+            chunk = view[at[k]: at[k] + stored[k]]
+            lo, hi = max(start, starts[k]), min(stop, starts[k] + raws[k])
+            if lo == starts[k] and hi == starts[k] + raws[k]:
+                self.decode_into(entry, i, chunk, out[lo - start: hi - start])
+            else:
+                raw = _scratch("raw", raws[k])
+                self.decode_into(entry, i, chunk, raw)
+                out[lo - start: hi - start] = raw[lo - starts[k]: hi - starts[k]]
 
     def submit(self, fn: Callable, *args: Any) -> Any:
         """``fn(*args)`` on the decode threads; returns its Future."""
@@ -209,6 +251,36 @@ class CheckpointFile:
 
 
 _tls = threading.local()
+
+
+#: Small chunks are read together (one pread, one task): neighbours in the file, at most _GROUP_GAP apart
+#: (a frame header and its alignment padding), _GROUP_BYTES in all.  Larger chunks are read one by one,
+#: so that no byte outside a chunk is read for them.
+_GROUP_SMALL = 16 << 10
+_GROUP_GAP = 8 << 10
+_GROUP_BYTES = 8 << 20
+_GROUP_CHUNKS = 1 << 14
+
+
+def _groups(entry: TensorEntry, indices: range) -> list[range]:
+    """``indices`` cut into runs of chunks that one pread can cover (in file order, close together)."""
+    table = entry.chunks
+    assert table is not None
+    if len(indices) <= 1:
+        return [indices] if indices else []
+    offs, stored = table.columns(indices.start, indices.stop)[:2]
+    groups: list[range] = []
+    begin = 0
+    span_start, end = offs[0], offs[0] + stored[0]
+    for k in range(1, len(offs)):
+        o = offs[k]
+        if (o < end or o - end > _GROUP_GAP or o + stored[k] - span_start > _GROUP_BYTES or k - begin >= _GROUP_CHUNKS
+                or stored[k] >= _GROUP_SMALL or stored[k - 1] >= _GROUP_SMALL):
+            groups.append(range(indices.start + begin, indices.start + k))
+            begin, span_start = k, o
+        end = o + stored[k]
+    groups.append(range(indices.start + begin, indices.stop))
+    return groups
 
 
 def _scratch(name: str, n: int) -> np.ndarray:

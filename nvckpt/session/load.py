@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from ..errors import ChecksumError, FormatError, TensorNotFoundError, UnsupportedCodecError, UnsupportedFeatureError
+from ..errors import ChecksumError, FormatError, LimitError, TensorNotFoundError, UnsupportedCodecError, UnsupportedFeatureError
 from ..format.constants import COPY
 from ..format.entry import TensorEntry
 from ..format.structs import xxh3
 from ..format.tree import DeviceName, DtypeName, TensorRef, find_path, resolve_refs, tensor_refs
-from ..options import LoadOptions
+from ..options import LoadOptions, index_memory_limit
 from ..plan.derived import bf16_rne
 from ..plan.dtypes import to_torch
 from .file import CheckpointFile, check_supported
@@ -31,6 +31,26 @@ def _check_bools(entry: TensorEntry, raw: torch.Tensor, path: str) -> None:
     """SPEC 10: a bool byte is 0 or 1; anything else is undefined behaviour in torch's kernels."""
     if entry.dtype.name == "bool" and raw.numel() and bool((raw > 1).any()):
         raise FormatError("bool tensor holds a byte other than 0 and 1", path=path, tensor=entry.name)
+
+
+def allocate(nbytes: int, entry: TensorEntry, path: str, device: Any = "cpu") -> torch.Tensor:
+    """``nbytes`` of uint8 for ``entry``'s bytes; a failed allocation is a LimitError that says so.
+
+    A small, valid file may declare a tensor of many GiB (highly compressible chunks): a
+    plain load then allocates it, or fails here, named, instead of with torch's own error."""
+    try:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    except (RuntimeError, MemoryError) as exc:
+        raise allocation_error(exc, nbytes, entry, path) from None
+
+
+def allocation_error(exc: BaseException, nbytes: int, entry: TensorEntry, path: str) -> BaseException:
+    """The LimitError for an allocation of ``nbytes`` that failed with ``exc`` (``exc`` itself if it is another error)."""
+    if isinstance(exc, RuntimeError) and "memory" not in str(exc).lower() and "alloc" not in str(exc).lower():
+        return exc
+    return LimitError(f"cannot allocate {nbytes} bytes for it ({(str(exc).splitlines() or [''])[0][:160]}); "
+                      "open the file with max_tensor_bytes=N to refuse such tensors before allocating",
+                      path=path, tensor=entry.name)
 
 
 def _typed(entry: TensorEntry, raw: torch.Tensor, shape: tuple[int, ...], path: str) -> torch.Tensor:
@@ -126,7 +146,8 @@ class Checkpoint(Mapping):
         self.options = options
         self.device, self._relocate = target_device(options)
         self.untrusted = options.untrusted
-        self._file = CheckpointFile(target, workers=options.workers, max_tensor_bytes=options.max_tensor_bytes)
+        self._file = CheckpointFile(target, workers=options.workers, max_tensor_bytes=options.max_tensor_bytes,
+                                    max_index_memory=index_memory_limit(options))
         self._gpu = None if options.untrusted else self._gpu_backend()
         self._stats_lock = threading.Lock()
         self._stats: dict[str, Any] = {"gpu_loads": 0, "gpu_seconds": 0.0, "gpu_stored_bytes": 0}
@@ -224,7 +245,7 @@ class Checkpoint(Mapping):
                 self._stats["last_gpu_load"] = stats
 
     def _host_raw(self, entry: TensorEntry, start: int, stop: int) -> torch.Tensor:
-        out = torch.empty(stop - start, dtype=torch.uint8)
+        out = allocate(stop - start, entry, self.path)
         self._file.read_into(entry, start, stop, memoryview(out.numpy()))
         return out
 
@@ -245,7 +266,7 @@ class Checkpoint(Mapping):
         A tensor's checksum is a task started by whichever thread finishes its last chunk, so it runs
         beside the other chunks' decoding (and on bytes still in cache)."""
         f = self._file
-        dests = {e.tensor_id: torch.empty(e.nbytes, dtype=torch.uint8) for e in entries}
+        dests = {e.tensor_id: allocate(e.nbytes, e, self.path) for e in entries}
         arrays = {tid: t.numpy() for tid, t in dests.items()}
         left = {e.tensor_id: len(e.chunks) for e in entries}
         lock = threading.Lock()
@@ -336,8 +357,9 @@ class Checkpoint(Mapping):
         for tid in tids:
             need(tid)
         for tid in wanted:
-            if tensors[tid].view is None:  # a view allocates nothing of its own
-                self._file.check_size(tensors[tid], tensors[tid].nbytes)
+            # A view allocates nothing of its own, but it is what the caller gets: a stride-0 view of a
+            # few bytes can be 64 GiB to whatever reads it (SPEC 20: the limit is on the materialized size).
+            self._file.check_size(tensors[tid], tensors[tid].nbytes)
         stored = [tensors[t] for t in wanted if tensors[t].chunks is not None]
         out = {tid: _typed(tensors[tid], raw, tensors[tid].shape, self.path)
                for tid, raw in self._raw_tensors(stored, progress).items()}
@@ -347,7 +369,10 @@ class Checkpoint(Mapping):
                 out[tid] = out[e.view["base"]].as_strided(e.shape, e.view["stride"], e.view["offset"])
             elif e.derived is not None:
                 source = out[e.derived["source"]]
-                out[tid] = source.clone() if e.derived["function"] == COPY else bf16_rne(source)
+                try:
+                    out[tid] = source.clone() if e.derived["function"] == COPY else bf16_rne(source)
+                except (RuntimeError, MemoryError) as exc:
+                    raise allocation_error(exc, e.nbytes, e, self.path) from None
         return out if self._relocate is None else self._relocated(out)
 
     def _relocated(self, tensors: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:

@@ -21,7 +21,7 @@ from .. import __version__
 from ..codecs.base import Pipeline
 from ..codecs.presets import GPU_PRESETS, chooser
 from ..errors import LeftoverTemporaryWarning, UnsupportedCodecError
-from ..format.frames import FrameWriter
+from ..format.frames import FrameWriter, check_index_floor
 from ..io.atomic import AtomicReplace, leftover_temporaries
 from ..io.sink import FileSink
 from ..options import SaveOptions
@@ -62,6 +62,7 @@ def write_items(stream: Any, items: Iterable[TensorReady | EncodedChunk], plan: 
                 info: dict[str, Any], progress: Callable[[int], None] | None = None) -> int:
     """Frame an engine's items onto ``stream``; returns the file's length.  ``progress(raw bytes)`` per chunk."""
     try:
+        check_index_floor(plan.entries(), plan.chunk_lengths(), plan.tree, plan.metadata, info)
         writer = FrameWriter(stream, plan.entries(), plan.chunk_lengths(), alignment=alignment,
                              required_features=plan.required_features)
         for item in items:

@@ -23,6 +23,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+import xxhash
+
 from ..codecs.base import Pipeline
 from ..codecs.registry import pipeline_from_json
 from ..errors import ChecksumError, NvckptError, UnsupportedFeatureError
@@ -36,7 +38,7 @@ from ..format.constants import (
     PREAMBLE_SIZE,
 )
 from ..format.entry import TensorEntry, parse_entry, reference_problem
-from ..format.frames import FrameWriter, iter_frames, read_meta_frame
+from ..format.frames import FrameWriter, check_index_floor, iter_frames, read_meta_frame
 from ..format.index import Index, parse_index, unpack_index
 from ..format.structs import FrameHeader, Preamble, xxh3
 from ..format.tree import TensorRef, escape, resolve_refs, tree_features
@@ -216,17 +218,29 @@ def _data_missing(walk: _Walk, t: TensorEntry, source: Source) -> str | None:
         total += c.raw_length
     if total != t.nbytes:
         return f"its chunks hold {total} raw bytes, shape and dtype need {t.nbytes}"
+    # Every chunk must decode, with the rules a reader applies (SPEC 15.2: a recovering reader applies every
+    # check of a random-access reader), and the decoded bytes must match the tensor checksum.
+    hasher = xxhash.xxh3_64() if t.checksum is not None else None
     for i in range(t.nchunks):
         c = walk.chunks[(t.tensor_id, i)]
         pipeline = walk.codecs[c.codec_id]
         if pipeline.needs_gpu:
+            hasher = None  # decoded only on a GPU, when the file is read (which checks the tensor checksum)
             continue
         try:
-            decoded = memoryview(pipeline.decode(memoryview(source.pread(c.payload_offset, c.stored_length)), c.raw_length))
+            decoded = memoryview(pipeline.decode(memoryview(source.pread(c.payload_offset, c.stored_length)), c.raw_length)).cast("B")
+        except NvckptError as exc:
+            return f"chunk {i} does not decode ({pipeline.describe()}: {exc.reason})"
         except Exception as exc:  # a host decoder rejecting its input
-            return f"chunk {i} does not decode ({pipeline.describe()}: {exc})"
+            return f"chunk {i} does not decode ({pipeline.describe()}: {str(exc)[:200]})"
         if decoded.nbytes != c.raw_length:
             return f"chunk {i} decodes to {decoded.nbytes} bytes, not its raw length {c.raw_length}"
+        if t.dtype.name == "bool" and bytes(decoded).translate(None, b"\x00\x01"):
+            return f"chunk {i} holds a bool byte other than 0 and 1 (SPEC 10)"
+        if hasher is not None:
+            hasher.update(decoded)
+    if hasher is not None and hasher.intdigest() != t.checksum:
+        return "its decoded bytes do not match its tensor checksum"
     return None
 
 
@@ -345,6 +359,7 @@ def recover(src: str | os.PathLike, dst: str | os.PathLike, *, progress: Progres
                   and op.algorithm == "ans" and op.written_by]
         info = writer_info({"nvcomp": nvcomp[0]} if nvcomp else None)
 
+        check_index_floor(entries, lengths, tree, metadata, info)
         bar = make_bar("writing", sum(walk.chunks[(t.tensor_id, i)].stored_length for t in kept for i in range(t.nchunks)))
         try:
             with atomic_output(dst) as tmp:

@@ -96,6 +96,8 @@ def verify(path: str | os.PathLike, *, progress: ProgressFactory | None = None, 
         try:
             with ThreadPoolExecutor(workers, thread_name_prefix="nvckpt-verify") as pool:
                 for entry in reader.index.tensors:
+                    if entry.unsupported is not None:  # SPEC 10, 8.5: valid, but no reader here builds it
+                        report.undecoded.append(Problem(f"not readable here: {entry.unsupported}", entry.name))
                     if entry.chunks and _verify_tensor(reader, entry, pool, 2 * workers, report, bar) == "undecoded":
                         gpu_candidates.append(entry)
         finally:
@@ -170,7 +172,7 @@ def _verify_tensor(reader: CheckpointFile, entry: TensorEntry, pool: ThreadPoolE
             elif note is not None:
                 report.undecoded.append(note)
                 undecoded = True
-            elif entry.dtype.name == "bool" and raw.nbytes and max(raw) > 1:  # SPEC 10, as load checks
+            elif entry.dtype.name == "bool" and bytes(raw).translate(None, b"\x00\x01"):  # SPEC 10, as load checks
                 report.problems.append(Problem("bool tensor holds a byte other than 0 and 1", entry.name, i,
                                                entry.chunks[i].offset))
                 damaged = True

@@ -39,7 +39,7 @@ import torch
 
 from ...codecs.base import DecodeRejected
 from ...codecs.builtin import check_zstd_window
-from ...errors import ChecksumError, FormatError, NvckptError
+from ...errors import ChecksumError, FormatError, LimitError, NvckptError
 from ...format.entry import Chunk, TensorEntry
 from ...format.structs import xxh3
 from ...io.source import DirectReads
@@ -158,6 +158,19 @@ class _Verifier:
 
 
 # -- the loader -------------------------------------------------------------------------------
+def _dest(dev: Backend, nbytes: int, file: CheckpointFile, entry: TensorEntry) -> torch.Tensor:
+    """The destination of a tensor's bytes; a failed allocation is a LimitError naming the tensor."""
+    try:
+        return dev.dest(nbytes)
+    except (RuntimeError, MemoryError) as exc:
+        if isinstance(exc, RuntimeError) and "memory" not in str(exc).lower() and "alloc" not in str(exc).lower():
+            raise
+        raise LimitError(f"cannot allocate {nbytes} bytes for it ({str(exc).splitlines()[0][:160]}); "
+                         "open the file with max_tensor_bytes=N to refuse such tensors before allocating",
+                         path=file.path, tensor=entry.name) from None
+
+
+
 def decode_entries(file: CheckpointFile, entries: Sequence[TensorEntry], dev: Backend, options: GpuLoadOptions,
                    stats: dict[str, Any] | None = None) -> dict[int, torch.Tensor]:
     """The raw bytes (1-D uint8 on ``dev``) of stored tensors: {tensor_id: bytes}."""
@@ -165,7 +178,7 @@ def decode_entries(file: CheckpointFile, entries: Sequence[TensorEntry], dev: Ba
     for e in entries:
         if e.chunks is None:
             raise ValueError(f"decode_entries takes stored tensors only, not {e.name!r}")
-        targets.append(_Target(e, dev.dest(e.nbytes), 0, list(range(len(e.chunks))),
+        targets.append(_Target(e, _dest(dev, e.nbytes, file, e), 0, list(range(len(e.chunks))),
                                options.verify_tensors and e.checksum is not None))
     _decode(file, targets, dev, options, {} if stats is None else stats)
     return {t.entry.tensor_id: t.dest for t in targets}
@@ -181,7 +194,7 @@ def decode_range(file: CheckpointFile, entry: TensorEntry, lo: int, hi: int, dev
         return dev.dest(0)
     base = entry.chunks[idx[0]].raw_start
     end = entry.chunks[idx[-1]].raw_start + entry.chunks[idx[-1]].raw_length
-    target = _Target(entry, dev.dest(end - base), base, idx, False)
+    target = _Target(entry, _dest(dev, end - base, file, entry), base, idx, False)
     _decode(file, [target], dev, options, {} if stats is None else stats)
     return target.dest[lo - base: hi - base]
 

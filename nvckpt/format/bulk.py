@@ -1,0 +1,258 @@
+"""Decoding a large index without a Python object per chunk, and without all of it at once (SPEC 15.1, 20).
+
+A plain ``msgpack.unpackb`` of an index that lists a million chunks builds
+three million Python objects (a list and two large ints a chunk), about 170
+bytes a chunk, and then every check walks them again.  Here an index of
+``STREAM_FROM`` bytes or more is decoded in pieces:
+
+* the top-level map one value at a time;
+* the ``"tensors"`` array as a ``LazyEntries``: the byte range of each entry
+  is found first (msgpack's ``skip``, no objects built), and each entry is
+  decoded only when the parser asks for it, then dropped;
+* an entry of ``BIG_ENTRY`` bytes or more key by key, and its chunk list, when
+  it has ``COLUMNS_FROM`` chunks or more, straight from the msgpack bytes into
+  five u64 columns (numpy): a ``ChunkColumns``.
+
+Every rule of the plain decoding holds (one object, valid msgpack, unique keys,
+the ext types, nesting, the memory budget): on anything unusual a piece is
+decoded the plain way, so the errors and their messages are the same.
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import Any, Callable
+
+import msgpack
+
+from ..errors import FormatError, LimitError, NvckptError
+from . import tree
+
+STREAM_FROM = 16 << 10  # index payloads from this size on are decoded in pieces
+BIG_ENTRY = 16 << 10  # tensor entries from this size on are decoded key by key
+COLUMNS_FROM = 1024  # chunk lists from this length on are decoded as columns
+
+# Bytes after an int's tag byte: positive fixint 0; uint 8/16/32/64; int 8/16/32/64.  255: not an int
+# nvckpt accepts here (negative fixints too: the per-chunk checks report those).
+_WIDTH = bytes(0 if t < 0x80 else {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8, 0xD0: 1, 0xD1: 2, 0xD2: 4, 0xD3: 8}.get(t, 255)
+               for t in range(256))
+
+
+class ChunkColumns:
+    """A chunk list decoded from its msgpack bytes: offset, stored, raw, codec, checksum as numpy u64 columns.
+
+    ``as_list()`` decodes the same bytes the plain way (for the per-chunk checks and their messages)."""
+
+    __slots__ = ("columns", "_source")
+
+    def __init__(self, columns: list[Any], source: Callable[[], list]) -> None:
+        self.columns = columns
+        self._source = source
+
+    def __len__(self) -> int:
+        return len(self.columns[0])
+
+    def as_list(self) -> list:
+        return self._source()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.columns)
+
+
+class LazyEntries:
+    """The index's "tensors" array: entry i is decoded from its bytes when it is read (under the memory
+    budget of the decoding that found it), its errors those of the plain decoding."""
+
+    __slots__ = ("_data", "_bounds", "_budget")
+
+    def __init__(self, data: memoryview, bounds: array) -> None:
+        self._data = data
+        self._bounds = bounds
+        self._budget = getattr(tree._nesting, "budget", None)
+
+    def __len__(self) -> int:
+        return len(self._bounds) - 1
+
+    def __getitem__(self, i: int) -> Any:
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        previous = getattr(tree._nesting, "budget", None)
+        tree._nesting.budget = self._budget
+        try:
+            return decode_entry(self._data[self._bounds[i]: self._bounds[i + 1]])
+        except NvckptError:
+            raise
+        except (RecursionError, msgpack.StackError):
+            raise LimitError(f"index nesting is too deep (tensor {i})") from None
+        except MemoryError:
+            raise LimitError(f"tensor {i}'s entry does not fit in memory") from None
+        except Exception as exc:  # msgpack raises several types on malformed input
+            raise FormatError(f"index is not valid msgpack (tensor {i}): {str(exc)[:200]}") from None
+        finally:
+            tree._nesting.budget = previous
+
+    def __iter__(self) -> Any:
+        return map(self.__getitem__, range(len(self)))
+
+
+def _unpacker(size: int) -> msgpack.Unpacker:
+    budget = getattr(tree._nesting, "budget", None) is not None
+    return msgpack.Unpacker(ext_hook=tree._ext_hook, raw=False, strict_map_key=False, use_list=True,
+                            object_pairs_hook=tree._counted_map if budget else tree.unique_map,
+                            list_hook=tree._counted_list if budget else None, max_buffer_size=max(size, 1))
+
+
+def _spend(n: int) -> None:
+    budget = getattr(tree._nesting, "budget", None)
+    if budget is not None:
+        budget.spend(n)
+
+
+class _Irregular(Exception):
+    """Something the piecewise decoding does not handle: decode the plain way."""
+
+
+def decode_index(payload: Any) -> Any:
+    """The INDEX payload as ``tree.unpackb`` decodes it, with "tensors" as LazyEntries where it is large."""
+    if len(payload) < STREAM_FROM:
+        return tree.unpackb(payload)
+    try:
+        return _decode_top(memoryview(payload).cast("B"))
+    except NvckptError:
+        raise
+    except (_Irregular, ValueError, msgpack.OutOfData):
+        return tree.unpackb(payload)  # not what a writer makes: the plain way says what is wrong
+
+
+def _decode_top(data: memoryview) -> Any:
+    u = _unpacker(len(data))
+    u.feed(data)
+    pairs = []
+    for _ in range(u.read_map_header()):
+        key = u.unpack()
+        start = u.tell()
+        u.skip()
+        end = u.tell()
+        if key == "tensors":
+            value: Any = _entries(data[start:end])
+        else:
+            value = tree.unpackb(data[start:end])
+        pairs.append((key, value))
+    if u.tell() != len(data):
+        raise _Irregular("bytes after the index map")
+    return (tree._counted_map if getattr(tree._nesting, "budget", None) is not None else tree.unique_map)(pairs)
+
+
+def _entries(data: memoryview) -> Any:
+    u = _unpacker(len(data))
+    u.feed(data)
+    try:
+        n = u.read_array_header()
+    except ValueError:
+        return tree.unpackb(data)  # not an array: the index parser reports it
+    skip, tell = u.skip, u.tell
+    bounds = array("Q", [tell()])
+    bounds.extend([skip() or tell() for _ in range(n)])
+    if bounds[-1] != len(data):
+        raise _Irregular("bytes after the tensors array")
+    _spend(bounds.itemsize * len(bounds))
+    return LazyEntries(data, bounds)
+
+
+def decode_entry(data: memoryview) -> Any:
+    """One tensor entry; a large one key by key, with its chunk list as ChunkColumns where it is long."""
+    if len(data) < BIG_ENTRY:
+        return tree.unpackb(data)
+    try:
+        return _decode_big_entry(data)
+    except NvckptError:
+        raise
+    except (_Irregular, ValueError, msgpack.OutOfData):
+        return tree.unpackb(data)
+
+
+def _decode_big_entry(data: memoryview) -> Any:
+    u = _unpacker(len(data))
+    u.feed(data)
+    pairs = []
+    for _ in range(u.read_map_header()):
+        key = u.unpack()
+        if key == "chunks":
+            value: Any = _chunks(u, data)
+        else:
+            value = u.unpack()
+        pairs.append((key, value))
+    if u.tell() != len(data):
+        raise _Irregular("bytes after the entry")
+    return tree.unique_map(pairs)
+
+
+def _chunks(u: msgpack.Unpacker, data: memoryview) -> Any:
+    try:
+        n = u.read_array_header()
+    except ValueError:
+        return u.unpack()  # not an array: the entry parser reports it
+    first = u.tell()
+    if n < COLUMNS_FROM:
+        items = [u.unpack() for _ in range(n)]
+        _spend(64 + 8 * n)
+        return items
+    skip, tell = u.skip, u.tell
+    ends = [skip() or tell() for _ in range(n)]
+    body = data[first: ends[-1]]
+
+    def as_list() -> list:
+        header = b"\xdd" + n.to_bytes(4, "big")
+        return tree.unpackb(header + bytes(body))
+
+    columns = _columns(data, first, ends)
+    if columns is None:
+        return as_list()
+    out = ChunkColumns(columns, as_list)
+    _spend(out.nbytes)
+    return out
+
+
+def _columns(data: memoryview, first: int, ends: list[int]) -> list[Any] | None:
+    """Five u64 columns of [u64, u64, u64, u64, u64] arrays, decoded with no Python step per chunk;
+    None where an element is not a fixarray of 5 non-negative ints."""
+    import numpy as np
+    from numpy.lib.stride_tricks import as_strided
+
+    n = len(ends)
+    end = np.array(ends, dtype=np.int64)
+    pos = np.empty(n, dtype=np.int64)
+    pos[0] = first
+    pos[1:] = end[:-1]
+    size = -(-(len(data) + 16) // 8) * 8
+    padded = np.zeros(size, dtype=np.uint8)
+    padded[: len(data)] = np.frombuffer(data, dtype=np.uint8)
+    if (padded[pos] != 0x95).any():
+        return None
+    # word[p]: the 8 bytes from byte p, big-endian (an unaligned, overlapping view: no copy)
+    word = as_strided(padded.view(">u8"), shape=(size - 8,), strides=(1,))
+    width_of = np.frombuffer(_WIDTH, dtype=np.uint8)
+    pos += 1
+    columns = []
+    for _ in range(5):
+        tag = padded[pos]
+        width = width_of[tag]
+        if (width == 255).any():
+            return None
+        if (tag >= 0xD0).any() and (padded[pos[tag >= 0xD0] + 1] >= 0x80).any():
+            return None  # a negative int
+        shift = ((8 - width.astype(np.int64)) * 8).clip(0, 63).astype(np.uint64)
+        value = word[pos + 1].astype(np.uint64) >> shift
+        fixint = width == 0
+        if fixint.any():
+            value[fixint] = tag[fixint]
+        columns.append(value)
+        pos += 1
+        pos += width
+    if (pos != end).any():
+        return None
+    return columns
+
+
+__all__ = ["ChunkColumns", "LazyEntries", "decode_index", "decode_entry", "STREAM_FROM", "BIG_ENTRY", "COLUMNS_FROM"]
