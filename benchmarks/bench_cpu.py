@@ -116,14 +116,6 @@ def entropy_limit(obj: Any, signshift: bool) -> float:
 
 
 # -- formats -----------------------------------------------------------------------------------------
-def fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_container(path: str, parts: list[tuple[str, bytes]]) -> None:
     header = json.dumps([[n, len(b)] for n, b in parts]).encode()
     with open(path, "wb") as f:

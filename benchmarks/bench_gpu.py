@@ -38,6 +38,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from nvckpt.io.atomic import fsync_path
+
 GB = 1e9
 MiB = 1 << 20
 STATES = 4096  # states of the Markov chain the training data comes from
@@ -92,14 +94,6 @@ def drop_caches() -> bool:
     if not ok:
         R["drop_caches"]["error"] = r.stderr.strip()[:200]
     return ok
-
-
-def fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def tree_bytes(path: str) -> int:

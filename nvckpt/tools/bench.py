@@ -25,6 +25,7 @@ import torch
 
 from ..api import load as nvckpt_load
 from ..api import save as nvckpt_save
+from ..io.atomic import fsync_path
 from ._util import on_device
 
 
@@ -157,11 +158,7 @@ def measure_safetensors(obj: Any, path: str, *, repeat: int, raw_bytes: int, dev
 
     def save() -> None:
         st.save_file(flat, path)
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(path)
 
     save_s, _ = best_of(repeat, save)
     load_s, loaded = best_of(repeat, _synced(lambda: st.load_file(path, device=device), device))
