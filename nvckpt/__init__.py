@@ -28,14 +28,14 @@ from .errors import (  # noqa: E402
 _LAZY = {
     "save": "api", "async_save": "api", "load": "api", "open": "api",
     "Checkpoint": "api", "SaveFuture": "api", "SaveResult": "api", "TensorSlice": "api",
-    "release_pinned_memory": "engines.gpu.pinned",
+    "release_pinned_memory": "engines.gpu.pinned", "reserve_pinned_memory": "engines.gpu.pinned",
     "SaveOptions": "options", "LoadOptions": "options", "GpuSaveOptions": "options", "GpuLoadOptions": "options",
 }
 
 __all__ = [
     "save", "async_save", "SaveFuture", "load", "open", "Checkpoint", "TensorSlice", "SaveResult",
     "SaveOptions", "LoadOptions", "GpuSaveOptions", "GpuLoadOptions", "release_pinned_memory",
-    "NvckptError", "FormatError", "TruncatedError", "ChecksumError", "UnsupportedCodecError",
+    "reserve_pinned_memory", "NvckptError", "FormatError", "TruncatedError", "ChecksumError", "UnsupportedCodecError",
     "UnsupportedFeatureError", "LimitError", "UnsupportedObjectError", "TensorNotFoundError", "LeftoverTemporaryWarning",
     "__version__",
 ]

@@ -7,9 +7,12 @@ import io
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import nvckpt
 from conftest import assert_tensor_equal, assert_tree_equal
+from nvckpt.plan.derived import bf16_rne
 
 
 def spec_bf16_rne(master: torch.Tensor) -> torch.Tensor:
@@ -54,7 +57,7 @@ def save_bytes(state, **kwargs) -> bytes:
     return stream.getvalue()
 
 
-def test_bf16_rounding_of_master_is_stored_derived():
+def test_bf16_rounding_of_master_is_stored_derived(rounding_check):
     m = masters()
     w = spec_bf16_rne(m)
     other = torch.randn(64, 64).to(torch.bfloat16)  # not the rounding of any master
@@ -77,8 +80,19 @@ def test_bf16_rounding_of_master_is_stored_derived():
     assert_tree_equal(nvckpt.load(io.BytesIO(plain)), state)
 
 
-@pytest.mark.parametrize("change", ["one_ulp", "nan_payload", "sign_of_zero", "truncated_not_rounded", "shape"])
-def test_bf16_that_is_not_the_rounding_is_stored_as_is(change):
+@pytest.fixture(params=["cast", "integer"])
+def rounding_check(request, monkeypatch):
+    """Both ways find_derived compares: torch's cast first (where it is the SPEC rounding), or integers only."""
+    from nvckpt.plan import derived
+
+    if request.param == "integer":
+        monkeypatch.setattr(derived, "_cast_is_rne", lambda device: False)
+    return request.param
+
+
+@pytest.mark.parametrize("change", ["one_ulp", "nan_payload", "sign_of_zero", "truncated_not_rounded", "shape",
+                                    "torch_cast"])
+def test_bf16_that_is_not_the_rounding_is_stored_as_is(change, rounding_check):
     m = masters()
     w = spec_bf16_rne(m)
     flat = w.view(torch.int16).reshape(-1)
@@ -92,6 +106,9 @@ def test_bf16_that_is_not_the_rounding_is_stored_as_is(change):
         w = (m.view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16)  # round toward zero: differs on ties up
     elif change == "shape":
         w = w.reshape(32, 128)
+    elif change == "torch_cast":  # equal to the SPEC rounding except at NaNs with a payload
+        w = m.to(torch.bfloat16)
+        assert torch.equal(w[~torch.isnan(m)].view(torch.int16), spec_bf16_rne(m)[~torch.isnan(m)].view(torch.int16))
     state = {"master": m, "w": w}
     data = save_bytes(state, derive_bf16=True)
     with nvckpt.open(io.BytesIO(data)) as ck:
@@ -172,3 +189,30 @@ def test_ratio_counts_every_tensor_the_file_restores(tmp_path):
     flat = torch.randn(1000)
     res = nvckpt.save({"a": flat[:600], "b": flat[400:]}, tmp_path / "v.nvckpt", codec="raw")
     assert res.raw_bytes == (600 + 600) * 4  # two views of one 1000-element storage: 4000 bytes stored
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(-(1 << 31), (1 << 31) - 1), min_size=1, max_size=300), st.integers(0, 0xFFFF))
+def test_bf16_rne_is_the_spec_rounding_for_any_bits(words, upper):
+    """nvckpt's rounding (int32 arithmetic, blocked) against the SPEC's, on arbitrary bit patterns, and on
+    every upper half with one lower half (all signs, exponents, NaN payloads; the carry into the exponent)."""
+    every = torch.arange(1 << 16, dtype=torch.int64) << 16 | (upper & 0xFFFF)
+    bits = torch.cat([torch.tensor(words, dtype=torch.int64), every])
+    m = torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32).view(torch.float32)
+    assert torch.equal(bf16_rne(m).view(torch.int16), spec_bf16_rne(m).view(torch.int16))
+
+
+def test_copies_among_tensors_whose_first_bytes_agree():
+    """Same shape, same first 64 bytes: equal ones become copies of the first stored equal one, the others
+    are stored (the comparison runs in rounds over what is still undecided)."""
+    base = torch.zeros(4, 100)
+    variants = [base.clone() for _ in range(7)]
+    variants[2][3, 99] = 1.0  # differs after the head
+    variants[4][3, 99] = 1.0  # equal to variants[2]
+    variants[5][2, 50] = 2.0  # differs from every other
+    state = {f"t{i}": v for i, v in enumerate(variants)}
+    data = save_bytes(state)
+    with nvckpt.open(io.BytesIO(data)) as ck:
+        source = {e.name: (ck.index.tensors[e.derived["source"]].name if e.derived else None) for e in ck.index.tensors}
+    assert source == {"t0": None, "t1": "t0", "t2": None, "t3": "t0", "t4": "t2", "t5": None, "t6": "t0"}
+    assert_tree_equal(nvckpt.load(io.BytesIO(data)), state)

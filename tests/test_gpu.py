@@ -121,6 +121,30 @@ def test_views_tied_and_derived_on_the_gpu(tmp_path):
     assert loaded["tied"][0].data_ptr() == loaded["tied"][1].data_ptr()
 
 
+@pytest.mark.parametrize("check", ["cast", "integer"])
+def test_derived_found_on_the_gpu_bit_for_bit_with_nan_payloads(tmp_path, check, monkeypatch):
+    """On the device: the SPEC rounding is derived (NaN payloads too), torch's own cast (payloads
+    dropped) is not; both ways of comparing (torch's cast, checked to be the SPEC rounding here, or
+    integer arithmetic only) decide alike."""
+    from nvckpt.plan import derived as derived_mod
+
+    if check == "integer":
+        monkeypatch.setattr(derived_mod, "_cast_is_rne", lambda device: False)
+    else:
+        assert derived_mod._cast_is_rne(torch.device(DEV))
+    g = torch.Generator(device=DEV).manual_seed(5)
+    m = torch.randn(3000, 1500, device=DEV, generator=g)  # more than one block of the integer comparison
+    m.view(torch.int32).view(-1)[:4] = torch.tensor([0x7FC12345, 0x7F800001, 0x00000001, 0x7F7FFFFF],
+                                                    dtype=torch.int64).to(torch.int32).to(DEV)
+    state = {"m": m, "spec": derived_mod.bf16_rne(m), "torch": m.to(torch.bfloat16)}
+    path = tmp_path / "nan.nvckpt"
+    nvckpt.save(state, path)
+    with nvckpt.open(path) as ck:
+        kinds = {e.name: (e.derived or {}).get("function") for e in ck.index.tensors}
+    assert kinds == {"m": None, "spec": "bf16_rne", "torch": None}
+    assert_tree_equal(nvckpt.load(path, device="cuda"), state)
+
+
 def test_gpu_portable_file_loads_on_cpu_and_cpu_file_loads_on_gpu(tmp_path):
     state = {"w": torch.randn(2000, 300, device=DEV).to(torch.bfloat16), "f": torch.randn(512, 512, device=DEV),
              "i": torch.randint(0, 50, (40_000,), device=DEV, dtype=torch.int32)}
@@ -219,6 +243,23 @@ def test_async_save_holds_the_values_at_call_time(tmp_path, room):
     assert_tree_equal(nvckpt.load(tmp_path / "a.nvckpt", device="cuda"), expected)
     if room == "device":
         assert future.blocked_seconds < 1.0, future.blocked_seconds
+
+
+def test_read_ahead_pins_the_compressed_bytes_and_takes_reserved_slots(tmp_path):
+    """Pinned slots hold the chunks packed (compressed sizes, not nvCOMP's worst-case bound), and a reserve
+    made beforehand is what the save uses: it pins nothing new."""
+    from nvckpt.engines.gpu.pinned import PINNED
+
+    nvckpt.release_pinned_memory()
+    state = big_gpu_state()
+    opts = GpuSaveOptions(memory_budget=64 << 20, slot_bytes=16 << 20)
+    assert nvckpt.reserve_pinned_memory(256 << 20, slot_bytes=16 << 20) >= 256 << 20
+    reserved = PINNED.cached
+    result = nvckpt.async_save(state, tmp_path / "p.nvckpt", gpu=opts).result(timeout=120)
+    assert result.stats["pinned_bytes"] <= result.file_bytes + 4 * (16 << 20), result.stats
+    assert PINNED.cached == reserved  # every slot came from the reserve and went back to it
+    assert_tree_equal(nvckpt.load(tmp_path / "p.nvckpt", device="cuda"), state)
+    assert nvckpt.release_pinned_memory() >= 256 << 20
 
 
 def test_cancelled_gpu_async_save_keeps_old_file(tmp_path):

@@ -16,6 +16,8 @@ from concurrent.futures import CancelledError
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import nvckpt
 from conftest import assert_tensor_equal, assert_tree_equal, small_training_state
@@ -30,6 +32,8 @@ from nvckpt.plan.dtypes import to_torch
 from nvckpt.plan.walk import plan_save
 from nvckpt.session.file import CheckpointFile as Reader
 from nvckpt.session.save import write_items, writer_info
+from nvckpt.engines.gpu import batching
+from nvckpt.engines.gpu.pinned import PINNED
 from nvckpt.engines.gpu.batching import (
     ChunkJob,
     SlotPool,
@@ -82,17 +86,56 @@ def test_plan_batches_rejects_a_chunk_larger_than_a_batch():
         plan_batches(jobs_of([[5000]]), cap_of, batch_bytes=4096, max_chunks=8)
 
 
+def _check_runs(runs, cap, lengths, slot):
+    assert runs[0].first == 0 and runs[-1].stop == len(lengths)
+    assert all(a.stop == b.first for a, b in zip(runs, runs[1:]))
+    for r in runs:
+        assert len(r.offsets) == r.stop - r.first and r.used <= slot
+        ends = [r.offsets[i - r.first] + lengths[i] for i in range(r.first, r.stop)]
+        assert all(e <= o for e, o in zip(ends, r.offsets[1:]))  # packed in order, never overlapping
+        covered = []
+        for a, b, device_at, slot_at, n in r.copies:  # each copy moves whole chunks at their device places
+            assert r.first <= a < b <= r.stop and device_at == a * cap
+            assert all(r.offsets[i - r.first] == slot_at + (i - a) * cap for i in range(a, b))
+            assert slot_at + n == r.offsets[b - 1 - r.first] + lengths[b - 1]
+            covered.extend(range(a, b))
+        assert covered == list(range(r.first, r.stop))
+
+
 def test_copy_groups_fit_slots_and_cover_the_batch():
     cap, slot = 1000, 2500
     lengths = [900, 10, 1000, 999, 1, 700, 1000]
-    groups = copy_groups(cap, lengths, slot)
-    assert groups[0][0] == 0 and groups[-1][1] == len(lengths)
-    assert all(a[1] == b[0] for a, b in zip(groups, groups[1:]))
-    for first, stop in groups:
-        assert (stop - 1 - first) * cap + lengths[stop - 1] <= slot
+    runs = copy_groups(cap, lengths, slot, max_gap=0)
+    _check_runs(runs, cap, lengths, slot)
+    # Packed: the slots hold the compressed bytes, not capacity x chunks.
+    assert [r.used for r in runs] == [sum(lengths[r.first:r.stop]) for r in runs]
+    assert len(runs) == 3
+    # Small gaps share one copy (many small chunks, one copy each would cost more than the gap).
+    merged = copy_groups(cap, [995, 990, 900, 10], 4000, max_gap=16)
+    _check_runs(merged, cap, [995, 990, 900, 10], 4000)
+    assert [(a, b) for a, b, *_ in merged[0].copies] == [(0, 3), (3, 4)]
+    # A batch continues the slot the previous one ended in when its first chunk fits there.
+    more = copy_groups(cap, [600, 900], slot, start=1800, max_gap=0)
+    assert more[0].shares and more[0].offsets == (1800,) and not more[1].shares and more[1].offsets == (0,)
+    assert not copy_groups(cap, [800], slot, start=1800)[0].shares
     assert copy_groups(cap, [], slot) == []
     with pytest.raises(ValueError):
         copy_groups(cap, [1001], slot)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 64), st.lists(st.integers(1, 64), min_size=1, max_size=40), st.integers(0, 3),
+       st.integers(0, 80))
+def test_copy_groups_properties(cap, raw_lengths, extra, gap):
+    lengths = [min(n, cap) for n in raw_lengths]
+    slot = cap * (1 + extra)
+    _check_runs(copy_groups(cap, lengths, slot, max_gap=gap), cap, lengths, slot)
+    start = min(gap, slot)  # a slot already filled this far
+    runs = copy_groups(cap, lengths, slot, start=start, max_gap=gap)
+    assert runs[0].shares == (start + lengths[0] <= slot)
+    if runs[0].shares:
+        assert min(runs[0].offsets) == start
+    assert not any(r.shares for r in runs[1:])
 
 
 class _Chunk:
@@ -161,8 +204,15 @@ def host_save(state, codec="auto", chunk_size=64 * KiB):
     return buf, stats
 
 
-@pytest.mark.parametrize("codec", ["auto", "raw"])
-def test_gpu_pipeline_with_cpu_codecs_roundtrips(codec):
+@pytest.mark.parametrize("codec,gap,gather", [("auto", None, True), ("raw", None, True), ("auto", 0, True),
+                                             ("raw", 0, True), ("auto", 0, False), ("raw", 0, False)])
+def test_gpu_pipeline_with_cpu_codecs_roundtrips(codec, gap, gather, monkeypatch):
+    from nvckpt.engines.gpu import encode
+
+    if gap is not None:  # every chunk its own packed copy (on a GPU: ANS's bound leaves large gaps)
+        monkeypatch.setattr(batching, "COPY_GAP", gap)
+    if not gather:  # each piece copied by itself, not packed on the "device" first
+        monkeypatch.setattr(encode, "gather_bytes", lambda options, budget: 0)
     state = mixed_state()
     buf, stats = host_save(state, codec)
     assert stats["chunks"] > 20 and stats["batches"] > 3
@@ -523,3 +573,130 @@ def test_the_engine_refuses_a_budget_too_small_for_one_chunk():
     plan = plan_save({"w": torch.randn(512, 1024)}, chunk_size=1 << 20)
     with pytest.raises(ValueError, match="memory_budget"):
         list(encode_batches(plan, chooser("raw", 1), HostBackend(), GpuSaveOptions(memory_budget=1 << 20)))
+
+
+@pytest.mark.parametrize("pinned_limit", [None, 400 * KiB])
+def test_read_ahead_session_reads_before_it_opens_the_file(tmp_path, monkeypatch, pinned_limit):
+    """A read-ahead save (async_save on the GPU engine, here on the host backend) reads every tensor before
+    it lists leftovers, opens the temporary file or packs the index: the caller waits for the reads only.
+    Beyond the pinned limit it must write while it reads, and does."""
+    from nvckpt.session import save as session_save
+
+    state = {"w": torch.randn(400, 1000), "b": torch.randn(1000)}
+    options = nvckpt.SaveOptions(chunk_size=64 * KiB, gpu=GpuSaveOptions(batch_bytes=300 * KiB, slot_bytes=200 * KiB, pinned_slots=2,
+                                                    pinned_limit=pinned_limit))
+    session = session_save.SaveSession(state, tmp_path / "r.nvckpt", options)
+    session.tensors_read = threading.Event()
+    monkeypatch.setattr(session, "_items", lambda: (encode_batches(
+        session.plan, chooser("auto", 1), HostBackend(), options.gpu, read_ahead=session.tensors_read), {}))
+    seen = []
+    real = session_save.leftover_temporaries
+    monkeypatch.setattr(session_save, "leftover_temporaries", lambda p: seen.append(session.tensors_read.is_set()) or real(p))
+    result = session.run()
+    assert seen == [pinned_limit is None]
+    assert {"walk", "derived", "start_engine"} <= result.stats["phases"].keys()
+    assert_tree_equal(nvckpt.load(tmp_path / "r.nvckpt"), state)
+
+
+def test_reserve_pinned_memory_tops_up_the_cache_the_engine_takes_from(monkeypatch):
+    from nvckpt.engines.gpu import pinned
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(batching, "aligned_host_buffer", lambda size, pin: torch.empty(size, dtype=torch.uint8))
+    PINNED.release()
+    slot = SMALL.slot_bytes
+    assert nvckpt.reserve_pinned_memory(3 * slot - 1, slot_bytes=slot) == 3 * slot  # whole slots
+    assert nvckpt.reserve_pinned_memory(2 * slot, slot_bytes=slot) == 3 * slot  # kept ones count
+    assert nvckpt.reserve_pinned_memory(5 * slot, slot_bytes=slot) == 5 * slot and PINNED.in_use == 0
+    made = []
+
+    class Counting(HostBackend):
+        def host_buffer(self, size):
+            made.append(size)
+            return super().host_buffer(size)
+
+    plan = plan_save(mixed_state(), chunk_size=64 * KiB)  # its slots come from the reserve: it pins nothing
+    write_items(io.BytesIO(), encode_batches(plan, chooser("auto", 1), Counting(), SMALL), plan, alignment=4096,
+                info=writer_info())
+    assert made == [] and PINNED.cached_of(slot) == 5 and PINNED.in_use == 0
+    with pytest.raises(ValueError, match="slot_bytes"):
+        pinned.reserve_pinned_memory(10, slot_bytes=0)
+    assert nvckpt.release_pinned_memory() == 5 * slot
+
+
+def test_reserve_pinned_memory_needs_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    PINNED.release()
+    with pytest.raises(RuntimeError, match="needs CUDA"):
+        nvckpt.reserve_pinned_memory(1 << 20)
+    assert nvckpt.reserve_pinned_memory(0) == 0
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+def test_slots_shared_by_small_batches_are_freed_and_reused(slots):
+    """Runs of several batches share a slot; with a single slot the writer still frees it (no deadlock)."""
+    opts = GpuSaveOptions(batch_bytes=40 * KiB, slot_bytes=200 * KiB, pinned_slots=slots, piece_bytes=50 * KiB)
+    state = mixed_state()
+    plan = plan_save(state, chunk_size=16 * KiB)
+    stats = {}
+    buf = io.BytesIO()
+    write_items(buf, encode_batches(plan, chooser("auto", 1), HostBackend(), opts, stats=stats), plan,
+                alignment=4096, info=writer_info())
+    assert stats["batches"] > 20 and stats["pinned_bytes"] == slots * 200 * KiB
+    buf.seek(0)
+    assert_tree_equal(nvckpt.load(buf), state)
+
+
+def test_read_ahead_packs_small_batches_into_few_slots():
+    """Read ahead holds the whole compressed state: about its size in slots, not a slot per batch."""
+    state = mixed_state()
+    plan = plan_save(state, chunk_size=16 * KiB)
+    opts = GpuSaveOptions(batch_bytes=40 * KiB, slot_bytes=200 * KiB, pinned_slots=2, piece_bytes=50 * KiB)
+    stats = {}
+    items = encode_batches(plan, chooser("auto", 1), HostBackend(), opts, stats=stats, read_ahead=threading.Event())
+    write_items(io.BytesIO(), items, plan, alignment=4096, info=writer_info())
+    assert stats["batches"] > 20
+    assert stats["pinned_bytes"] <= stats["stored_bytes"] + 2 * 200 * KiB, stats
+
+
+@pytest.mark.parametrize("who", ["engine", "other_thread"])
+@pytest.mark.parametrize("pinned_limit", [None, 400 * KiB])
+def test_read_ahead_reads_the_rest_while_derived_candidates_are_verified(who, pinned_limit):
+    """plan_save(defer=True): the engine reads every decided tensor first and the candidates (bf16
+    roundings, copies) once verified -- by another thread (async_save's caller) or by itself -- and
+    no chunk reaches the writer before every tensor's storage is known."""
+    from nvckpt.plan.derived import bf16_rne
+
+    torch.manual_seed(4)
+    master = {f"w{i}": torch.randn(200, 300) for i in range(3)}
+    state = {"master": master, "model": {k: bf16_rne(v) for k, v in master.items()},
+             "copy": master["w1"].clone(), "other": torch.randn(300, 200).to(torch.bfloat16), "ids": torch.arange(5000)}
+    plan = plan_save(state, chunk_size=64 * KiB, derive=True, copies=True, defer=True)
+    assert plan.undecided  # the bf16 weights and the clone
+    read = threading.Event()
+    opts = GpuSaveOptions(batch_bytes=300 * KiB, slot_bytes=200 * KiB, pinned_slots=2, piece_bytes=50 * KiB,
+                          pinned_limit=pinned_limit)
+    items = encode_batches(plan, chooser("auto", 1), HostBackend(), opts, read_ahead=read, tensor_checksums=False)
+    if who == "other_thread":
+        threading.Timer(0.05, plan.decide).start()
+
+    def checked():
+        for item in items:
+            if isinstance(item, EncodedChunk):
+                assert not plan.undecided
+            yield item
+
+    buf = io.BytesIO()
+    # The writer is made once the engine hands over its first item, as a read-ahead session does.
+    first = iter(checked())
+    head = next(first)
+    import itertools
+    write_items(buf, itertools.chain([head], first), plan, alignment=4096, info=writer_info())
+    buf.seek(0)
+    with nvckpt.open(buf) as ck:
+        kinds = {e.name: (e.derived or {}).get("function") for e in ck.index.tensors}
+    assert kinds["model/w0"] == kinds["model/w2"] == "bf16_rne" and kinds["copy"] == "copy"
+    assert kinds["other"] is None and kinds["master/w1"] is None
+    buf.seek(0)
+    assert_tree_equal(nvckpt.load(buf), state)
+    assert "derived_verify" in plan.seconds

@@ -104,8 +104,27 @@ class Pipeline:
     def needs_gpu(self) -> bool:
         return any(s.needs_gpu for s in self.steps)
 
+    def __hash__(self) -> int:
+        # Computed once: engines key their tables by pipeline, per chunk (thousands per save).
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = self.__dict__["_hash"] = hash(self.steps)
+        return h
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Without the cached values: a str hash differs in another process.
+        return {k: v for k, v in self.__dict__.items() if k not in ("_hash", "_device_op")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
     def device_op(self) -> DeviceOp | None:
         """This pipeline as one batched device call, or None where a step has no device form."""
+        if "_device_op" not in self.__dict__:
+            self.__dict__["_device_op"] = self._device_op()
+        return self.__dict__["_device_op"]
+
+    def _device_op(self) -> DeviceOp | None:
         if self.is_raw:
             return None
         fields: dict[str, Any] = {}

@@ -13,6 +13,7 @@ then verified in full.
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,6 +26,15 @@ if TYPE_CHECKING:
 _BLOCK = 1 << 22  # elements per step: bounds the int64 temporaries
 
 
+def _rne_bits(u: torch.Tensor) -> torch.Tensor:
+    """int16 bits of bf16_rne for int32 bits ``u`` of float32 values, in int32 arithmetic: for every
+    non-NaN value the upper half plus the carry of rounding the lower half stays within int16."""
+    hi = u >> 16  # arithmetic shift: the upper half as a signed 16-bit value
+    rounded = hi + (((u & 0xFFFF) + 0x7FFF + (hi & 1)) >> 16)
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    return torch.where(nan, hi | 0x0040, rounded).to(torch.int16)
+
+
 def bf16_rne(source: torch.Tensor) -> torch.Tensor:
     """bfloat16 bits of ``source`` (float32) rounded to nearest even."""
     if source.dtype != torch.float32:
@@ -32,12 +42,52 @@ def bf16_rne(source: torch.Tensor) -> torch.Tensor:
     flat = source.reshape(-1).view(torch.int32)
     out = torch.empty(flat.shape, dtype=torch.int16, device=source.device)
     for start in range(0, flat.numel(), _BLOCK):
-        u = flat[start : start + _BLOCK].to(torch.int64) & 0xFFFFFFFF
-        rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-        quiet_nan = (u >> 16) | 0x0040
-        bits = torch.where((u & 0x7FFFFFFF) > 0x7F800000, quiet_nan, rounded) & 0xFFFF
-        out[start : start + _BLOCK] = torch.where(bits >= 0x8000, bits - 0x10000, bits).to(torch.int16)
+        out[start: start + _BLOCK] = _rne_bits(flat[start: start + _BLOCK])
     return out.view(torch.bfloat16).reshape(source.shape)
+
+
+def _differs_from_rne(candidate: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool tensor on their device: does bf16 ``candidate`` differ from bf16_rne(``source``)?
+    Computed without waiting for the device, so many pairs cost one synchronisation."""
+    c, s = candidate.reshape(-1).view(torch.int16), source.reshape(-1).view(torch.int32)
+    flags = [(_rne_bits(s[i: i + _BLOCK]) != c[i: i + _BLOCK]).any() for i in range(0, s.numel(), _BLOCK)]
+    return flags[0] if len(flags) == 1 else torch.stack(flags).any()
+
+
+_FAST_BLOCK = 1 << 24  # elements per step of the cast comparison (a bf16 and three bool temporaries)
+_CAST_IS_RNE: dict[torch.device, bool] = {}
+
+
+def _cast_is_rne(device: torch.device) -> bool:
+    """Is torch's float32 -> bfloat16 cast SPEC's bf16_rne for every non-NaN value on ``device``?
+
+    Checked once per device on every upper half-word with lower halves at and around the rounding
+    points (ties, one above and below, zero, all ones): signs, exponents, denormals, overflow to inf.
+    (For NaN it differs: torch's cast drops the payload.)"""
+    ok = _CAST_IS_RNE.get(device)
+    if ok is None:
+        upper = torch.arange(1 << 16, dtype=torch.int64, device=device) << 16
+        lower = torch.tensor([0, 1, 0x7FFE, 0x7FFF, 0x8000, 0x8001, 0xC000, 0xFFFF], dtype=torch.int64, device=device)
+        bits = (upper[:, None] | lower[None, :]).reshape(-1)
+        u = torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32)
+        f = u.view(torch.float32)
+        keep = ~torch.isnan(f)
+        ok = _CAST_IS_RNE[device] = torch.equal(f.to(torch.bfloat16).view(torch.int16)[keep], _rne_bits(u)[keep])
+    return ok
+
+
+def _may_differ_from_rne(candidate: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """Like _differs_from_rne, in ~5 kernels instead of ~15 when torch's cast is the SPEC rounding here:
+    False means equal; True (a difference, or a NaN in the source) needs the exact comparison."""
+    if not _cast_is_rne(source.device):
+        return _differs_from_rne(candidate, source)
+    if source.numel() <= _FAST_BLOCK:  # most tensors: as they are, no reshapes
+        return torch.ne(source.to(torch.bfloat16).view(torch.int16), candidate.view(torch.int16)).logical_or_(
+            torch.isnan(source)).any()
+    c, s = candidate.reshape(-1).view(torch.int16), source.reshape(-1)
+    flags = [torch.ne(s[i: i + _FAST_BLOCK].to(torch.bfloat16).view(torch.int16), c[i: i + _FAST_BLOCK]).logical_or_(
+        torch.isnan(s[i: i + _FAST_BLOCK])).any() for i in range(0, s.numel(), _FAST_BLOCK)]
+    return torch.stack(flags).any()
 
 
 def is_bf16_rne_of(candidate: torch.Tensor, source: torch.Tensor) -> bool:
@@ -46,83 +96,190 @@ def is_bf16_rne_of(candidate: torch.Tensor, source: torch.Tensor) -> bool:
         return False
     if candidate.device != source.device:
         return False
-    c, s = candidate.reshape(-1), source.reshape(-1)
-    head = min(64, c.numel())  # cheap rejection of most non-matching pairs
-    if not torch.equal(bf16_rne(s[:head]).view(torch.int16), c[:head].view(torch.int16)):
-        return False
-    return torch.equal(bf16_rne(s).view(torch.int16), c.view(torch.int16))
+    return not bool(_differs_from_rne(candidate, source))
 
 
-def find_derived(tensors: list[PlannedTensor]) -> None:
-    """Store a bf16 tensor as derived when it is exactly bf16_rne of a stored fp32 one.
+class DerivedSearch:
+    """Finding derived tensors in two steps: ``DerivedSearch(...)`` picks the candidates (cheap: one
+    host copy of every candidate's first bytes), ``verify()`` compares them in full and marks what is
+    derived.  ``undecided``: ids of the tensors whose storage ``verify`` may still change; a read-ahead
+    async_save reads every other tensor meanwhile (nvckpt.engines.gpu.encode).
 
-    Candidates are first matched on the rounding of their first 64 elements
-    (computed for all tensors of a device at once), so a state with hundreds
-    of same-shaped tensors (biases, norms, Adam moments) costs one full
-    comparison per bf16 tensor instead of one per same-shaped pair."""
-    sources = [t for t in tensors
-               if t.data is not None and t.entry["dtype"] == "float32" and not t.entry.get("internal")]
-    candidates = [t for t in tensors if t.data is not None and t.entry["dtype"] == "bfloat16"
-                  and t.data.numel() > 0 and not t.entry.get("internal")]
-    if not sources or not candidates:
-        return
-    index: dict[tuple, list[PlannedTensor]] = {}
-    for t, head in zip(sources, _heads(sources, rne=True)):
-        index.setdefault((tuple(t.entry["shape"]), t.data.device, head), []).append(t)
-    for t, head in zip(candidates, _heads(candidates, rne=False)):
-        for src in index.get((tuple(t.entry["shape"]), t.data.device, head), []):
-            if is_bf16_rne_of(t.data, src.data):  # verified bit for bit before use
+    bf16: a bf16 tensor is stored as bf16_rne of a stored fp32 one of its shape when it is exactly its
+    rounding.  Candidates are matched on the rounding of their first 64 elements (computed for all
+    tensors of a device at once), so a state with hundreds of same-shaped tensors (biases, norms, Adam
+    moments) costs one full comparison per bf16 tensor instead of one per same-shaped pair; the full
+    comparisons of all pairs are issued together and read back with one synchronisation per device (a
+    per-pair wait costs more than the comparison).
+
+    copies: a tensor is stored as a ``copy`` of an earlier one when their bytes, dtype and shape are
+    equal (different storages: tensors of one storage are views already, walk._dedupe).  Tensors of one
+    dtype and shape with equal first bytes are compared in rounds: all still undecided ones against their
+    class's newest stored tensor at once; the first that differs is stored and is the next round's
+    tensor to compare with.  Usually one round."""
+
+    def __init__(self, tensors: list[PlannedTensor], *, bf16: bool, copies: bool) -> None:
+        self.tensors = tensors
+        self.pairs: list[tuple[PlannedTensor, PlannedTensor]] = []  # (bf16 candidate, fp32 source), source order
+        self.classes: list[list[PlannedTensor]] = []  # possible copies: same dtype, shape, device, first bytes
+        if bf16:
+            self._bf16_candidates()
+        if copies:
+            self._copy_candidates()
+        self.undecided = {t.tensor_id for t, _ in self.pairs} | {t.tensor_id for c in self.classes for t in c}
+
+    def _bf16_candidates(self) -> None:
+        sources = [t for t in self.tensors
+                   if t.data is not None and t.entry["dtype"] == "float32" and not t.entry.get("internal")]
+        candidates = [t for t in self.tensors if t.data is not None and t.entry["dtype"] == "bfloat16"
+                      and t.data.numel() > 0 and not t.entry.get("internal")]
+        if not sources or not candidates:
+            return
+        index: dict[tuple, list[PlannedTensor]] = {}
+        for t, head in zip(sources, _heads(sources, rne=True)):
+            index.setdefault((tuple(t.entry["shape"]), t.data.device, head), []).append(t)
+        self.pairs = [(t, src) for t, head in zip(candidates, _heads(candidates, rne=False))
+                      for src in index.get((tuple(t.entry["shape"]), t.data.device, head), [])]
+
+    def _copy_candidates(self) -> None:
+        stored = [t for t in self.tensors if t.data is not None and t.data.numel() > 0 and not t.entry.get("internal")]
+        groups: dict[tuple, list[PlannedTensor]] = {}
+        for t in stored:
+            groups.setdefault((t.entry["dtype"], tuple(t.entry["shape"]), t.data.device), []).append(t)
+        flat = [t for g in groups.values() if len(g) > 1 for t in g]
+        if not flat:
+            return
+        classes: dict[tuple, list[PlannedTensor]] = {}
+        for t, head in zip(flat, _heads(flat, rne=False, raw=True)):
+            classes.setdefault((t.entry["dtype"], tuple(t.entry["shape"]), t.data.device, head), []).append(t)
+        self.classes = [c for c in classes.values() if len(c) > 1]
+
+    def verify(self) -> None:
+        """Compare the candidates in full and mark the derived tensors (bf16 roundings, then copies).
+
+        On a GPU the comparisons run on a high-priority stream (after the current stream's work): a
+        read-ahead async_save runs them beside the engine's encodes, which would otherwise hold every
+        multiprocessor while the comparisons wait behind them."""
+        devices = {t.data.device for t, _ in self.pairs} | {t.data.device for c in self.classes for t in c}
+        with torch.no_grad(), contextlib.ExitStack() as stack:
+            for device in devices:
+                if device.type == "cuda":
+                    stream = _priority_stream(device)
+                    stream.wait_stream(torch.cuda.current_stream(device))
+                    stack.enter_context(torch.cuda.stream(stream))
+            if self.pairs:
+                self._verify_bf16()
+            if self.classes:
+                self._verify_copies()
+
+    def _verify_bf16(self) -> None:
+        pairs = self.pairs
+        differs = _all_on_host([_may_differ_from_rne(t.data, src.data) for t, src in pairs])
+        again = [k for k, d in enumerate(differs) if d]  # a difference, or NaNs: decided exactly
+        for k, d in zip(again, _all_on_host([_differs_from_rne(pairs[k][0].data, pairs[k][1].data) for k in again])):
+            differs[k] = d
+        for (t, src), bad in zip(pairs, differs):
+            if t.data is not None and not bad:  # verified bit for bit; the first matching source wins
                 t.entry["derived"] = {"function": BF16_RNE, "source": src.tensor_id}
                 t.data = None
                 t.chunks = []
-                break
+
+    def _verify_copies(self) -> None:
+        sources_of_rne: dict[int, list[PlannedTensor]] = {}
+        for t in self.tensors:
+            d = t.entry.get("derived")
+            if d is not None and d["function"] == BF16_RNE:
+                sources_of_rne.setdefault(d["source"], []).append(t)
+        classes = [[t for t in c if t.data is not None] for c in self.classes]  # bf16 ones may be derived now
+        work = [(c[0], c[1:]) for c in classes if len(c) > 1]  # (stored tensor, undecided after it)
+        while work:
+            pairs = [(t, rep) for rep, rest in work for t in rest]
+            equal = _all_on_host([~(rep.flat_bytes() != t.flat_bytes()).any() for t, rep in pairs])
+            decided = {id(t): rep for (t, rep), same in zip(pairs, equal) if same}
+            next_work = []
+            for rep, rest in work:
+                left = []
+                for t in rest:
+                    if id(t) in decided:  # bit for bit, on their device
+                        t.entry["derived"] = {"function": COPY, "source": rep.tensor_id}
+                        t.data = None
+                        t.chunks = []
+                        for r in sources_of_rne.pop(t.tensor_id, []):  # a rounding's source must stay stored
+                            r.entry["derived"]["source"] = rep.tensor_id
+                            sources_of_rne.setdefault(rep.tensor_id, []).append(r)
+                    else:
+                        left.append(t)
+                if len(left) > 1:
+                    next_work.append((left[0], left[1:]))
+            work = next_work
+
+
+_STREAMS: dict[torch.device, Any] = {}
+
+
+def _priority_stream(device: torch.device) -> Any:
+    stream = _STREAMS.get(device)
+    if stream is None:
+        stream = _STREAMS[device] = torch.cuda.Stream(device, priority=-1)  # torch's high priority
+    return stream
+
+
+def find_derived(tensors: list[PlannedTensor]) -> None:
+    """Mark bf16 tensors that are exactly bf16_rne of a stored fp32 one as derived (DerivedSearch)."""
+    DerivedSearch(tensors, bf16=True, copies=False).verify()
 
 
 def find_copies(tensors: list[PlannedTensor]) -> None:
-    """Store a tensor as a ``copy`` of an earlier one when their bytes, dtype and shape are equal
-    (different storages: tensors of one storage are views already, walk._dedupe)."""
-    stored = [t for t in tensors if t.data is not None and t.data.numel() > 0 and not t.entry.get("internal")]
-    groups: dict[tuple, list[PlannedTensor]] = {}
-    for t in stored:
-        groups.setdefault((t.entry["dtype"], tuple(t.entry["shape"]), t.data.device), []).append(t)
-    candidates = [g for g in groups.values() if len(g) > 1]
-    if not candidates:
-        return
-    flat = [t for g in candidates for t in g]
-    heads = dict(zip((id(t) for t in flat), _heads(flat, rne=False, raw=True)))
-    for group in candidates:
-        firsts: dict[bytes, list[PlannedTensor]] = {}
-        for t in group:
-            head = heads[id(t)]
-            for src in firsts.get(head, []):
-                if torch.equal(src.flat_bytes(), t.flat_bytes()):  # bit for bit, on their device
-                    t.entry["derived"] = {"function": COPY, "source": src.tensor_id}
-                    t.data = None
-                    t.chunks = []
-                    break
-            else:
-                firsts.setdefault(head, []).append(t)
+    """Mark tensors bit for bit equal to an earlier stored one as its copy (DerivedSearch)."""
+    DerivedSearch(tensors, bf16=False, copies=True).verify()
 
 
-def _heads(tensors: list[PlannedTensor], *, rne: bool, raw: bool = False) -> list[bytes]:
-    """The bf16 bits of each tensor's first 64 elements (rounded from fp32 with ``rne``): one host copy per device."""
-    out: list[bytes] = [b""] * len(tensors)
+def _all_on_host(flags: list[torch.Tensor]) -> list[bool]:
+    """0-d bool tensors (on any devices) as Python bools, one device-to-host copy per device."""
+    out: list[bool] = [False] * len(flags)
     by_device: dict[Any, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_device.setdefault(t.data.device, []).append(i)
+    for i, f in enumerate(flags):
+        by_device.setdefault(f.device, []).append(i)
     for idx in by_device.values():
-        if raw:  # the first 64 bytes, any dtype
-            parts = [tensors[i].flat_bytes()[:64] for i in idx]
-            bits = torch.cat(parts).cpu().numpy()
-        else:
-            parts = [tensors[i].data.reshape(-1)[:64] for i in idx]
-            flat = torch.cat(parts)
-            bits = (bf16_rne(flat) if rne else flat).view(torch.int16).cpu().numpy()
-        at = 0
-        for i, part in zip(idx, parts):
-            out[i] = bits[at: at + part.numel()].tobytes()
-            at += part.numel()
+        for i, v in zip(idx, torch.stack([flags[i] for i in idx]).cpu().tolist()):
+            out[i] = bool(v)
     return out
 
 
-__all__ = ["bf16_rne", "is_bf16_rne_of", "find_derived", "find_copies"]
+_HEAD_BYTES = 64
+
+
+def _first(t: torch.Tensor, n: int) -> torch.Tensor:
+    """The first ``n`` elements of ``t`` in C order, as one view op where ``t`` is contiguous."""
+    n = min(n, t.numel())
+    return t.as_strided((n,), (1,)) if t.is_contiguous() else t.reshape(-1)[:n]
+
+
+def _heads(tensors: list[PlannedTensor], *, rne: bool, raw: bool = False) -> list[bytes]:
+    """The bf16 bits of each tensor's first 64 elements (rounded from fp32 with ``rne``), or with ``raw``
+    its first 64 bytes (any dtype): one concatenation and one host copy per device and dtype."""
+    out: list[bytes] = [b""] * len(tensors)
+    groups: dict[Any, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.data.device, t.data.dtype), []).append(i)
+    for (_, dtype), idx in groups.items():
+        if raw:  # the first 64 bytes: as many elements as fill them
+            count = max(1, _HEAD_BYTES // tensors[idx[0]].data.element_size())
+            parts = [_first(tensors[i].data, count) for i in idx]
+            flat = torch.cat(parts)
+            bits = (flat.view(torch.uint8) if dtype != torch.bool else flat.to(torch.uint8)).cpu().numpy()
+            scale = max(1, tensors[idx[0]].data.element_size())
+        else:
+            parts = [_first(tensors[i].data, _HEAD_BYTES) for i in idx]
+            flat = torch.cat(parts)
+            bits = (bf16_rne(flat) if rne else flat).view(torch.int16).cpu().numpy()
+            scale = 1
+        at = 0
+        for i, part in zip(idx, parts):
+            n = part.numel() * scale
+            out[i] = bits[at: at + n].tobytes()
+            at += n
+    return out
+
+
+__all__ = ["bf16_rne", "is_bf16_rne_of", "DerivedSearch", "find_derived", "find_copies"]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import math
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +21,7 @@ from ..format.constants import MAX_NAME_BYTES, MAX_RANK, MAX_TENSOR_BYTES, MAX_T
 from ..format.dtypes import DTYPES
 from ..format.tree import BigInt, DeviceName, DtypeName, TensorRef, escape, same_value, set_item_problem, tree_features
 from .chunking import CPU_CHUNK_SIZE, check_chunk_size, chunk_ranges
-from .derived import find_copies, find_derived
+from .derived import DerivedSearch
 from .dtypes import name_of
 
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
@@ -61,6 +63,41 @@ class SavePlan:
     tensors: list[PlannedTensor]
     metadata: dict[str, Any]
     required_features: int = 0  # SPEC 3: FEATURE_TYPED_TREE when the tree holds a typed extension (SPEC 9.2)
+    seconds: dict[str, float] = field(default_factory=dict)  # what planning took: walk, derived tensors
+    _search: Any = field(default=None, repr=False)  # a DerivedSearch not yet verified (plan_save(defer=True))
+    _decided: threading.Event = field(default_factory=threading.Event, repr=False)
+    _decide_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _decide_error: BaseException | None = field(default=None, repr=False)
+
+    @property
+    def undecided(self) -> set[int]:
+        """Tensor ids whose storage (stored, derived) ``decide`` may still change."""
+        search = self._search  # read once: decide() in another thread drops it
+        return set() if self._decided.is_set() or search is None else set(search.undecided)
+
+    def decide(self) -> None:
+        """Verify the derived-tensor candidates (once; other callers wait for it, and see its error)."""
+        with self._decide_lock:
+            if not self._decided.is_set():
+                started = time.perf_counter()
+                try:
+                    if self._search is not None:
+                        self._search.verify()
+                except BaseException as exc:
+                    self._decide_error = exc
+                    raise
+                finally:
+                    self._search = None
+                    self.seconds["derived_verify"] = time.perf_counter() - started
+                    self._decided.set()
+        if self._decide_error is not None:
+            raise self._decide_error
+
+    def wait_decided(self) -> None:
+        """Until another thread's ``decide`` has run (raises its error)."""
+        self._decided.wait()
+        if self._decide_error is not None:
+            raise self._decide_error
 
     def data_tensors(self) -> list[PlannedTensor]:
         return [t for t in self.tensors if t.data is not None]
@@ -177,8 +214,15 @@ def plan_save(
     chunk_size: int = CPU_CHUNK_SIZE,
     derive: bool = False,
     copies: bool = False,
+    defer: bool = False,
 ) -> SavePlan:
+    """The plan of saving ``obj``: its tree, one PlannedTensor per distinct tensor, their chunks.
+
+    ``derive``: find bf16 tensors that are the rounding of a stored fp32 one; ``copies``: find exact
+    copies.  ``defer``: only pick the candidates; ``SavePlan.decide()`` verifies them later (until then
+    ``undecided`` names the tensors whose storage may change)."""
     check_chunk_size(chunk_size)
+    started = time.perf_counter()
     leaves: list[tuple[str, torch.Tensor]] = []  # (path, tensor) in tree order
 
     def walk(node: Any, parts: tuple[str, ...], depth: int) -> Any:
@@ -230,15 +274,19 @@ def plan_save(
         _check_metadata(metadata)
 
     plan_tensors, leaf_ids = _dedupe(leaves, chunk_size)
-    if derive:
-        find_derived(plan_tensors)  # bf16 roundings of fp32 tensors, then exact copies among what is left
-    if copies:
-        find_copies(plan_tensors)
+    walked = time.perf_counter()
+    search = DerivedSearch(plan_tensors, bf16=derive, copies=copies) if derive or copies else None
+    derived = time.perf_counter()
     if len(plan_tensors) > MAX_TENSORS:
         raise LimitError(f"{len(plan_tensors)} tensors exceed the limit of {MAX_TENSORS}")
     tree = _finish(skeleton, leaf_ids)
     # A copy, as the tree is: an async_save must not see the caller change its metadata afterwards.
-    return SavePlan(tree, plan_tensors, copy.deepcopy(metadata) if metadata else {}, tree_features(tree))
+    plan = SavePlan(tree, plan_tensors, copy.deepcopy(metadata) if metadata else {}, tree_features(tree))
+    plan.seconds.update(walk=walked - started + time.perf_counter() - derived, derived=derived - walked)
+    plan._search = search
+    if not defer:
+        plan.decide()
+    return plan
 
 
 # Skeleton nodes keep plain Python values apart from leaf indices.

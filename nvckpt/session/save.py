@@ -11,6 +11,7 @@ import platform
 import threading
 import time
 import warnings
+from collections import deque
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
@@ -113,8 +114,14 @@ class SaveSession:
         self.target = target
         self.progress = progress
         bf16, copies = options.derives
+        # Derived-tensor candidates are verified later (SavePlan.decide): before the engine runs, or, in
+        # a read-ahead async_save, in the caller's thread while the engine reads every other tensor.
         self.plan = plan_save(obj, metadata=options.metadata, derive=bf16, copies=copies,
-                              chunk_size=options.chunk_size or CPU_CHUNK_SIZE)
+                              chunk_size=options.chunk_size or CPU_CHUNK_SIZE, defer=True)
+        self.caller_decides = False
+        # Where the time of a save goes, in seconds (SaveResult.stats["phases"], with the plan's own):
+        # what runs before the engine reads the first tensor; async_save adds what held its caller.
+        self.phases: dict[str, float] = {}
         self.device = _gpu_device(self.plan, options)
         if options.chunk_size is None and self.device is not None:
             self.plan.rechunk(GPU_CHUNK_SIZE)  # the GPU engine's own default
@@ -143,6 +150,7 @@ class SaveSession:
         reads it ahead of the writer (compressed chunks into pinned host memory), and the caller is
         released once every tensor has been read (``tensors_read``)."""
         if self.device is None:
+            self.plan.decide()
             with torch.no_grad():
                 for t in self.plan.tensors:
                     if t.data is not None:
@@ -155,6 +163,7 @@ class SaveSession:
         budget = self.options.gpu.memory_budget or default_memory_budget(CudaBackend(self.device).memory_total())
         on_gpu = sum(t.nbytes for t in self.plan.tensors if t.data is not None and t.data.device.type == "cuda")
         if not lazy and on_gpu <= budget // 2:
+            self.plan.decide()
             snap = snapshot(self.plan)
             self.ready = snap.events.get(self.device)
             self.stats["snapshot"] = snap.strategies
@@ -164,6 +173,7 @@ class SaveSession:
         ready.record(torch.cuda.current_stream(self.device))  # the caller's work so far, on the caller's stream
         self.ready = ready
         self.tensors_read = threading.Event()
+        self.caller_decides = not lazy  # start_async verifies the candidates while the engine reads
         self.stats["snapshot"] = {str(self.device): "read-ahead"}
 
     def _items(self) -> tuple[Iterator[TensorReady | EncodedChunk], dict[str, Any]]:
@@ -217,6 +227,16 @@ class SaveSession:
             lifecycle.end(running)
 
     def _run(self, cancel: threading.Event) -> SaveResult:
+        begun = time.perf_counter()
+        if not self.caller_decides:
+            self.plan.decide()
+        items, extra = self._items()
+        items = _cancellable(items, cancel)
+        self.phases["start_engine"] = time.perf_counter() - begun
+        if self.tensors_read is not None:
+            # Read ahead: the caller waits until every tensor is read, so read before anything else
+            # (the file, the index bound, the leftover check come after it is released).
+            items = _read_first(items, self.tensors_read)
         if not hasattr(self.target, "write"):
             left = leftover_temporaries(os.fspath(self.target))
             if left:
@@ -224,8 +244,6 @@ class SaveSession:
                     f"{len(left)} temporary file(s) of an earlier save to {os.fspath(self.target)} that did not finish: "
                     f"{', '.join(map(os.path.basename, left))}; `nvckpt recover TMP OUT` salvages their complete "
                     "tensors (remove them when done)"), stacklevel=4)
-        items, extra = self._items()
-        items = _cancellable(items, cancel)
         info = writer_info(extra)
         raw_bytes = self.plan.raw_bytes  # every tensor the file restores: views and derived ones too
         alignment = self.options.alignment
@@ -243,7 +261,34 @@ class SaveSession:
         return self._result(out.path, raw_bytes, size)
 
     def _result(self, path: str | None, raw_bytes: int, size: int) -> SaveResult:
-        return SaveResult(path, raw_bytes, size, time.perf_counter() - self.start, self.engine, dict(self.stats))
+        stats = dict(self.stats)
+        stats["phases"] = {k: round(v, 6) for k, v in {**self.plan.seconds, **self.phases}.items()}
+        return SaveResult(path, raw_bytes, size, time.perf_counter() - self.start, self.engine, stats)
+
+
+class _read_first:
+    """An engine's items, the first of them taken at once until the engine has read every tensor
+    (``tensors_read``) or hands over a chunk (beyond its pinned limit it must write before it can read
+    on); iterating yields them all, in order."""
+
+    def __init__(self, items: Iterator, tensors_read: threading.Event) -> None:
+        self._items = items
+        self._first: deque[Any] = deque()
+        for item in items:
+            self._first.append(item)
+            if tensors_read.is_set() or isinstance(item, EncodedChunk):
+                break
+
+    def __iter__(self) -> Iterator:
+        while self._first:
+            yield self._first.popleft()
+        yield from self._items
+
+    def close(self) -> None:
+        self._first.clear()
+        close = getattr(self._items, "close", None)
+        if close is not None:
+            close()
 
 
 def _cancellable(items: Iterator, cancel: threading.Event) -> Iterator:
@@ -373,7 +418,9 @@ def start_async(obj: Any, target: Any, options: SaveOptions, fence: Any = None) 
         gc.disable()
         try:
             prepared = SaveSession(obj, target, options)
+            t0 = time.perf_counter()
             prepared.prepare_async()
+            prepared.phases["prepare"] = time.perf_counter() - t0
         finally:
             if collecting:
                 gc.enable()
@@ -385,8 +432,11 @@ def start_async(obj: Any, target: Any, options: SaveOptions, fence: Any = None) 
     running = _register(target, options, future._stop, future)  # before the thread starts: an exit now waits for it
 
     def work() -> None:
+        started_after = time.perf_counter() - launched
         try:
-            result = begin().run(future._stop, running)
+            session = begin()
+            session.phases["thread_start"] = started_after
+            result = session.run(future._stop, running)
         except CancelledError as exc:
             if future._stop.is_set():
                 future._set_cancelled()
@@ -401,7 +451,13 @@ def start_async(obj: Any, target: Any, options: SaveOptions, fence: Any = None) 
             if future._read is not None:
                 future._read.set()  # also when it failed before reading: whoever waits sees the outcome
 
+    launched = time.perf_counter()
     threading.Thread(target=work, name="nvckpt-async-save", daemon=False).start()
+    if not fences and prepared.caller_decides:
+        try:  # verify the derived-tensor candidates here while the save's thread reads every other tensor
+            prepared.plan.decide()
+        except Exception:
+            pass  # the engine raises the same error in the save's thread: the future reports it below
     if fences:  # lazy: the next optimizer.step() waits for the reads, the forward and backward do not
         _remove_spent_hooks()
 

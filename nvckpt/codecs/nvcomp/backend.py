@@ -241,6 +241,11 @@ class EncodedBatch:
         return self._sizes
 
 
+# nvCOMP's bound per (algorithm, data type, chunk length), for the whole process: a save runs in a thread
+# of its own (async_save), whose codecs are new, and a state of thousands of tensors has as many lengths.
+_BOUNDS: dict[tuple[str, str, int], int] = {}
+
+
 @dataclass
 class GpuCodec:
     """One nvCOMP codec (RAW bitstream) bound to a device and a torch stream.
@@ -259,7 +264,6 @@ class GpuCodec:
     stream: torch.cuda.Stream | None = None
     timing: bool = False  # record CUDA events around each nvCOMP call (last_codec_events)
     _codec: Any = field(default=None, repr=False)
-    _bounds: dict[int, int] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -295,13 +299,13 @@ class GpuCodec:
     def max_compressed_size(self, raw_length: int) -> int:
         """nvCOMP's bound on one chunk's compressed size.  In a batch, EVERY output
         entry needs the bound of the batch's largest chunk (nvCOMP checks that)."""
-        bound = self._bounds.get(raw_length)
+        key = (self.algorithm, self.data_type, raw_length)
+        bound = _BOUNDS.get(key)
         if bound is None:
             nv = load_nvcomp()
             with torch.cuda.stream(self.stream):
                 probe = torch.empty(raw_length, dtype=torch.uint8, device=self.device)
-            bound = int(self._codec.get_max_comp_buffer_size(nv.as_array(probe, self.stream.cuda_stream)))
-            self._bounds[raw_length] = bound
+            bound = _BOUNDS[key] = int(self._codec.get_max_comp_buffer_size(nv.as_array(probe, self.stream.cuda_stream)))
         return bound
 
     def _check_chunks(self, chunks: Sequence[torch.Tensor], what: str) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Hashable, Protocol
+from typing import Any, Callable, Hashable, Protocol
 
 import numpy as np
 import torch
@@ -21,7 +21,7 @@ import torch
 from ...codecs.base import DecodeRejected, DeviceOp, Pipeline
 from ...codecs.nvcomp.staging import align_up, packed_offsets
 from ...plan.walk import flat_bytes
-from .batching import Batch, aligned_host_buffer
+from .batching import Batch, SlotRun, aligned_host_buffer
 
 
 @dataclass
@@ -62,9 +62,10 @@ class Backend(Protocol):
     def timing_report(self) -> dict[str, Any]: ...
     # -- encode --
     def wait_for_caller(self, event: Any) -> None: ...
+    def ordered(self, fn: Callable[[], Any]) -> Any: ...
     def capacity(self, pipeline: Pipeline, length: int) -> int: ...
     def encode(self, batch: Batch, sources: dict[int, torch.Tensor]) -> Encoded: ...
-    def copy_out(self, enc: Encoded, first: int, stop: int, lengths: list[int], raw: list[int], slot: torch.Tensor) -> Any: ...
+    def copy_out(self, enc: Encoded, run: SlotRun, raw: list[int], slot: torch.Tensor, gather: bool = False) -> Any: ...
     # -- decode --
     def route(self, pipeline: Pipeline) -> Any: ...
     def alloc(self, nbytes: int) -> torch.Tensor: ...
@@ -75,8 +76,25 @@ class Backend(Protocol):
     def decode(self, key: Hashable, payloads: list[torch.Tensor], outs: list[torch.Tensor]) -> None: ...
 
 
-def _slot_used(enc: Encoded, first: int, stop: int, lengths: list[int]) -> int:
-    return (stop - 1 - first) * enc.capacity + lengths[stop - 1]
+def _copy_run(enc: Encoded, run: SlotRun, raw: list[int], slot: torch.Tensor, *, non_blocking: bool,
+              gather: bool) -> None:
+    """The run's copies from the batch's output, then the input bytes of its chunks stored raw.
+
+    ``gather``: first pack the run's pieces on the device (one copy kernel at device-memory speed),
+    then move them with one device-to-host copy: a copy per chunk costs more of the link's time."""
+    stored_raw = set(raw)
+    pieces = [(a, b, d, at, n) for a, b, d, at, n in run.copies if not stored_raw.issuperset(range(a, b))]
+    if gather and len(pieces) > 1 and all(p[3] + p[4] == q[3] for p, q in zip(pieces, pieces[1:])):
+        packed = torch.cat([enc.buffer[d: d + n] for _, _, d, _, n in pieces])
+        at = pieces[0][3]
+        slot[at: at + packed.numel()].copy_(packed, non_blocking=non_blocking)
+    else:
+        for _, _, device_at, slot_at, n in pieces:
+            slot[slot_at: slot_at + n].copy_(enc.buffer[device_at: device_at + n], non_blocking=non_blocking)
+    for i in raw:
+        x = enc.inputs[i]
+        at = run.offsets[i - run.first]
+        slot[at: at + x.numel()].copy_(x, non_blocking=non_blocking)
 
 
 # -- CUDA ---------------------------------------------------------------------------------------
@@ -111,6 +129,7 @@ class CudaBackend:
         self.gpu_zstd = gpu_zstd
         self.timing = timing
         self.timings: list[tuple] = []  # (stage start, stage end, codec start, codec end, label, bytes)
+        self._capacities: dict[tuple[Pipeline, int], int] = {}  # asked ~3 times per chunk while planning
 
     def _codec(self, op: DeviceOp) -> Any:
         codec = self._nb.codec_for(op, device=self.device, stream=self.stream)
@@ -139,6 +158,8 @@ class CudaBackend:
         return s
 
     def flat(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.is_contiguous():  # a view, no copy: no stream to allocate on (entering one costs ~40 us)
+            return flat_bytes(tensor)
         with torch.cuda.stream(self.stream):
             return flat_bytes(tensor)
 
@@ -179,12 +200,21 @@ class CudaBackend:
             if event is not None:
                 s.wait_event(event)
 
+    def ordered(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` with its device work on the engine's stream: after the caller's work (wait_for_caller)."""
+        with torch.cuda.stream(self.stream):
+            return fn()
+
     def capacity(self, pipeline: Pipeline, length: int) -> int:
-        op = pipeline.device_op()
-        if op is None:
-            raise ValueError(f"pipeline {pipeline.describe()} does not encode on the GPU")
-        c = self._codec(op)
-        return align_up(c.max_compressed_size(length), c.comp_alignment)
+        key = (pipeline, length)
+        cap = self._capacities.get(key)
+        if cap is None:
+            op = pipeline.device_op()
+            if op is None:
+                raise ValueError(f"pipeline {pipeline.describe()} does not encode on the GPU")
+            c = self._codec(op)
+            cap = self._capacities[key] = align_up(c.max_compressed_size(length), c.comp_alignment)
+        return cap
 
     def encode(self, batch: Batch, sources: dict[int, torch.Tensor]) -> Encoded:
         codec = self._codec(batch.key.device_op())
@@ -207,17 +237,13 @@ class CudaBackend:
             self.timings.append((start, end, *(result.codec_events or (None, None)), batch.key.describe(), batch.raw_bytes))
         return Encoded(batch, inputs, result.capacity, result.buffer, result)
 
-    def copy_out(self, enc: Encoded, first: int, stop: int, lengths: list[int], raw: list[int],
-                 slot: torch.Tensor) -> Any:
-        """Issue the copies of chunks [first, stop) into ``slot``; returns an event to wait for."""
-        cap = enc.capacity
-        used = _slot_used(enc, first, stop, lengths)
+    def copy_out(self, enc: Encoded, run: SlotRun, raw: list[int], slot: torch.Tensor, gather: bool = False) -> Any:
+        """Issue the copies of ``run``'s chunks into ``slot``; returns an event to wait for.  With ``gather``
+        the pieces are packed on the copy stream first (at most a slot of device memory, reused in stream
+        order by the next run: torch's allocator hands it out again only after this copy)."""
         with torch.cuda.stream(self.copy_stream):
             self.copy_stream.wait_event(enc.event)
-            slot[:used].copy_(enc.buffer[first * cap: first * cap + used], non_blocking=True)
-            for i in raw:  # chunks stored raw: their input bytes replace the encoded ones
-                n = enc.inputs[i].numel()
-                slot[(i - first) * cap: (i - first) * cap + n].copy_(enc.inputs[i], non_blocking=True)
+            _copy_run(enc, run, raw, slot, non_blocking=True, gather=gather)
             done = torch.cuda.Event()
             done.record(self.copy_stream)
         return done
@@ -326,6 +352,10 @@ class HostBackend:
         pass
 
     @staticmethod
+    def ordered(fn: Callable[[], Any]) -> Any:
+        return fn()
+
+    @staticmethod
     def capacity(pipeline: Pipeline, length: int) -> int:
         return length + (length >> 7) + 64  # anything longer than the chunk is stored raw anyway
 
@@ -344,14 +374,8 @@ class HostBackend:
             sizes.append(n)
         return Encoded(batch, inputs, cap, out, None, sizes)
 
-    def copy_out(self, enc: Encoded, first: int, stop: int, lengths: list[int], raw: list[int],
-                 slot: torch.Tensor) -> Any:
-        cap = enc.capacity
-        used = _slot_used(enc, first, stop, lengths)
-        slot[:used].copy_(enc.buffer[first * cap: first * cap + used])
-        for i in raw:
-            n = enc.inputs[i].numel()
-            slot[(i - first) * cap: (i - first) * cap + n].copy_(enc.inputs[i])
+    def copy_out(self, enc: Encoded, run: SlotRun, raw: list[int], slot: torch.Tensor, gather: bool = False) -> Any:
+        _copy_run(enc, run, raw, slot, non_blocking=False, gather=gather)
         return None
 
     # -- decode --

@@ -2,8 +2,8 @@
 
 * ``plan_batches``: which chunks share one batched nvCOMP call (same codec,
   similar size, bounded output memory);
-* ``copy_groups``: which chunks of an encoded batch share one device-to-host
-  copy into a pinned slot;
+* ``copy_groups``: how an encoded batch's chunks are packed into pinned slots,
+  and the device-to-host copies that move them;
 * ``plan_read_spans``: which chunks a loader reads with one aligned read;
 * ``SlotPool``: a fixed set of host buffers handed out and returned, the
   bound on the pinned memory of a save or a load.
@@ -108,24 +108,69 @@ def first_use_order(batches: Sequence[Batch]) -> list[int]:
     return list(seen)
 
 
-def copy_groups(capacity: int, lengths: Sequence[int], slot_bytes: int) -> list[tuple[int, int]]:
-    """Runs [first, stop) of a batch's chunks that one copy moves into one slot.
+COPY_GAP = 256 << 10  # unused output bytes after a chunk that one copy may carry rather than start another
 
-    Chunk i of the batch sits at i * capacity in device memory and lands at
-    (i - first) * capacity in the slot; ``lengths[i]`` bytes of it are used.
+
+@dataclass(frozen=True)
+class SlotRun:
+    """Chunks [first, stop) of an encoded batch that go into one pinned slot.
+
+    Chunk i lands at ``offsets[i - first]`` of the slot.  ``copies`` are the
+    device-to-host copies that move them: (first chunk, stop chunk, device offset,
+    slot offset, bytes).  ``shares``: the run goes into the slot the previous
+    batch's last run went into, after its bytes; else into a slot of its own."""
+
+    first: int
+    stop: int
+    offsets: tuple[int, ...]
+    copies: tuple[tuple[int, int, int, int, int], ...]
+    shares: bool = False
+
+    @property
+    def used(self) -> int:
+        """Where the run's bytes end in its slot."""
+        return max(s + n for _, _, _, s, n in self.copies)
+
+
+def copy_groups(capacity: int, lengths: Sequence[int], slot_bytes: int, *, start: int | None = None,
+                max_gap: int | None = None) -> list[SlotRun]:
+    """How a batch's chunks go into pinned slots: runs of chunks, each run in one slot, packed.
+
+    Chunk i sits at i * capacity in device memory with ``lengths[i]`` bytes used.
+    Chunks are packed one after another, so pinned memory and the copies hold
+    the compressed bytes, not the codec's worst case (for nvCOMP ANS ~1.6x the
+    raw chunk); consecutive chunks whose unused tail is at most ``max_gap``
+    (default ``COPY_GAP``) share one copy (many small chunks cost one copy, not
+    many).  ``start``: the bytes already used in the slot the previous batch
+    ended in: the first run continues there when its first chunk fits
+    (``shares``), so small batches do not take a slot each.
     """
-    if not lengths:
-        return []
-    groups: list[tuple[int, int]] = []
-    first = 0
+    max_gap = COPY_GAP if max_gap is None else max_gap
+    runs: list[SlotRun] = []
+    shares = bool(lengths) and start is not None and start + lengths[0] <= slot_bytes
+    first, pos = 0, start if shares else 0
+    offsets: list[int] = []
+    copies: list[list[int]] = []  # [first chunk, stop chunk, device offset, slot offset, bytes]
     for i, n in enumerate(lengths):
         if n > capacity or n > slot_bytes:
             raise ValueError(f"chunk {i} of {n} bytes does not fit a capacity of {capacity} / slot of {slot_bytes}")
-        if i > first and (i - first) * capacity + n > slot_bytes:
-            groups.append((first, i))
-            first = i
-    groups.append((first, len(lengths)))
-    return groups
+        joins = (i > first and capacity - lengths[i - 1] <= max_gap
+                 and copies[-1][3] + (i - copies[-1][0]) * capacity + n <= slot_bytes)
+        if joins:
+            at = copies[-1][3] + (i - copies[-1][0]) * capacity
+        else:
+            if i > first and pos + n > slot_bytes:  # this slot is full: the run ends before chunk i
+                runs.append(SlotRun(first, i, tuple(offsets), tuple(map(tuple, copies)), shares and not runs))
+                first, pos, offsets, copies = i, 0, [], []
+            at = pos
+            copies.append([i, i, i * capacity, at, 0])
+        offsets.append(at)
+        copies[-1][1] = i + 1
+        copies[-1][4] = at + n - copies[-1][3]
+        pos = at + n
+    if lengths:
+        runs.append(SlotRun(first, len(lengths), tuple(offsets), tuple(map(tuple, copies)), shares and not runs))
+    return runs
 
 
 @dataclass
@@ -213,5 +258,5 @@ def aligned_host_buffer(size: int, *, pin: bool, align: int = 4096) -> torch.Ten
     return buf[skip: skip + size]
 
 
-__all__ = ["ChunkJob", "Batch", "size_class", "plan_batches", "first_use_order", "copy_groups", "ReadSpan",
+__all__ = ["ChunkJob", "Batch", "size_class", "plan_batches", "first_use_order", "copy_groups", "SlotRun", "COPY_GAP", "ReadSpan",
            "plan_read_spans", "SlotPool", "aligned_host_buffer"]

@@ -7,8 +7,9 @@ Stages, all overlapping:
    one batched nvCOMP call on the engine's compute stream, up to ``inflight``
    batches ahead of the writer;
 2. copy out: an encoded batch goes to pinned host memory in runs of chunks
-   (``batching.copy_groups``), one device-to-host copy per run on a copy
-   stream, into a fixed pool of pinned slots (``pinned_slots`` x ``slot_bytes``);
+   (``batching.copy_groups``), packed (the compressed bytes, not nvCOMP's
+   worst-case bound per chunk), by device-to-host copies on a copy stream,
+   into a fixed pool of pinned slots (``pinned_slots`` x ``slot_bytes``);
 3. hand over: the generator yields each chunk as a memoryview of its slot with
    its XXH3-64 (computed by a small thread pool; xxhash releases the GIL) and
    a ``release`` callback; the writer (ContainerWriter -> FileSink, whose I/O
@@ -22,7 +23,8 @@ through two pinned pieces of ``piece_bytes`` each) in the order the tensors are
 first written.
 
 Memory beyond the caller's tensors: GPU about (inflight + 1) x (batch_bytes of
-output + batch_bytes of scratch for the byte-plane split or staged inputs);
+output + batch_bytes of scratch for the byte-plane split or staged inputs),
+plus one slot for packing a run before its copy out (``gather_bytes``);
 pinned host memory pinned_slots x slot_bytes + checksum_workers x 2 x
 piece_bytes (384 MiB by default; torch keeps freed pinned blocks for the next
 save).  Never proportional to the checkpoint.  The knobs are
@@ -58,7 +60,7 @@ from ...options import GpuSaveOptions, default_memory_budget, default_pinned_lim
 from ...plan.walk import PlannedTensor, SavePlan
 from ..items import EncodedChunk, TensorReady
 from .backend import Backend, Encoded
-from .batching import ChunkJob, SlotPool, copy_groups, first_use_order, plan_batches
+from .batching import Batch, ChunkJob, SlotPool, SlotRun, copy_groups, first_use_order, plan_batches
 from .hashing import device_digest
 from .pinned import PINNED, cached_allocator
 
@@ -149,29 +151,33 @@ def _on_stream(stream: Any, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
 # -- the pipeline ---------------------------------------------------------------------------
 @dataclass
 class _Group:
-    """Chunks [first, stop) of an encoded batch, on their way through one pinned slot.
+    """A run of an encoded batch's chunks (``batching.SlotRun``) on its way through one pinned slot.
 
     ``enc`` keeps the batch's device buffers alive until the copy into the slot is done
     (``detach``); the group then needs only host-side facts about its chunks."""
 
     enc: Encoded | None
-    first: int
-    stop: int
+    run: SlotRun
     slot: int
     view: Any  # numpy view of the slot
     raw: set[int]
     event: Any
     hashes: list[Future] | None = None
-    left: int = 0
-    pool: SlotPool | None = field(default=None, repr=False)
-    capacity: int = 0
-    sizes: list[int] = field(default_factory=list)
+    slots: "_Slots | None" = field(default=None, repr=False)
+    lengths: list[int] = field(default_factory=list)
     jobs: list[ChunkJob] = field(default_factory=list)
     pipeline: Pipeline | None = None
 
     def __post_init__(self) -> None:
-        self.capacity, self.sizes, self.jobs, self.pipeline = (self.enc.capacity, self.enc.sizes(), self.enc.batch.jobs,
-                                                               self.enc.batch.key)
+        self.jobs, self.pipeline = self.enc.batch.jobs, self.enc.batch.key
+
+    @property
+    def first(self) -> int:
+        return self.run.first
+
+    @property
+    def stop(self) -> int:
+        return self.run.stop
 
     def detach(self, dev: Backend) -> None:
         """Wait for the copy into the slot, then let the batch's device memory go."""
@@ -180,14 +186,61 @@ class _Group:
             self.enc = None
 
     def release_one(self) -> None:
-        self.left -= 1
-        if self.left == 0:
-            self.pool.give(self.slot)
+        self.slots.release(self.slot)
 
     def payload(self, i: int) -> memoryview:
-        at = (i - self.first) * self.capacity
-        n = self.jobs[i].length if i in self.raw else self.sizes[i]
-        return memoryview(self.view[at: at + n])
+        at = self.run.offsets[i - self.run.first]
+        return memoryview(self.view[at: at + self.lengths[i]])
+
+
+class _Slots:
+    """The pool's slots as runs fill them: a slot goes back to the pool once every chunk in it is written
+    and no later run can go into it any more (the slot the last run went into stays open)."""
+
+    def __init__(self, pool: SlotPool) -> None:
+        self.pool = pool
+        self.views: dict[int, Any] = {}
+        self.refs: dict[int, int] = {}  # chunks not yet released, +1 for the open slot
+        self.open: int | None = None
+        self.fill = 0  # bytes used in the open slot
+        self._lock = threading.Lock()
+
+    def place(self, run: SlotRun) -> int | None:
+        """The slot ``run`` goes into (the open one, or a new one: None when none is free)."""
+        if run.shares:
+            slot = self.open
+        else:
+            self.close_open()  # no later run goes into it (with one slot, the writer must be able to free it)
+            slot = self.pool.take()
+            if slot is None:
+                return None
+            if slot not in self.views:
+                self.views[slot] = self.pool.slots[slot].numpy()
+            with self._lock:
+                self.refs[slot] = 1
+            self.open = slot
+        with self._lock:
+            self.refs[slot] += run.stop - run.first
+        self.fill = run.used
+        return slot
+
+    def start(self) -> int | None:
+        """Where the next batch's first run may continue (``copy_groups(start=)``)."""
+        return None if self.open is None else self.fill
+
+    def close_open(self) -> None:
+        if self.open is not None:
+            slot, self.open = self.open, None
+            self.release(slot)
+
+    def release(self, slot: int) -> None:
+        with self._lock:
+            self.refs[slot] -= 1
+            done = self.refs[slot] == 0
+            if done:
+                del self.refs[slot]
+        if done:
+            self.pool.give(slot)
 
 
 def _checked_xxh3(payload: memoryview) -> int:
@@ -216,14 +269,27 @@ def encode_batches(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backe
     return _pipeline(plan, choose, dev, options, tensor_checksums, ready, {} if stats is None else stats, read_ahead)
 
 
-def batch_bytes_for(options: GpuSaveOptions, dev: Backend) -> tuple[int, int]:
+def batch_bytes_for(options: GpuSaveOptions, dev: Backend, *, scratch: bool = True) -> tuple[int, int]:
     """(batch_bytes, budget): batches shrunk so that the engine's device memory stays within the budget.
 
-    Per batch alive the engine holds its output (batch_bytes), at most as much scratch (byte planes or
-    staged inputs), and nvCOMP's own temporary memory (measured on the H200: up to about half a batch);
-    inflight + 1 batches are alive at once."""
+    Per batch alive the engine holds its output (batch_bytes), nvCOMP's own temporary memory (measured
+    on the H200: up to about half a batch) and, with ``scratch``, as much again for byte planes (nvCOMP
+    zstd after a byte-plane split) or inputs staged from another device; inflight + 1 batches are
+    alive at once, beside one slot for packing copies (``gather_bytes``)."""
     budget = options.memory_budget or default_memory_budget(dev.memory_total())
-    return min(options.batch_bytes, budget * 2 // (5 * (options.inflight + 1))), budget
+    room = budget - gather_bytes(options, budget)
+    return min(options.batch_bytes, room * 2 // (_halves(scratch) * (options.inflight + 1))), budget
+
+
+def _halves(scratch: bool) -> int:
+    """Device memory per batch alive, in halves of its output: output, nvCOMP's temporary, scratch."""
+    return 5 if scratch else 3
+
+
+def gather_bytes(options: GpuSaveOptions, budget: int) -> int:
+    """Device memory that packs a run of compressed chunks before its one copy to the host: a slot's
+    worth, when the budget has room for eight (else each chunk is copied by itself)."""
+    return options.slot_bytes if budget >= 8 * options.slot_bytes else 0
 
 
 def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, options: GpuSaveOptions,
@@ -231,28 +297,47 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
               read_ahead: threading.Event | None) -> Iterator[TensorReady | EncodedChunk]:
     started = time.perf_counter()
     inflight, slot_bytes = options.inflight, options.slot_bytes
-    batch_bytes, budget = batch_bytes_for(options, dev)
-    stats.update(engine=type(dev).__name__, memory_budget=budget, batch_bytes=batch_bytes)
+    stored = [t for t in plan.tensors if t.data is not None and t.chunks]
+    scratch = any(t.data.device != dev.device for t in stored) or any(
+        (op := choose(dtype).device_op()) is not None and op.algorithm == "zstd" and op.shuffle > 1
+        for dtype in {t.entry["dtype"] for t in stored})
+    batch_bytes, budget = batch_bytes_for(options, dev, scratch=scratch)
+    gather = gather_bytes(options, budget) > 0
+    stats.update(engine=type(dev).__name__, memory_budget=budget, batch_bytes=batch_bytes, gather=gather)
     pipelines: dict[int, Pipeline] = {}
-    jobs: list[ChunkJob] = []
-    for t in plan.tensors:
-        if t.data is not None and t.chunks:
-            pipelines[t.tensor_id] = p = choose(t.entry["dtype"])
-            jobs.extend(ChunkJob(t.tensor_id, i, s, n, p) for i, (s, n) in enumerate(t.chunks))
-    biggest = max((dev.capacity(j.key, j.length) for j in jobs), default=0)
-    if biggest > batch_bytes:
-        raise ValueError(f"GpuSaveOptions.memory_budget {budget} is too small for this save: one chunk needs "
-                         f"{biggest} bytes of output, so the budget must be at least {5 * (inflight + 1) * biggest // 2} "
-                         "(or use smaller chunks, or fewer batches in flight)")
-    batches = plan_batches(jobs, dev.capacity, batch_bytes=batch_bytes, max_chunks=options.max_batch_chunks)
-    for b in batches:
-        if b.capacity > slot_bytes:
-            raise ValueError(f"GpuSaveOptions.slot_bytes ({slot_bytes}) is smaller than one chunk's output capacity ({b.capacity})")
-    # Chunks left per tensor: its flat bytes are dropped after the last one is encoded.
-    left = {tid: 0 for tid in pipelines}
-    for j in jobs:
-        left[j.tensor_id] += 1
+    left: dict[int, int] = {}  # chunks left per tensor: its flat bytes are dropped after the last one is encoded
     by_id = {t.tensor_id: t for t in plan.tensors}
+    counts = {"batches": 0, "chunks": 0}
+
+    def plan_some(tensors: list[PlannedTensor]) -> list[Batch]:
+        jobs: list[ChunkJob] = []
+        for t in tensors:
+            if t.data is not None and t.chunks:
+                pipelines[t.tensor_id] = p = choose(t.entry["dtype"])
+                jobs.extend(ChunkJob(t.tensor_id, i, s, n, p) for i, (s, n) in enumerate(t.chunks))
+        biggest = max((dev.capacity(j.key, j.length) for j in jobs), default=0)
+        if biggest > batch_bytes:
+            raise ValueError(f"GpuSaveOptions.memory_budget {budget} is too small for this save: one chunk needs "
+                             f"{biggest} bytes of output, so the budget must be at least "
+                             f"{_halves(scratch) * (inflight + 1) * biggest // 2 + gather_bytes(options, budget)} "
+                             "(or use smaller chunks, or fewer batches in flight)")
+        planned = plan_batches(jobs, dev.capacity, batch_bytes=batch_bytes, max_chunks=options.max_batch_chunks)
+        for b in planned:
+            if b.capacity > slot_bytes:
+                raise ValueError(f"GpuSaveOptions.slot_bytes ({slot_bytes}) is smaller than one chunk's output capacity ({b.capacity})")
+        for j in jobs:
+            left[j.tensor_id] = left.get(j.tensor_id, 0) + 1
+        counts["batches"] += len(planned)
+        counts["chunks"] += len(jobs)
+        return planned
+
+    # Tensors whose storage is not decided yet (derived-tensor candidates, plan_save(defer=True)) come
+    # last: every other tensor is read while the candidates are verified (in the caller's thread).
+    later = plan.undecided
+    if later and tensor_checksums:
+        dev.ordered(plan.decide)  # the checksum threads hash a fixed list of tensors: decide first
+        later = set()
+    batches = plan_some([t for t in plan.tensors if t.tensor_id not in later])
     order = [by_id[tid] for tid in first_use_order(batches)]
 
     checks = (TensorChecksums(dev, order, ready, options.piece_bytes, options.checksum_workers)
@@ -263,24 +348,43 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
     sources: dict[int, torch.Tensor] = {}
     waits = {"encode": 0.0, "copy_out": 0.0, "chunk_xxh3": 0.0, "writer": 0.0}  # where the generator's time went
     raw_bytes = stored = nraw = 0
+    todo = deque(batches)
     try:
+        def chunkless(tensors: list[PlannedTensor]) -> Iterator[TensorReady]:
+            for t in tensors:
+                if not (t.data is not None and t.chunks):
+                    checksum = None
+                    if t.data is not None and tensor_checksums:
+                        checksum = xxh3(b"")
+                    announced.add(t.tensor_id)
+                    yield TensorReady(t.tensor_id, checksum)
+
+        def settle() -> list[PlannedTensor]:
+            """Wait for the candidates' verification (or run it); their batches go last.  Returns them."""
+            nonlocal later
+            if not later:
+                return []
+            t0 = time.perf_counter()
+            dev.ordered(plan.decide)  # no-op once the caller's thread has decided; else run here, in order
+            waits["decided"] = time.perf_counter() - t0
+            tensors = [by_id[tid] for tid in sorted(later)]
+            later = set()
+            todo.extend(plan_some(tensors))
+            return tensors
+
         # Tensors without chunks (views, derived, empty) first: a truncated file still has them.
-        for t in plan.tensors:
-            if not (t.data is not None and t.chunks):
-                checksum = None
-                if t.data is not None and tensor_checksums:
-                    checksum = xxh3(b"")
-                announced.add(t.tensor_id)
-                yield TensorReady(t.tensor_id, checksum)
-        if not batches:
+        yield from chunkless([t for t in plan.tensors if t.tensor_id not in later])
+        if not todo and later:
+            yield from chunkless(settle())
+        if not todo:
             return
+        stats["setup_seconds"] = time.perf_counter() - started
         if read_ahead is not None:  # room for the whole compressed state, as far as the limit allows
             count = max(options.pinned_slots, (options.pinned_limit or default_pinned_limit()) // slot_bytes)
             pool = SlotPool(count, slot_bytes, cached_allocator(dev.host_buffer), lazy=True)
         else:
             pool = SlotPool(options.pinned_slots, slot_bytes, cached_allocator(dev.host_buffer))
-        pool_views: dict[int, Any] = {}
-        todo = deque(batches)
+        slots = _Slots(pool)
         encoded: deque[Encoded] = deque()
         cursor: list[Any] = [None, None]  # [groups of encoded[0], index of the next group]
         copied: deque[_Group] = deque()
@@ -311,35 +415,43 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
                             for i in range(g.first, g.stop)]
 
         while True:
+            if later and not todo:
+                yield from chunkless(settle())
             while todo and len(encoded) < inflight:
                 submit()
             # Copy out the oldest encoded batch while pinned slots are free.
-            while encoded and pool.free:
+            while encoded:
                 enc = encoded[0]
                 if cursor[0] is None:
                     t0 = time.perf_counter()
+                    # Wait through torch, which lets go of the GIL (nvCOMP's own wait for the sizes does
+                    # not): the caller's thread runs meanwhile (a training step, derived-tensor checks).
+                    dev.wait(enc.event)
                     sizes = enc.sizes()
                     waits["encode"] += time.perf_counter() - t0
                     raws = [i for i, (n, j) in enumerate(zip(sizes, enc.batch.jobs)) if n >= j.length]
                     lengths = [j.length if n >= j.length else n for n, j in zip(sizes, enc.batch.jobs)]
-                    cursor[:] = [(copy_groups(enc.capacity, lengths, slot_bytes), lengths, set(raws)), 0]
+                    runs = copy_groups(enc.capacity, lengths, slot_bytes, start=slots.start())
+                    cursor[:] = [(runs, lengths, set(raws)), 0]
                 groups, lengths, raws = cursor[0]
-                first, stop = groups[cursor[1]]
-                slot = pool.take()
-                if slot not in pool_views:
-                    pool_views[slot] = pool.slots[slot].numpy()
-                raw_here = sorted(i for i in raws if first <= i < stop)
-                event = dev.copy_out(enc, first, stop, lengths, raw_here, pool.slots[slot])
-                copied.append(_Group(enc, first, stop, slot, pool_views[slot], set(raw_here), event,
-                                     left=stop - first, pool=pool))
+                run = groups[cursor[1]]
+                slot = slots.place(run)
+                if slot is None:
+                    break  # no free slot: the writer must release some first
+                raw_here = sorted(i for i in raws if run.first <= i < run.stop)
+                event = dev.copy_out(enc, run, raw_here, pool.slots[slot], gather)
+                copied.append(_Group(enc, run, slot, slots.views[slot], set(raw_here), event,
+                                     slots=slots, lengths=lengths))
                 cursor[1] += 1
                 if cursor[1] == len(groups):
                     encoded.popleft()
                     cursor[:] = [None, None]
                     if todo:
                         submit()  # keep the GPU ahead of the copies
+            if not encoded and not todo and not later:
+                slots.close_open()  # nothing more goes into it: its chunks' releases free it
             if not copied:
-                if not encoded and not todo:
+                if not encoded and not todo and not later:
                     break
                 if not pool.free:
                     raise RuntimeError("every pinned slot is held but none is being written")
@@ -348,9 +460,9 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
                 if g.enc is not None and dev.ready(g.event):
                     g.detach(dev)
             if read_ahead is not None and not read_ahead.is_set():
-                if (todo or encoded) and pool.free:
+                if (todo or encoded or later) and pool.free:
                     continue  # read every tensor before writing anything
-                if not todo and not encoded:
+                if not todo and not encoded and not later:
                     t0 = time.perf_counter()
                     for g in copied:  # raw chunks are copied out of the caller's tensors themselves
                         dev.wait(g.event)
@@ -359,6 +471,8 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
                     stats["tensors_read_seconds"] = time.perf_counter() - started
                     waits["copy_out"] += time.perf_counter() - t0
                     read_ahead.set()
+            if later:  # the writer gets a chunk: every tensor's storage must be known by then
+                yield from chunkless(settle())
             group = copied.popleft()
             start_hashing(group)
             group.detach(dev)
@@ -381,7 +495,8 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
                 yield EncodedChunk(job.tensor_id, job.chunk_index, RAW if is_raw else group.pipeline, payload,
                                    job.length, checksum, group.release_one)
                 waits["writer"] += time.perf_counter() - t1  # the writer copying it out (and waiting for the disk)
-        stats.update(batches=len(batches), chunks=len(jobs), raw_chunks=nraw, raw_bytes=raw_bytes, stored_bytes=stored)
+        stats.update(batches=counts["batches"], chunks=counts["chunks"], raw_chunks=nraw, raw_bytes=raw_bytes,
+                     stored_bytes=stored)
     finally:
         if checks is not None:
             checks.close()

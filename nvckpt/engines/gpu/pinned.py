@@ -39,6 +39,17 @@ class PinnedCache:
                 self._free.setdefault(buf.numel(), []).append(buf)
                 self.in_use -= buf.numel()
 
+    def keep(self, buffers: list[torch.Tensor]) -> None:
+        """Add new buffers to the cache (not handed out before)."""
+        with self._lock:
+            for buf in buffers:
+                self._free.setdefault(buf.numel(), []).append(buf)
+
+    def cached_of(self, size: int) -> int:
+        """Buffers of ``size`` bytes kept for the next save or load."""
+        with self._lock:
+            return len(self._free.get(size, ()))
+
     @property
     def cached(self) -> int:
         """Bytes kept for the next save or load."""
@@ -64,8 +75,30 @@ def release_pinned_memory() -> int:
     return PINNED.release()
 
 
+def reserve_pinned_memory(nbytes: int, *, slot_bytes: int | None = None) -> int:
+    """Pin ``nbytes`` of host memory now, in the slots an async_save on the GPU engine holds its compressed
+    chunks in, so that the first async_save of the process does not pin them while the caller waits
+    (~0.4 s per GB; later saves reuse them anyway).  About the size of one checkpoint file is enough;
+    buffers already kept count towards it.  Returns the bytes nvckpt keeps pinned in such slots.
+    ``slot_bytes``: that of the GpuSaveOptions the saves use, when not the default.
+    ``nvckpt.release_pinned_memory()`` frees them."""
+    from ...options import GpuSaveOptions
+    from .batching import aligned_host_buffer
+
+    size = GpuSaveOptions.slot_bytes if slot_bytes is None else int(slot_bytes)
+    if size <= 0 or nbytes < 0:
+        raise ValueError(f"reserve_pinned_memory needs nbytes >= 0 and slot_bytes > 0, got {nbytes} and {size}")
+    want = -(-int(nbytes) // size)
+    missing = want - PINNED.cached_of(size)
+    if missing > 0:
+        if not torch.cuda.is_available():
+            raise RuntimeError("reserve_pinned_memory needs CUDA: page-locked memory is for copies from a GPU")
+        PINNED.keep([aligned_host_buffer(size, pin=True) for _ in range(missing)])
+    return PINNED.cached_of(size) * size
+
+
 def cached_allocator(allocate: Callable[[int], Any]) -> Callable[[int], Any]:
     return lambda size: PINNED.take(size, allocate)
 
 
-__all__ = ["PINNED", "PinnedCache", "release_pinned_memory", "cached_allocator"]
+__all__ = ["PINNED", "PinnedCache", "release_pinned_memory", "reserve_pinned_memory", "cached_allocator"]
