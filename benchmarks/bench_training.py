@@ -142,6 +142,18 @@ def method(name: str, workdir: str) -> Callable[[Any, int], tuple[Any, Callable[
     return start
 
 
+def _phases(result: Any) -> dict[str, Any] | None:
+    """An nvckpt save's phases (SaveResult.stats) with the engine's setup and read time; None for other methods."""
+    stats = getattr(result, "stats", None)
+    if not stats or "phases" not in stats:
+        return None
+    out = dict(stats["phases"])
+    for k in ("setup_seconds", "tensors_read_seconds", "pinned_bytes"):
+        if k in stats:
+            out[k] = round(stats[k], 6) if isinstance(stats[k], float) else stats[k]
+    return out
+
+
 def run(tr: Any, name: str, level: str, k: int, n_ckpt: int, base_step: float, workdir: str,
         check: bool = True) -> tuple[dict[str, Any], tuple]:
     from nvckpt.engines.gpu.pinned import PINNED
@@ -151,7 +163,8 @@ def run(tr: Any, name: str, level: str, k: int, n_ckpt: int, base_step: float, w
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     alloc0, free0 = torch.cuda.memory_allocated(), torch.cuda.mem_get_info()[0]
-    blocked, step_times_bg, step_times = [], [], []
+    blocked, step_times_bg, step_times, step_times_idle = [], [], [], []
+    phases: list[dict[str, Any] | None] = []
     expected, pending = None, None
     steps = k * n_ckpt
     with Sampler() as s:
@@ -165,7 +178,7 @@ def run(tr: Any, name: str, level: str, k: int, n_ckpt: int, base_step: float, w
                     t_all += time.perf_counter() - t_x
                 t0 = time.perf_counter()
                 if pending is not None:  # the previous save still runs: wait for it, as DCP's next save does
-                    pending.result()
+                    phases.append(_phases(pending.result()))
                 pending = start(tr, n)
                 blocked.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
@@ -174,11 +187,16 @@ def run(tr: Any, name: str, level: str, k: int, n_ckpt: int, base_step: float, w
             step_times.append(dt)
             if pending is not None and not pending.done():
                 step_times_bg.append(dt)
+            else:
+                step_times_idle.append(dt)
         if pending is not None:
             result = pending.result()
+            phases.append(_phases(result))
             if result is not None and getattr(result, "stats", None):
                 out["engine_stats"] = {k: result.stats.get(k) for k in ("tensors_read_seconds", "waits", "batches",
                                                                         "batch_bytes", "memory_budget", "pinned_bytes", "seconds")}
+        if any(phases):
+            out["phases"] = phases  # per checkpoint: where the save's time went before and while it read
         torch.cuda.synchronize()
         wall = time.perf_counter() - t_all
     out.update(
@@ -187,7 +205,11 @@ def run(tr: Any, name: str, level: str, k: int, n_ckpt: int, base_step: float, w
         step_s_median=round(statistics.median(step_times), 4),
         step_s_while_saving_median=round(statistics.median(step_times_bg), 4) if step_times_bg else None,
         steps_while_saving=len(step_times_bg),
-        slowdown_while_saving=(round(statistics.median(step_times_bg) / base_step - 1, 4) if step_times_bg else None),
+        # Against this run's own steps without a save running (the GPU's speed drifts over a session),
+        # else against the step time measured before the runs.
+        step_s_idle_median=round(statistics.median(step_times_idle), 4) if step_times_idle else None,
+        slowdown_while_saving=(round(statistics.median(step_times_bg) / statistics.median(step_times_idle or [base_step]) - 1, 4)
+                               if step_times_bg else None),
         extra_gpu_allocated_GB=round((torch.cuda.max_memory_allocated() - alloc0) / GB, 3),
         extra_gpu_device_GB=round((free0 - (s.min_free or free0)) / GB, 3),
         peak_rss_GB=round(s.max_rss / GB, 2), nvckpt_pinned_cached_GB=round(PINNED.cached / GB, 2),
@@ -205,6 +227,54 @@ def run(tr: Any, name: str, level: str, k: int, n_ckpt: int, base_step: float, w
     return out, (keep, expected)
 
 
+def profile_saves(tr: Any, n: int, workdir: str) -> None:
+    """``n`` plain async_saves, the blocked call of each under cProfile: where the blocked time goes.
+
+    On Python >= 3.12 cProfile sees every thread (sys.monitoring), so the report covers the save's own
+    thread up to the moment it releases the caller; on older Pythons only the caller.  Text under OUT/."""
+    import cProfile
+    import io
+    import pstats
+
+    import nvckpt
+
+    texts, rows = [], []
+    for i in range(n):
+        pr = cProfile.Profile()
+        t0 = time.perf_counter()
+        pr.enable()
+        future = nvckpt.async_save(tr.checkpoint(), os.path.join(workdir, f"profile-{i}"))
+        pr.disable()
+        blocked = time.perf_counter() - t0
+        result = future.result()
+        rows.append({"blocked_s": round(blocked, 4), **(_phases(result) or {})})
+        out = io.StringIO()
+        out.write(f"== save {i}: blocked {blocked:.4f} s\n")
+        for key, count in (("cumulative", 50), ("tottime", 30)):
+            pstats.Stats(pr, stream=out).sort_stats(key).print_stats(count)
+        texts.append(out.getvalue())
+        log("profiled", rows[-1])
+        tr.step()
+    from nvckpt.plan.walk import plan_save
+
+    for i in range(2):  # planning alone (walk, derived tensors), as a save does it
+        pr = cProfile.Profile()
+        pr.enable()
+        plan = plan_save(tr.checkpoint(), derive=True, copies=True, chunk_size=4 << 20)
+        pr.disable()
+        out = io.StringIO()
+        out.write(f"== plan_save {i}: {plan.seconds}\n")
+        pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(25)
+        texts.append(out.getvalue())
+        rows.append({"plan_only": True, **{k: round(v, 6) for k, v in plan.seconds.items()}})
+    R["profile"] = rows
+    with open(os.path.join(OUT, "bench_training_profile.txt"), "w") as f:
+        f.write("\n".join(texts))
+    for entry in os.listdir(workdir):
+        if entry.startswith("profile-"):
+            os.unlink(os.path.join(workdir, entry))
+
+
 def markdown() -> str:
     e = R.get("environment", {})
     lines = ["# What a training job loses to checkpoints (H200, GPU memory pressure)", "",
@@ -214,16 +284,27 @@ def markdown() -> str:
              f"AdamW steps, bf16 weights + fp32 master + moments = **{R.get('state', {}).get('bytes', 0) / GB:.2f} GB**; "
              f"training step {R.get('base_step_s', 0):.3f} s without checkpoints. 'free' = GPU memory left free beyond "
              "what the training step needs (a filler tensor takes the rest).", "",
-             "| free | method | K | blocked per ckpt s (median) | lost per ckpt s | step while saving s (slowdown) | extra GPU GB (allocator / device) | nvckpt pinned GB | bit-exact |",
+             "| free | method | K | blocked s: first ckpt / later (median) | lost per ckpt s | step while saving s (slowdown vs steps without a save) | extra GPU GB (allocator / device) | nvckpt pinned GB | bit-exact |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in R["runs"]:
         if "error" in r:
             lines.append(f"| {r['free']} | {r['method']} | {r['K']} | error: {r['error'][:80]} | | | | | |")
             continue
         slow = "-" if r["step_s_while_saving_median"] is None else f"{r['step_s_while_saving_median']:.3f} ({100 * r['slowdown_while_saving']:+.1f} %)"
-        lines.append(f"| {r['free']} | {r['method']} | {r['K']} | {r['blocked_median_s']:.4f} | {r['lost_per_checkpoint_s']:.2f} | "
+        b = r["blocked_s"]
+        blocked = "-" if not b else f"{b[0]:.4f}" + (f" / {statistics.median(b[1:]):.4f}" if len(b) > 1 else "")
+        lines.append(f"| {r['free']} | {r['method']} | {r['K']} | {blocked} | {r['lost_per_checkpoint_s']:.2f} | "
                      f"{slow} | {r['extra_gpu_allocated_GB']:.2f} / {r['extra_gpu_device_GB']:.2f} | "
                      f"{r['nvckpt_pinned_cached_GB']:.2f} | {r.get('bit_exact_first_checkpoint', '')} |")
+    if R.get("profile"):
+        keys = ["blocked_s", "walk", "derived", "prepare", "thread_start", "start_engine", "setup_seconds",
+                "tensors_read_seconds", "pinned_bytes"]
+        lines += ["", "Plain `nvckpt.async_save` under cProfile (OUT/bench_training_profile.txt), before the runs above; "
+                  "the first is the process's first async_save (it pins its host memory). Phases in seconds "
+                  "(SaveResult.stats['phases'] and the engine's setup / read time):", "",
+                  "| save | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
+        for i, p in enumerate(R["profile"]):
+            lines.append(f"| {i} | " + " | ".join(str(p.get(k, "")) for k in keys) + " |")
     if R["errors"]:
         lines += ["", "Errors: " + "; ".join(R["errors"])]
     return "\n".join(lines) + "\n"
@@ -242,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoints", type=int, default=2)
     ap.add_argument("--methods", default="none,torch.save,dcp.async_save,nvckpt.save,nvckpt.async_save,nvckpt.async_save(fence=opt)")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--profile", type=int, default=0,
+                    help="before the runs, profile this many async_saves at the first level (OUT/bench_training_profile.txt)")
     args = ap.parse_args(argv)
     OUT = args.out
     os.makedirs(OUT, exist_ok=True)
@@ -277,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     for level in args.levels.split(","):
         free = None if level == "plenty" else float(level) * GB
         filler = fill_gpu(tr, free)
+        if args.profile and level == args.levels.split(",")[0]:
+            profile_saves(tr, args.profile, args.workdir)
+            dump()
         to_verify: list[tuple[dict, str, dict]] = []
         for name in methods:
             if level == "1" and name in ("torch.save", "dcp.async_save"):
