@@ -36,13 +36,27 @@ def _rne_bits(u: torch.Tensor) -> torch.Tensor:
 
 
 def bf16_rne(source: torch.Tensor) -> torch.Tensor:
-    """bfloat16 bits of ``source`` (float32) rounded to nearest even."""
+    """bfloat16 bits of ``source`` (float32) rounded to nearest even.
+
+    Where torch's own cast is that rounding for every non-NaN value (checked once per device,
+    ``_cast_is_rne``) it is used, and only NaNs take the SPEC's bits (the cast drops their payload):
+    on a CPU ~10x the speed of the integer arithmetic, which is the fallback."""
     if source.dtype != torch.float32:
         raise TypeError(f"bf16_rne needs a float32 source, got {source.dtype}")
-    flat = source.reshape(-1).view(torch.int32)
-    out = torch.empty(flat.shape, dtype=torch.int16, device=source.device)
-    for start in range(0, flat.numel(), _BLOCK):
-        out[start: start + _BLOCK] = _rne_bits(flat[start: start + _BLOCK])
+    flat = source.reshape(-1)
+    if flat.numel() and _cast_is_rne(source.device):
+        out = flat.to(torch.bfloat16)
+        nan = torch.isnan(flat)
+        if source.device.type != "cpu":  # no wait for the device: every element through where()
+            quiet = ((flat.view(torch.int32) >> 16) | 0x0040).to(torch.int16)
+            out = torch.where(nan, quiet, out.view(torch.int16)).view(torch.bfloat16)
+        elif bool(nan.any()):
+            out.view(torch.int16)[nan] = _rne_bits(flat.view(torch.int32)[nan])
+        return out.reshape(source.shape)
+    ints = flat.view(torch.int32)
+    out = torch.empty(ints.shape, dtype=torch.int16, device=source.device)
+    for start in range(0, ints.numel(), _BLOCK):
+        out[start: start + _BLOCK] = _rne_bits(ints[start: start + _BLOCK])
     return out.view(torch.bfloat16).reshape(source.shape)
 
 
