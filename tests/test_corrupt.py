@@ -546,3 +546,27 @@ def test_many_chunks_declared_small_file_is_bounded():
         with pytest.raises(nvckpt.FormatError):
             ck.get_slice("big")[:100]
     assert time.perf_counter() - start < 5
+
+
+@pytest.mark.parametrize("chunk_size,workers", [(1024, 2), (1024, 1), (1 << 20, 2)])
+def test_load_refuses_a_tensor_whose_checksum_disagrees(tmp_path, chunk_size, workers):
+    """Chunks intact, the tensor checksum wrong: a load names the tensor, whether the tensor is hashed as its
+    chunks are decoded (several chunks, any order) or in one pass (one chunk)."""
+    from nvckpt.codecs.registry import RAW
+    from nvckpt.engines.cpu import encode_cpu
+    from nvckpt.engines.items import TensorReady
+    from nvckpt.plan.walk import plan_save
+    from nvckpt.session.save import write_items
+
+    state = {"t": torch.arange(5000, dtype=torch.float32), "ok": torch.ones(3000)}
+    plan = plan_save(state, chunk_size=chunk_size)
+    path = tmp_path / "bad.nvckpt"
+    with open(path, "wb") as f:
+        items = (TensorReady(item.tensor_id, item.checksum ^ 1) if isinstance(item, TensorReady) and item.tensor_id == 0
+                 else item for item in encode_cpu(plan, lambda dtype: RAW))
+        write_items(f, items, plan, alignment=1, info={"name": "test"})
+    with pytest.raises(nvckpt.ChecksumError, match="tensor checksum") as info:
+        nvckpt.load(path, workers=workers)
+    assert info.value.tensor == "t"
+    with nvckpt.open(path) as ck:
+        assert torch.equal(ck.get_tensor("ok"), state["ok"])

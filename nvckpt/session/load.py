@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 import torch
+import xxhash
 
 from ..errors import ChecksumError, FormatError, LimitError, TensorNotFoundError, UnsupportedCodecError, UnsupportedFeatureError
 from ..format.constants import COPY
@@ -25,6 +26,32 @@ if TYPE_CHECKING:
 
 _GROUP_BYTES = 256 << 10  # chunks smaller than this are decoded in groups (one task, not one per chunk)
 _GROUP_CHUNKS = 256
+
+
+class _InOrderHash:
+    """XXH3-64 of a tensor's raw bytes fed chunk by chunk in order, whatever order they are decoded in."""
+
+    def __init__(self, entry: TensorEntry) -> None:
+        self.entry = entry
+        self.state = xxhash.xxh3_64()
+        self.next = 0
+        self.done: set[int] = set()
+        self.lock = threading.Lock()
+
+    def add(self, i: int, array: Any) -> bool:
+        """Chunk ``i`` is decoded into ``array``; True once every chunk has been hashed."""
+        with self.lock:
+            self.done.add(i)
+            chunks = self.entry.chunks
+            while self.next in self.done:
+                c = chunks[self.next]
+                self.state.update(array[c.raw_start: c.raw_start + c.raw_length])
+                self.done.discard(self.next)
+                self.next += 1
+            return self.next == len(chunks)
+
+    def digest(self) -> int:
+        return self.state.intdigest()
 
 
 def _check_bools(entry: TensorEntry, raw: torch.Tensor, path: str) -> None:
@@ -270,7 +297,6 @@ class Checkpoint(Mapping):
         arrays = {tid: t.numpy() for tid, t in dests.items()}
         left = {e.tensor_id: len(e.chunks) for e in entries}
         lock = threading.Lock()
-        checks: list[Any] = []
         tasks: list[list[tuple[TensorEntry, int]]] = []
         group: list[tuple[TensorEntry, int]] = []
         size = 0
@@ -291,6 +317,10 @@ class Checkpoint(Mapping):
             if xxh3(arrays[e.tensor_id]) != e.checksum:
                 raise ChecksumError("tensor checksum does not match its decoded bytes", path=self.path, tensor=e.name)
 
+        # A tensor of several chunks is hashed as its chunks are decoded, in order, by whichever thread
+        # completes the next one (its bytes still in cache), not in one pass at the end.
+        hashing = {e.tensor_id: _InOrderHash(e) for e in entries if e.checksum is not None and len(e.chunks) > 1}
+
         def run(task: list[tuple[TensorEntry, int]]) -> None:
             for e, i in task:
                 try:
@@ -300,14 +330,14 @@ class Checkpoint(Mapping):
                         exc.reason += " (refused: the file was opened with untrusted=True, which never runs nvCOMP)"
                         exc.located()
                     raise
+                h = hashing.get(e.tensor_id)
+                if h is not None and h.add(i, arrays[e.tensor_id]) and h.digest() != e.checksum:
+                    raise ChecksumError("tensor checksum does not match its decoded bytes", path=self.path, tensor=e.name)
                 with lock:
                     left[e.tensor_id] -= 1
                     last = left[e.tensor_id] == 0
-                if last and e.checksum is not None:
-                    if e.nbytes < _GROUP_BYTES:
-                        check(e)
-                    else:
-                        checks.append(f.submit(check, e))
+                if last and e.checksum is not None and h is None:
+                    check(e)
                 if last and progress is not None:
                     progress(e.nbytes)
 
@@ -321,8 +351,6 @@ class Checkpoint(Mapping):
             futures = [f.submit(run, task) for task in tasks]
             for fut in futures:
                 fut.result()
-        for fut in list(checks):
-            fut.result()
         return {tid: self._to_device(t) for tid, t in dests.items()}
 
     def _rows(self, entry: TensorEntry, first: int, stop: int) -> torch.Tensor:
