@@ -236,7 +236,7 @@ class SaveSession:
         if self.tensors_read is not None:
             # Read ahead: the caller waits until every tensor is read, so read before anything else
             # (the file, the index bound, the leftover check come after it is released).
-            items = _read_first(items, self.tensors_read)
+            items = _ReadFirst(items, self.tensors_read)
         if not hasattr(self.target, "write"):
             left = leftover_temporaries(os.fspath(self.target))
             if left:
@@ -266,7 +266,7 @@ class SaveSession:
         return SaveResult(path, raw_bytes, size, time.perf_counter() - self.start, self.engine, stats)
 
 
-class _read_first:
+class _ReadFirst:
     """An engine's items, the first of them taken at once until the engine has read every tensor
     (``tensors_read``) or hands over a chunk (beyond its pinned limit it must write before it can read
     on); iterating yields them all, in order."""
