@@ -14,7 +14,7 @@ then verified in full.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -60,12 +60,19 @@ def bf16_rne(source: torch.Tensor) -> torch.Tensor:
     return out.view(torch.bfloat16).reshape(source.shape)
 
 
+def _any_block(n: int, block: int, device: torch.device, flag: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
+    """A 0-d bool tensor: ``flag(start, stop)`` of any block of ``n`` elements (False for none)."""
+    flags = [flag(i, i + block) for i in range(0, n, block)]
+    if not flags:
+        return torch.zeros((), dtype=torch.bool, device=device)
+    return flags[0] if len(flags) == 1 else torch.stack(flags).any()
+
+
 def _differs_from_rne(candidate: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
     """A 0-d bool tensor on their device: does bf16 ``candidate`` differ from bf16_rne(``source``)?
     Computed without waiting for the device, so many pairs cost one synchronisation."""
     c, s = candidate.reshape(-1).view(torch.int16), source.reshape(-1).view(torch.int32)
-    flags = [(_rne_bits(s[i: i + _BLOCK]) != c[i: i + _BLOCK]).any() for i in range(0, s.numel(), _BLOCK)]
-    return flags[0] if len(flags) == 1 else torch.stack(flags).any()
+    return _any_block(s.numel(), _BLOCK, s.device, lambda i, j: (_rne_bits(s[i:j]) != c[i:j]).any())
 
 
 _FAST_BLOCK = 1 << 24  # elements per step of the cast comparison (a bf16 and three bool temporaries)
@@ -99,9 +106,8 @@ def _may_differ_from_rne(candidate: torch.Tensor, source: torch.Tensor) -> torch
         return torch.ne(source.to(torch.bfloat16).view(torch.int16), candidate.view(torch.int16)).logical_or_(
             torch.isnan(source)).any()
     c, s = candidate.reshape(-1).view(torch.int16), source.reshape(-1)
-    flags = [torch.ne(s[i: i + _FAST_BLOCK].to(torch.bfloat16).view(torch.int16), c[i: i + _FAST_BLOCK]).logical_or_(
-        torch.isnan(s[i: i + _FAST_BLOCK])).any() for i in range(0, s.numel(), _FAST_BLOCK)]
-    return torch.stack(flags).any()
+    return _any_block(s.numel(), _FAST_BLOCK, s.device, lambda i, j: torch.ne(
+        s[i:j].to(torch.bfloat16).view(torch.int16), c[i:j]).logical_or_(torch.isnan(s[i:j])).any())
 
 
 def is_bf16_rne_of(candidate: torch.Tensor, source: torch.Tensor) -> bool:

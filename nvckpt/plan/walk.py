@@ -93,12 +93,6 @@ class SavePlan:
         if self._decide_error is not None:
             raise self._decide_error
 
-    def wait_decided(self) -> None:
-        """Until another thread's ``decide`` has run (raises its error)."""
-        self._decided.wait()
-        if self._decide_error is not None:
-            raise self._decide_error
-
     def data_tensors(self) -> list[PlannedTensor]:
         return [t for t in self.tensors if t.data is not None]
 

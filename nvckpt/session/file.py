@@ -96,9 +96,22 @@ class CheckpointFile:
             data = self.source.pread(c.offset, c.stored_length)
         except NvckptError as exc:
             raise exc.located(tensor=entry.name, chunk=i)
-        if xxh3(data) != c.checksum:
-            raise ChecksumError("chunk checksum does not match its stored bytes", path=self.path, tensor=entry.name, chunk=i, offset=c.offset)
+        self._check(entry, i, data)
         return data
+
+    def _check(self, entry: TensorEntry, i: int, stored: Any) -> None:
+        """Chunk ``i``'s stored bytes against its checksum."""
+        c = entry.chunks[i]
+        if xxh3(stored) != c.checksum:
+            raise ChecksumError("chunk checksum does not match its stored bytes", path=self.path, tensor=entry.name, chunk=i, offset=c.offset)
+
+    def _read_checked(self, entry: TensorEntry, i: int, buf: np.ndarray) -> None:
+        """Chunk ``i``'s stored bytes read into ``buf`` (its stored length), checksum verified."""
+        try:
+            self.source.pread_into(entry.chunks[i].offset, buf)
+        except NvckptError as exc:
+            raise exc.located(tensor=entry.name, chunk=i)
+        self._check(entry, i, buf)
 
     def decode_payload(self, entry: TensorEntry, i: int, data: Any) -> memoryview:
         c = entry.chunks[i]
@@ -171,21 +184,10 @@ class CheckpointFile:
         whole = lo == c.raw_start and hi == c.raw_start + c.raw_length
         pipeline = self.pipelines[c.codec_id]
         if pipeline.is_raw and c.stored_length == c.raw_length and whole:
-            dest = out[lo - start: hi - start]
-            try:
-                self.source.pread_into(c.offset, dest)
-            except NvckptError as exc:
-                raise exc.located(tensor=entry.name, chunk=i)
-            if xxh3(dest) != c.checksum:
-                raise ChecksumError("chunk checksum does not match its stored bytes", path=self.path, tensor=entry.name, chunk=i, offset=c.offset)
+            self._read_checked(entry, i, out[lo - start: hi - start])
             return
         stored = _scratch("stored", c.stored_length)
-        try:
-            self.source.pread_into(c.offset, stored)
-        except NvckptError as exc:
-            raise exc.located(tensor=entry.name, chunk=i)
-        if xxh3(stored) != c.checksum:
-            raise ChecksumError("chunk checksum does not match its stored bytes", path=self.path, tensor=entry.name, chunk=i, offset=c.offset)
+        self._read_checked(entry, i, stored)
         if whole:
             self.decode_into(entry, i, stored, out[lo - start: hi - start])
             return

@@ -313,8 +313,9 @@ class Checkpoint(Mapping):
         if group:
             tasks.append(group)
 
-        def check(e: TensorEntry) -> None:
-            if xxh3(arrays[e.tensor_id]) != e.checksum:
+        def check(e: TensorEntry, digest: int | None = None) -> None:
+            """The tensor's checksum against ``digest`` (hashed as it was decoded), else its decoded bytes."""
+            if (xxh3(arrays[e.tensor_id]) if digest is None else digest) != e.checksum:
                 raise ChecksumError("tensor checksum does not match its decoded bytes", path=self.path, tensor=e.name)
 
         # A tensor of several chunks is hashed as its chunks are decoded, in order, by whichever thread
@@ -331,8 +332,8 @@ class Checkpoint(Mapping):
                         exc.located()
                     raise
                 h = hashing.get(e.tensor_id)
-                if h is not None and h.add(i, arrays[e.tensor_id]) and h.digest() != e.checksum:
-                    raise ChecksumError("tensor checksum does not match its decoded bytes", path=self.path, tensor=e.name)
+                if h is not None and h.add(i, arrays[e.tensor_id]):
+                    check(e, h.digest())
                 with lock:
                     left[e.tensor_id] -= 1
                     last = left[e.tensor_id] == 0

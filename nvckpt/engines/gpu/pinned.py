@@ -34,16 +34,19 @@ class PinnedCache:
         return buf
 
     def give(self, buffers: list[torch.Tensor]) -> None:
+        """Buffers handed out by ``take`` back to the cache."""
         with self._lock:
-            for buf in buffers:
-                self._free.setdefault(buf.numel(), []).append(buf)
-                self.in_use -= buf.numel()
+            self.in_use -= sum(buf.numel() for buf in buffers)
+            self._add(buffers)
 
     def keep(self, buffers: list[torch.Tensor]) -> None:
         """Add new buffers to the cache (not handed out before)."""
         with self._lock:
-            for buf in buffers:
-                self._free.setdefault(buf.numel(), []).append(buf)
+            self._add(buffers)
+
+    def _add(self, buffers: list[torch.Tensor]) -> None:  # under the lock
+        for buf in buffers:
+            self._free.setdefault(buf.numel(), []).append(buf)
 
     def cached_of(self, size: int) -> int:
         """Buffers of ``size`` bytes kept for the next save or load."""
