@@ -222,3 +222,13 @@ def test_copies_among_tensors_whose_first_bytes_agree():
         source = {e.name: (ck.index.tensors[e.derived["source"]].name if e.derived else None) for e in ck.index.tensors}
     assert source == {"t0": None, "t1": "t0", "t2": None, "t3": "t0", "t4": "t2", "t5": None, "t6": "t0"}
     assert_tree_equal(nvckpt.load(io.BytesIO(data)), state)
+
+
+def test_is_bf16_rne_of_empty_and_mismatched():
+    from nvckpt.plan.derived import is_bf16_rne_of
+
+    assert is_bf16_rne_of(torch.empty(0, 3, dtype=torch.bfloat16), torch.empty(0, 3))
+    m = masters()
+    assert is_bf16_rne_of(spec_bf16_rne(m), m)
+    assert not is_bf16_rne_of(m.to(torch.bfloat16), m)  # NaN payloads differ
+    assert not is_bf16_rne_of(spec_bf16_rne(m).reshape(32, 128), m)
