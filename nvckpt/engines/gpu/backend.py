@@ -76,25 +76,42 @@ class Backend(Protocol):
     def decode(self, key: Hashable, payloads: list[torch.Tensor], outs: list[torch.Tensor]) -> None: ...
 
 
+def _pieces(run: SlotRun, raw: list[int]) -> list[tuple[int, int, int, int, int]]:
+    """The run's copies from the batch's output: all but those of chunks stored raw (copied from their inputs)."""
+    stored_raw = set(raw)
+    return [(a, b, d, at, n) for a, b, d, at, n in run.copies if not stored_raw.issuperset(range(a, b))]
+
+
+def _packable(pieces: list[tuple[int, int, int, int, int]]) -> bool:
+    """More than one piece, back to back in the slot: one packed device buffer, one copy to the host."""
+    return len(pieces) > 1 and all(p[3] + p[4] == q[3] for p, q in zip(pieces, pieces[1:]))
+
+
+def _copy_raw(enc: Encoded, run: SlotRun, raw: list[int], slot: torch.Tensor, *, non_blocking: bool) -> None:
+    for i in raw:
+        x = enc.inputs[i]
+        at = run.offsets[i - run.first]
+        slot[at: at + x.numel()].copy_(x, non_blocking=non_blocking)
+
+
 def _copy_run(enc: Encoded, run: SlotRun, raw: list[int], slot: torch.Tensor, *, non_blocking: bool,
               gather: bool) -> None:
     """The run's copies from the batch's output, then the input bytes of its chunks stored raw.
 
     ``gather``: first pack the run's pieces on the device (one copy kernel at device-memory speed),
     then move them with one device-to-host copy: a copy per chunk costs more of the link's time."""
-    stored_raw = set(raw)
-    pieces = [(a, b, d, at, n) for a, b, d, at, n in run.copies if not stored_raw.issuperset(range(a, b))]
-    if gather and len(pieces) > 1 and all(p[3] + p[4] == q[3] for p, q in zip(pieces, pieces[1:])):
+    pieces = _pieces(run, raw)
+    if gather and _packable(pieces):
         packed = torch.cat([enc.buffer[d: d + n] for _, _, d, _, n in pieces])
         at = pieces[0][3]
         slot[at: at + packed.numel()].copy_(packed, non_blocking=non_blocking)
     else:
         for _, _, device_at, slot_at, n in pieces:
             slot[slot_at: slot_at + n].copy_(enc.buffer[device_at: device_at + n], non_blocking=non_blocking)
-    for i in raw:
-        x = enc.inputs[i]
-        at = run.offsets[i - run.first]
-        slot[at: at + x.numel()].copy_(x, non_blocking=non_blocking)
+    _copy_raw(enc, run, raw, slot, non_blocking=non_blocking)
+
+
+GATHER_BUFFERS = 2  # device buffers of a slot each that pack runs before their copy out (double buffering)
 
 
 # -- CUDA ---------------------------------------------------------------------------------------
@@ -102,14 +119,14 @@ _streams: dict[Any, tuple[Any, Any]] = {}
 _streams_lock = threading.Lock()
 
 
-def device_streams(device: torch.device) -> tuple[Any, Any]:
-    """The engines' (compute, copy) streams of a device, made once: buffers that torch's allocator caches
-    on them are reused by the next save or load instead of staying reserved for a stream nobody uses."""
+def device_streams(device: torch.device) -> tuple[Any, Any, Any]:
+    """The engines' (compute, copy, gather) streams of a device, made once: buffers that torch's allocator
+    caches on them are reused by the next save or load instead of staying reserved for a stream nobody uses."""
     with _streams_lock:
-        pair = _streams.get(device)
-        if pair is None:
-            pair = _streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
-        return pair
+        streams = _streams.get(device)
+        if streams is None:
+            streams = _streams[device] = tuple(torch.cuda.Stream(device) for _ in range(3))
+        return streams
 
 
 def cuda_device(device: Any) -> torch.device:
@@ -125,7 +142,8 @@ class CudaBackend:
 
         self._nb = nb
         self.device = cuda_device(device)
-        self.stream, self.copy_stream = device_streams(self.device)
+        self.stream, self.copy_stream, self.gather_stream = device_streams(self.device)
+        self._packing: list[list[Any]] = []  # [device buffer, event of the copy that last read it]
         self.gpu_zstd = gpu_zstd
         self.timing = timing
         self.timings: list[tuple] = []  # (stage start, stage end, codec start, codec end, label, bytes)
@@ -176,8 +194,10 @@ class CudaBackend:
 
     def finish(self) -> None:
         self.stream.synchronize()
+        self.gather_stream.synchronize()
         self.copy_stream.synchronize()
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        self._packing.clear()
 
     def _timed(self) -> Any:
         if not self.timing:
@@ -238,14 +258,44 @@ class CudaBackend:
         return Encoded(batch, inputs, result.capacity, result.buffer, result)
 
     def copy_out(self, enc: Encoded, run: SlotRun, raw: list[int], slot: torch.Tensor, gather: bool = False) -> Any:
-        """Issue the copies of ``run``'s chunks into ``slot``; returns an event to wait for.  With ``gather``
-        the pieces are packed on the copy stream first (at most a slot of device memory, reused in stream
-        order by the next run: torch's allocator hands it out again only after this copy)."""
-        with torch.cuda.stream(self.copy_stream):
-            self.copy_stream.wait_event(enc.event)
-            _copy_run(enc, run, raw, slot, non_blocking=True, gather=gather)
+        """Issue the copies of ``run``'s chunks into ``slot``; returns an event to wait for.
+
+        With ``gather`` the pieces are packed on the gather stream into one of two device buffers of a
+        slot each (GATHER_BUFFERS, counted in the memory budget), then moved by one copy on the copy
+        stream: the next run is packed while this one crosses the link.  A buffer is packed again only
+        after the copy that read it."""
+        pieces = _pieces(run, raw)
+        copy = self.copy_stream
+        if not (gather and _packable(pieces)):
+            with torch.cuda.stream(copy):
+                copy.wait_event(enc.event)
+                _copy_run(enc, run, raw, slot, non_blocking=True, gather=False)
+                done = torch.cuda.Event()
+                done.record(copy)
+            return done
+        if len(self._packing) < GATHER_BUFFERS:
+            with torch.cuda.stream(self.gather_stream):
+                self._packing.append([torch.empty(slot.numel(), dtype=torch.uint8, device=self.device), None])
+        self._packing.append(self._packing.pop(0))
+        entry = self._packing[-1]
+        buf, last = entry
+        n = sum(p[4] for p in pieces)
+        with torch.cuda.stream(self.gather_stream):
+            self.gather_stream.wait_event(enc.event)
+            if last is not None:
+                self.gather_stream.wait_event(last)
+            torch.cat([enc.buffer[d: d + m] for _, _, d, _, m in pieces], out=buf[:n])
+            packed = torch.cuda.Event()
+            packed.record(self.gather_stream)
+        with torch.cuda.stream(copy):
+            copy.wait_event(packed)
+            copy.wait_event(enc.event)
+            at = pieces[0][3]
+            slot[at: at + n].copy_(buf[:n], non_blocking=True)
+            _copy_raw(enc, run, raw, slot, non_blocking=True)
             done = torch.cuda.Event()
-            done.record(self.copy_stream)
+            done.record(copy)
+        entry[1] = done
         return done
 
     # -- decode --

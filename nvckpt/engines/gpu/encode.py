@@ -24,7 +24,7 @@ first written.
 
 Memory beyond the caller's tensors: GPU about (inflight + 1) x (batch_bytes of
 output + batch_bytes of scratch for the byte-plane split or staged inputs),
-plus one slot for packing a run before its copy out (``gather_bytes``);
+plus two slots for packing runs before their copy out (``gather_bytes``);
 pinned host memory pinned_slots x slot_bytes + checksum_workers x 2 x
 piece_bytes (384 MiB by default; torch keeps freed pinned blocks for the next
 save).  Never proportional to the checkpoint.  The knobs are
@@ -59,7 +59,7 @@ from ...format.structs import xxh3
 from ...options import GpuSaveOptions, default_memory_budget, default_pinned_limit
 from ...plan.walk import PlannedTensor, SavePlan
 from ..items import EncodedChunk, TensorReady
-from .backend import Backend, Encoded
+from .backend import GATHER_BUFFERS, Backend, Encoded
 from .batching import Batch, ChunkJob, SlotPool, SlotRun, copy_groups, first_use_order, plan_batches
 from .hashing import device_digest
 from .pinned import PINNED, cached_allocator
@@ -275,7 +275,7 @@ def batch_bytes_for(options: GpuSaveOptions, dev: Backend, *, scratch: bool = Tr
     Per batch alive the engine holds its output (batch_bytes), nvCOMP's own temporary memory (measured
     on the H200: up to about half a batch) and, with ``scratch``, as much again for byte planes (nvCOMP
     zstd after a byte-plane split) or inputs staged from another device; inflight + 1 batches are
-    alive at once, beside one slot for packing copies (``gather_bytes``)."""
+    alive at once, beside two slots for packing copies (``gather_bytes``)."""
     budget = options.memory_budget or default_memory_budget(dev.memory_total())
     room = budget - gather_bytes(options, budget)
     return min(options.batch_bytes, room * 2 // (_halves(scratch) * (options.inflight + 1))), budget
@@ -287,9 +287,10 @@ def _halves(scratch: bool) -> int:
 
 
 def gather_bytes(options: GpuSaveOptions, budget: int) -> int:
-    """Device memory that packs a run of compressed chunks before its one copy to the host: a slot's
-    worth, when the budget has room for eight (else each chunk is copied by itself)."""
-    return options.slot_bytes if budget >= 8 * options.slot_bytes else 0
+    """Device memory that packs runs of compressed chunks before their one copy each to the host: two slots'
+    worth (one packed while the other is copied), when the budget has room for sixteen (else each chunk
+    is copied by itself)."""
+    return GATHER_BUFFERS * options.slot_bytes if budget >= 8 * GATHER_BUFFERS * options.slot_bytes else 0
 
 
 def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, options: GpuSaveOptions,

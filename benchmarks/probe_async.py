@@ -1,0 +1,150 @@
+#!/usr/bin/env python3
+"""Where a plain async_save's blocked time goes, on the GPU's timeline (a diagnostic beside bench_training).
+
+Trains bench_training's model a few steps, leaves ``--free`` GB of GPU memory free, runs warm async_saves,
+then one under torch.profiler: within the blocked window, how long the copy engine moved compressed
+chunks to the host, how long kernels ran, and where neither did (host-bound gaps).  JSON + text under --out.
+
+    python3 benchmarks/probe_async.py --out DIR [--free 3] [--warm 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_gpu  # noqa: E402
+import bench_training  # noqa: E402
+
+
+def _union(spans: list[tuple[float, float]]) -> float:
+    total, end = 0.0, -1.0
+    for a, b in sorted(spans):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def timeline(trace: dict, t0_us: float, t1_us: float, bins: int = 20) -> dict:
+    """GPU activity in [t0, t1) (µs, the trace's clock): busy time of copies to the host and of kernels."""
+    d2h, kernels, names = [], [], {}
+    for ev in trace.get("traceEvents", []):
+        if ev.get("ph") != "X" or "dur" not in ev:
+            continue
+        cat, a = ev.get("cat", ""), float(ev["ts"])
+        b = a + float(ev["dur"])
+        if b < t0_us or a > t1_us:
+            continue
+        a, b = max(a, t0_us), min(b, t1_us)
+        if cat == "gpu_memcpy" and "DtoH" in ev.get("name", ""):
+            d2h.append((a, b))
+        elif cat == "kernel":
+            kernels.append((a, b))
+            key = ev.get("name", "")[:60]
+            names[key] = names.get(key, 0.0) + (b - a)
+    span = t1_us - t0_us
+    width = span / bins
+    rows = []
+    for i in range(bins):
+        lo, hi = t0_us + i * width, t0_us + (i + 1) * width
+        clip = lambda s: [(max(a, lo), min(b, hi)) for a, b in s if b > lo and a < hi]  # noqa: E731
+        rows.append({"from_ms": round((lo - t0_us) / 1e3, 1), "d2h_busy": round(_union(clip(d2h)) / width, 2),
+                     "kernel_busy": round(_union(clip(kernels)) / width, 2)})
+    top = sorted(names.items(), key=lambda kv: -kv[1])[:8]
+    return {"window_ms": round(span / 1e3, 1), "d2h_busy_ms": round(_union(d2h) / 1e3, 1),
+            "kernel_busy_ms": round(_union(kernels) / 1e3, 1), "either_busy_ms": round(_union(d2h + kernels) / 1e3, 1),
+            "kernels_ms": {k: round(v / 1e3, 2) for k, v in top}, "bins": rows}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--workdir", default="/tmp/nvckpt-probe")
+    ap.add_argument("--free", type=float, default=3.0)
+    ap.add_argument("--warm", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=30)
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    os.makedirs(args.workdir, exist_ok=True)
+    import nvckpt
+    from nvckpt.options import GpuSaveOptions
+
+    targs = argparse.Namespace(vocab=32000, d_model=1280, layers=24, seq=512, batch=8, lr=6e-4, warmup=30)
+    tr = bench_gpu.Trainer(targs)
+    for _ in range(args.steps):
+        tr.step()
+    filler = bench_training.fill_gpu(tr, args.free * 1e9)  # noqa: F841  (kept alive)
+    out: dict = {"free_GB": args.free, "saves": []}
+    path = os.path.join(args.workdir, "probe")
+
+    def save(**kw):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fut = nvckpt.async_save(tr.checkpoint(), path, **kw)
+        blocked = time.perf_counter() - t0
+        res = fut.result()
+        tr.step()
+        st = res.stats
+        row = {"blocked_s": round(blocked, 4), "phases": st.get("phases"), "setup_s": st.get("setup_seconds"),
+               "tensors_read_s": st.get("tensors_read_seconds"), "waits": st.get("waits"),
+               "batches": st.get("batches"), "chunks": st.get("chunks"), "stored_bytes": st.get("stored_bytes"),
+               "raw_bytes": st.get("raw_bytes"), "gather": st.get("gather"), "batch_bytes": st.get("batch_bytes")}
+        row["stats"] = {k: v for k, v in st.items() if k not in row and len(json.dumps(v, default=str)) < 2000}
+        return row, t0, blocked
+
+    nvckpt.reserve_pinned_memory(6 << 30)
+    for i in range(args.warm):
+        row, _, _ = save()
+        out["saves"].append(row)
+        print("warm", json.dumps(row, default=str)[:1500], flush=True)
+    row, _, _ = save(gpu=GpuSaveOptions(timing=True))
+    out["timed"] = row
+    print("timed", json.dumps(row, default=str)[:3000], flush=True)
+
+    import cProfile
+    import io
+    import pstats
+
+    pr = cProfile.Profile()  # Python >= 3.12: every thread, so the engine's host work too
+    pr.enable()
+    row, _, _ = save()
+    pr.disable()
+    text = io.StringIO()
+    text.write(f"blocked {row['blocked_s']} s (under cProfile)\n")
+    pstats.Stats(pr, stream=text).sort_stats("tottime").print_stats(45)
+    pstats.Stats(pr, stream=text).sort_stats("cumulative").print_stats(45)
+    with open(os.path.join(args.out, "probe_async_profile.txt"), "w") as f:
+        f.write(text.getvalue())
+
+    from torch.profiler import ProfilerActivity, profile
+
+    trace_path = os.path.join(args.workdir, "trace.json")
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        torch.cuda.synchronize()
+        mark0 = torch.cuda.Event()
+        row, t0, blocked = save()
+    prof.export_chrome_trace(trace_path)
+    with open(trace_path) as f:
+        trace = json.load(f)
+    # The window: from the async_save call (the first nvckpt-side CPU event) for the blocked time.
+    cpu = [ev for ev in trace["traceEvents"] if ev.get("ph") == "X" and ev.get("cat") in ("cpu_op", "cuda_runtime", "python_function")]
+    start = min(float(ev["ts"]) for ev in cpu)
+    out["profiled"] = row
+    out["gpu_timeline"] = timeline(trace, start, start + blocked * 1e6)
+    del mark0
+    print("profiled", json.dumps(out["gpu_timeline"], indent=0), flush=True)
+    with open(os.path.join(args.out, "probe_async.json"), "w") as f:
+        json.dump(out, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
