@@ -71,6 +71,7 @@ def main() -> int:
     ap.add_argument("--free", type=float, default=3.0)
     ap.add_argument("--warm", type=int, default=3)
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--inflight", type=int, default=None, help="GpuSaveOptions.inflight for every save (default: its default)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     os.makedirs(args.workdir, exist_ok=True)
@@ -85,7 +86,10 @@ def main() -> int:
     out: dict = {"free_GB": args.free, "saves": []}
     path = os.path.join(args.workdir, "probe")
 
+    base = {} if args.inflight is None else {"inflight": args.inflight}
+
     def save(**kw):
+        kw.setdefault("gpu", GpuSaveOptions(**base))
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         fut = nvckpt.async_save(tr.checkpoint(), path, **kw)
@@ -105,7 +109,7 @@ def main() -> int:
         row, _, _ = save()
         out["saves"].append(row)
         print("warm", json.dumps(row, default=str)[:1500], flush=True)
-    row, _, _ = save(gpu=GpuSaveOptions(timing=True))
+    row, _, _ = save(gpu=GpuSaveOptions(timing=True, **base))
     out["timed"] = row
     print("timed", json.dumps(row, default=str)[:3000], flush=True)
 
@@ -117,7 +121,7 @@ def main() -> int:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     pr.enable()
-    fut = nvckpt.async_save(tr.checkpoint(), path)
+    fut = nvckpt.async_save(tr.checkpoint(), path, gpu=GpuSaveOptions(**base))
     pr.disable()  # the blocked window only
     blocked = time.perf_counter() - t0
     fut.result()

@@ -310,19 +310,29 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
     by_id = {t.tensor_id: t for t in plan.tensors}
     counts = {"batches": 0, "chunks": 0}
 
+    memo: dict[tuple[int, int], int] = {}
+
+    def capacity(key: Pipeline, length: int) -> int:
+        # Asked twice per chunk (thousands per save); the pipelines are alive here, so id() is a cheap key.
+        k = (id(key), length)
+        cap = memo.get(k)
+        if cap is None:
+            cap = memo[k] = dev.capacity(key, length)
+        return cap
+
     def plan_some(tensors: list[PlannedTensor]) -> list[Batch]:
         jobs: list[ChunkJob] = []
         for t in tensors:
             if t.data is not None and t.chunks:
                 pipelines[t.tensor_id] = p = choose(t.entry["dtype"])
                 jobs.extend(ChunkJob(t.tensor_id, i, s, n, p) for i, (s, n) in enumerate(t.chunks))
-        biggest = max((dev.capacity(j.key, j.length) for j in jobs), default=0)
+        biggest = max((capacity(j.key, j.length) for j in jobs), default=0)
         if biggest > batch_bytes:
             raise ValueError(f"GpuSaveOptions.memory_budget {budget} is too small for this save: one chunk needs "
                              f"{biggest} bytes of output, so the budget must be at least "
                              f"{_halves(scratch) * (inflight + 1) * biggest // 2 + gather_bytes(options, budget)} "
                              "(or use smaller chunks, or fewer batches in flight)")
-        planned = plan_batches(jobs, dev.capacity, batch_bytes=batch_bytes, max_chunks=options.max_batch_chunks)
+        planned = plan_batches(jobs, capacity, batch_bytes=batch_bytes, max_chunks=options.max_batch_chunks)
         for b in planned:
             if b.capacity > slot_bytes:
                 raise ValueError(f"GpuSaveOptions.slot_bytes ({slot_bytes}) is smaller than one chunk's output capacity ({b.capacity})")
