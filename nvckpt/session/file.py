@@ -24,7 +24,6 @@ from ..errors import ChecksumError, FormatError, LimitError, NvckptError, Tensor
 from ..format.entry import TensorEntry
 from ..format.frames import locate_index
 from ..format.structs import xxh3
-from ..io.memory import prefault
 from ..io.source import Source
 
 
@@ -184,7 +183,6 @@ class CheckpointFile:
         lo, hi = max(start, c.raw_start), min(start + out.nbytes, c.raw_start + c.raw_length)
         whole = lo == c.raw_start and hi == c.raw_start + c.raw_length
         pipeline = self.pipelines[c.codec_id]
-        prefault(out[lo - start: hi - start])
         if pipeline.is_raw and c.stored_length == c.raw_length and whole:
             self._read_checked(entry, i, out[lo - start: hi - start])
             return
@@ -216,7 +214,6 @@ class CheckpointFile:
         assert table is not None
         stop = start + out.nbytes
         offs, stored, raws, codecs, checks, starts = table.columns(group.start, group.stop)
-        prefault(out[max(start, starts[0]) - start: min(stop, starts[-1] + raws[-1]) - start])
         base = offs[0]
         try:
             data = self.source.pread(base, offs[-1] + stored[-1] - base)

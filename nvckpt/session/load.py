@@ -15,7 +15,6 @@ from ..format.constants import COPY
 from ..format.entry import TensorEntry
 from ..format.structs import xxh3
 from ..format.tree import DeviceName, DtypeName, TensorRef, find_path, resolve_refs, tensor_refs
-from ..io.memory import host_empty
 from ..options import LoadOptions, index_memory_limit
 from ..plan.derived import bf16_rne
 from ..plan.dtypes import to_torch
@@ -67,8 +66,6 @@ def allocate(nbytes: int, entry: TensorEntry, path: str, device: Any = "cpu") ->
     A small, valid file may declare a tensor of many GiB (highly compressible chunks): a
     plain load then allocates it, or fails here, named, instead of with torch's own error."""
     try:
-        if torch.device(device).type == "cpu":
-            return host_empty(nbytes)
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
     except (RuntimeError, MemoryError) as exc:
         raise allocation_error(exc, nbytes, entry, path) from None
