@@ -396,3 +396,47 @@ def test_merge_and_split(saved, tmp_path, capsys):
     from safetensors.torch import load_file
 
     assert torch.equal(load_file(st)["model/0.weight"], want["model"]["0.weight"])
+
+
+def test_files_several_ranks_read_are_read_through_the_page_cache(saved, monkeypatch):
+    """A reshard (every rank reads a box of every stored shard) reads those rank files buffered, so one
+    read from the disk serves every rank on the host; a file one rank alone reads keeps O_DIRECT."""
+    from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+    import nvckpt.dcp.reader as reader_module
+
+    reader = nvckpt.dcp.Reader(os.path.join(saved, "A"))
+    reader.set_up_storage_reader(reader.read_metadata(), True)
+    by_file: dict[str, list] = {}
+    for index, loc in reader.storage_data.items():
+        by_file.setdefault(loc.file, []).append(index)
+
+    def item(index):
+        return ReadItem(type=LoadItemType.TENSOR, dest_index=index, dest_offsets=torch.Size([0]),
+                        storage_index=index, storage_offsets=torch.Size([0]), lengths=torch.Size([1]))
+
+    plans = [LoadPlan([item(i) for i in by_file["__0.nvckpt"][:2] + by_file["__1.nvckpt"][:2]]),
+             LoadPlan([item(i) for i in by_file["__1.nvckpt"][2:4]])]
+    out = reader.prepare_global_plan(plans)
+    assert [p.storage_data["shared_files"] for p in out] == [["__1.nvckpt"], ["__1.nvckpt"]]
+    assert [p.items for p in out] == [p.items for p in plans]
+
+    opened = []
+
+    class Opened(Exception):
+        pass
+
+    class Recording:
+        def __init__(self, path, options):
+            opened.append((os.path.basename(path), options.gpu.direct_io))
+            raise Opened  # stop the read here: only how the file was opened matters
+
+    class Planner:
+        def resolve_tensor(self, item):
+            return torch.empty(item.lengths)
+
+    monkeypatch.setattr(reader_module, "Checkpoint", Recording)
+    for plan in out:
+        with pytest.raises(Opened):
+            reader.read_data(plan, Planner()).wait()
+    assert opened == [("__0.nvckpt", True), ("__1.nvckpt", False)]

@@ -79,7 +79,23 @@ class Reader(StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        """Marks the rank files that more than one rank reads (a reshard: every rank reads a column box of
+        every stored shard): those ranks read them through the page cache, so one read from the disk serves
+        all of them; a file that one rank alone reads is read with O_DIRECT where the GPU loader does that."""
+        readers: dict[str, set[int]] = {}
+        for rank, plan in enumerate(plans):
+            for item in plan.items:
+                loc = self.storage_data.get(item.storage_index)
+                if loc is not None:
+                    readers.setdefault(loc.file, set()).add(rank)
+        shared = {file for file, ranks in readers.items() if len(ranks) > 1}
+        out = []
+        for rank, plan in enumerate(plans):
+            mine = sorted(file for file in shared if rank in readers[file])
+            storage = dict(plan.storage_data) if isinstance(plan.storage_data, dict) else {}
+            storage["shared_files"] = mine
+            out.append(dataclasses.replace(plan, storage_data=storage))
+        return out
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         future: Future[None] = Future()
@@ -99,11 +115,14 @@ class Reader(StorageReader):
             per_file.setdefault(loc.file, []).append((item, loc))
         opened: dict[tuple[str, str], Checkpoint] = {}
         self.bytes_read = 0
+        shared = set(plan.storage_data.get("shared_files", ())) if isinstance(plan.storage_data, dict) else set()
+        through_cache = dataclasses.replace(self.options, gpu=dataclasses.replace(self.options.gpu, direct_io=False))
 
         def checkpoint(file: str, device: torch.device) -> Checkpoint:
             key = (file, str(device))
             if key not in opened:
-                opened[key] = Checkpoint(os.path.join(self.path, file), dataclasses.replace(self.options, device=device))
+                options = through_cache if file in shared else self.options
+                opened[key] = Checkpoint(os.path.join(self.path, file), dataclasses.replace(options, device=device))
             return opened[key]
 
         try:
