@@ -273,11 +273,12 @@ class CudaBackend:
                 done = torch.cuda.Event()
                 done.record(copy)
             return done
-        if len(self._packing) < GATHER_BUFFERS:
+        if len(self._packing) < GATHER_BUFFERS:  # a new buffer while there are fewer than two
             with torch.cuda.stream(self.gather_stream):
-                self._packing.append([torch.empty(slot.numel(), dtype=torch.uint8, device=self.device), None])
-        self._packing.append(self._packing.pop(0))
-        entry = self._packing[-1]
+                entry = [torch.empty(slot.numel(), dtype=torch.uint8, device=self.device), None]
+        else:  # else the one packed longest ago
+            entry = self._packing.pop(0)
+        self._packing.append(entry)
         buf, last = entry
         n = sum(p[4] for p in pieces)
         with torch.cuda.stream(self.gather_stream):
