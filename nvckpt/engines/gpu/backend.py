@@ -147,7 +147,6 @@ class CudaBackend:
         self.gpu_zstd = gpu_zstd
         self.timing = timing
         self.timings: list[tuple] = []  # (stage start, stage end, codec start, codec end, label, bytes)
-        self._capacities: dict[tuple[Pipeline, int], int] = {}  # asked ~3 times per chunk while planning
 
     def _codec(self, op: DeviceOp) -> Any:
         codec = self._nb.codec_for(op, device=self.device, stream=self.stream)
@@ -226,15 +225,12 @@ class CudaBackend:
             return fn()
 
     def capacity(self, pipeline: Pipeline, length: int) -> int:
-        key = (pipeline, length)
-        cap = self._capacities.get(key)
-        if cap is None:
-            op = pipeline.device_op()
-            if op is None:
-                raise ValueError(f"pipeline {pipeline.describe()} does not encode on the GPU")
-            c = self._codec(op)
-            cap = self._capacities[key] = align_up(c.max_compressed_size(length), c.comp_alignment)
-        return cap
+        # Memoized by its one caller, the engine's planning (encode._pipeline), and nvCOMP's bound per process.
+        op = pipeline.device_op()
+        if op is None:
+            raise ValueError(f"pipeline {pipeline.describe()} does not encode on the GPU")
+        c = self._codec(op)
+        return align_up(c.max_compressed_size(length), c.comp_alignment)
 
     def encode(self, batch: Batch, sources: dict[int, torch.Tensor]) -> Encoded:
         codec = self._codec(batch.key.device_op())
