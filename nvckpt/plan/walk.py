@@ -11,7 +11,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -95,12 +95,6 @@ class SavePlan:
 
     def data_tensors(self) -> list[PlannedTensor]:
         return [t for t in self.tensors if t.data is not None]
-
-    def rechunk(self, chunk_size: int) -> None:
-        """Cut every stored tensor again with another target chunk size."""
-        check_chunk_size(chunk_size)
-        for t in self.data_tensors():
-            t.chunks = chunk_ranges(tuple(t.entry["shape"]), DTYPES[t.entry["dtype"]].itemsize, chunk_size)
 
     @property
     def raw_bytes(self) -> int:
@@ -195,7 +189,8 @@ def _check_tensor(t: torch.Tensor, path: str) -> None:
     if t.dim() > MAX_RANK:
         raise LimitError(f"tensor at {path or '<root>'} has rank {t.dim()} > {MAX_RANK}")
     name_of(t.dtype)  # raises for dtypes without a byte layout
-    span = math.prod(d or 1 for d in t.shape) * t.element_size()  # SPEC 8.3
+    n = t.numel()
+    span = (n if n else math.prod(d or 1 for d in t.shape)) * t.element_size()  # SPEC 8.3 (zero dims count as 1)
     if span > MAX_TENSOR_BYTES:
         raise LimitError(f"tensor at {path or '<root>'} of shape {list(t.shape)} spans {span} bytes, more than the "
                          f"limit of {MAX_TENSOR_BYTES}")
@@ -205,17 +200,19 @@ def plan_save(
     obj: Any,
     *,
     metadata: dict[str, Any] | None = None,
-    chunk_size: int = CPU_CHUNK_SIZE,
+    chunk_size: int | Callable[[list[PlannedTensor]], int] = CPU_CHUNK_SIZE,
     derive: bool = False,
     copies: bool = False,
     defer: bool = False,
 ) -> SavePlan:
     """The plan of saving ``obj``: its tree, one PlannedTensor per distinct tensor, their chunks.
 
-    ``derive``: find bf16 tensors that are the rounding of a stored fp32 one; ``copies``: find exact
-    copies.  ``defer``: only pick the candidates; ``SavePlan.decide()`` verifies them later (until then
+    ``chunk_size``: the target chunk size, or a function of the distinct tensors that picks it (the
+    engine that will run depends on where they live: each tensor is then cut once).  ``derive``: find
+    bf16 tensors that are the rounding of a stored fp32 one; ``copies``: find exact copies.  ``defer``: only pick the candidates; ``SavePlan.decide()`` verifies them later (until then
     ``undecided`` names the tensors whose storage may change)."""
-    check_chunk_size(chunk_size)
+    if not callable(chunk_size):
+        check_chunk_size(chunk_size)
     started = time.perf_counter()
     leaves: list[tuple[str, torch.Tensor]] = []  # (path, tensor) in tree order
 
@@ -267,7 +264,11 @@ def plan_save(
     if metadata is not None:
         _check_metadata(metadata)
 
-    plan_tensors, leaf_ids = _dedupe(leaves, chunk_size)
+    plan_tensors, leaf_ids = _dedupe(leaves)
+    size = check_chunk_size(chunk_size(plan_tensors)) if callable(chunk_size) else chunk_size
+    for t in plan_tensors:
+        if t.data is not None:
+            t.chunks = chunk_ranges(tuple(t.entry["shape"]), DTYPES[t.entry["dtype"]].itemsize, size)
     walked = time.perf_counter()
     search = DerivedSearch(plan_tensors, bf16=derive, copies=copies) if derive or copies else None
     derived = time.perf_counter()
@@ -371,8 +372,8 @@ def _view_key(t: torch.Tensor) -> tuple:
     return (t.dtype, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
 
 
-def _dedupe(leaves: list[tuple[str, torch.Tensor]], chunk_size: int) -> tuple[list[PlannedTensor], list[int]]:
-    """One entry per distinct tensor; views of one storage share a base entry."""
+def _dedupe(leaves: list[tuple[str, torch.Tensor]]) -> tuple[list[PlannedTensor], list[int]]:
+    """One entry per distinct tensor; views of one storage share a base entry (chunks not cut yet)."""
     groups: dict[tuple, list[int]] = {}  # in order of each group's first leaf (dicts keep insertion order)
     for i, (_, t) in enumerate(leaves):
         if t.numel() == 0:
@@ -396,8 +397,7 @@ def _dedupe(leaves: list[tuple[str, torch.Tensor]], chunk_size: int) -> tuple[li
                 "(for example 1 and '1' in one dict)"
             )
         names_seen[name] = tid
-        chunks = chunk_ranges(tuple(entry["shape"]), DTYPES[entry["dtype"]].itemsize, chunk_size) if data is not None else []
-        tensors.append(PlannedTensor(tid, entry, data, chunks))
+        tensors.append(PlannedTensor(tid, entry, data))
         return tid
 
     def base_entry(path: str, t: torch.Tensor) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from ..io.atomic import AtomicReplace, leftover_temporaries
 from ..io.sink import FileSink
 from ..options import SaveOptions
 from ..plan.chunking import CPU_CHUNK_SIZE, GPU_CHUNK_SIZE
-from ..plan.walk import SavePlan, plan_save
+from ..plan.walk import PlannedTensor, SavePlan, plan_save
 from ..engines.items import EncodedChunk, TensorReady
 from . import lifecycle
 
@@ -85,12 +85,12 @@ def write_items(stream: Any, items: Iterable[TensorReady | EncodedChunk], plan: 
             close()
 
 
-def _gpu_device(plan: SavePlan, options: SaveOptions) -> torch.device | None:
-    """The CUDA device whose GPU engine should run this save, else None (the CPU engine)."""
+def _gpu_device(tensors: list[PlannedTensor], options: SaveOptions) -> torch.device | None:
+    """The CUDA device whose GPU engine should run a save of ``tensors``, else None (the CPU engine)."""
     codec, engine = options.codec, options.engine
     if engine == "cpu" or isinstance(codec, Pipeline) or codec not in GPU_PRESETS:
         return None
-    device = next((t.data.device for t in plan.tensors if t.data is not None and t.data.device.type == "cuda"), None)
+    device = next((t.data.device for t in tensors if t.data is not None and t.data.device.type == "cuda"), None)
     if engine == "auto" and device is None:
         return None
     from ..codecs.nvcomp import backend as nb
@@ -116,15 +116,19 @@ class SaveSession:
         bf16, copies = options.derives
         # Derived-tensor candidates are verified later (SavePlan.decide): before the engine runs, or, in
         # a read-ahead async_save, in the caller's thread while the engine reads every other tensor.
-        self.plan = plan_save(obj, metadata=options.metadata, derive=bf16, copies=copies,
-                              chunk_size=options.chunk_size or CPU_CHUNK_SIZE, defer=True)
+        self.device: torch.device | None = None
+
+        def chunk_size(tensors: list[PlannedTensor]) -> int:
+            # The engine follows from where the tensors live; the chunk size from the engine.
+            self.device = _gpu_device(tensors, options)
+            return options.chunk_size or (CPU_CHUNK_SIZE if self.device is None else GPU_CHUNK_SIZE)
+
+        self.plan = plan_save(obj, metadata=options.metadata, derive=bf16, copies=copies, chunk_size=chunk_size,
+                              defer=True)
         self.caller_decides = False
         # Where the time of a save goes, in seconds (SaveResult.stats["phases"], with the plan's own):
         # what runs before the engine reads the first tensor; async_save adds what held its caller.
         self.phases: dict[str, float] = {}
-        self.device = _gpu_device(self.plan, options)
-        if options.chunk_size is None and self.device is not None:
-            self.plan.rechunk(GPU_CHUNK_SIZE)  # the GPU engine's own default
         self.ready: Any = None  # what the engine's streams wait for (the caller's work, a snapshot's copies)
         self.tensors_read: threading.Event | None = None  # set once the engine reads the caller's tensors no more
         self.stats: dict[str, Any] = {}
