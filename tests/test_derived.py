@@ -117,6 +117,28 @@ def test_bf16_that_is_not_the_rounding_is_stored_as_is(change, rounding_check):
     assert_tree_equal(nvckpt.load(io.BytesIO(data)), state)
 
 
+def test_many_small_pairs_each_decided_on_its_own(rounding_check):
+    """Small pairs are compared a group at a time: a difference or a NaN in one flags the group, and every
+    pair in it is then decided by itself (the others stay derived; the changed ones are stored as they are)."""
+    from nvckpt.plan import derived
+
+    gen = torch.Generator().manual_seed(5)
+    masters_ = {f"b{i}": torch.randn(96 + i, generator=gen) for i in range(40)}
+    masters_["nan"] = masters().reshape(-1)[:300].clone()  # NaN payloads: the cast alone cannot decide
+    models = {k: spec_bf16_rne(v) for k, v in masters_.items()}
+    models["b7"].view(torch.int16)[50] += 1  # one ulp off
+    models["b21"] = masters_["b21"].to(torch.bfloat16)  # exact: no NaN, the cast is the rounding
+    models["nan_cast"] = masters_["nan"].to(torch.bfloat16)  # the cast drops NaN payloads: not the rounding
+    masters_["nan_cast"] = masters_["nan"].clone()
+    state = {"master": masters_, "model": models}
+    data = save_bytes(state, derive=True)
+    with nvckpt.open(io.BytesIO(data)) as ck:
+        stored = {e.name for e in ck.index.tensors if e.derived is None or e.derived["function"] != "bf16_rne"}
+    assert {n for n in stored if n.startswith("model/")} == {"model/b7", "model/nan_cast"}
+    assert_tree_equal(nvckpt.load(io.BytesIO(data)), state)
+    assert derived._GROUP_PAIR >= 400 and 40 * 140 < derived._GROUP_ELEMENTS  # the pairs above were grouped
+
+
 def test_derived_on_by_default_off_when_asked_and_with_views():
     m = torch.randn(100)
     w = spec_bf16_rne(m)
@@ -221,6 +243,23 @@ def test_copies_among_tensors_whose_first_bytes_agree():
     with nvckpt.open(io.BytesIO(data)) as ck:
         source = {e.name: (ck.index.tensors[e.derived["source"]].name if e.derived else None) for e in ck.index.tensors}
     assert source == {"t0": None, "t1": "t0", "t2": None, "t3": "t0", "t4": "t2", "t5": None, "t6": "t0"}
+    assert_tree_equal(nvckpt.load(io.BytesIO(data)), state)
+
+
+def test_many_step_counts_and_large_copies():
+    """An optimizer's hundreds of equal step counts are compared a group at a time; a group with one that
+    differs is decided pair by pair; tensors above the group size are compared alone."""
+    steps = {f"p{i}": torch.tensor(30.0) for i in range(120)}
+    steps["p17"] = torch.tensor(31.0)
+    steps["p90"] = torch.tensor(-0.0)  # -0.0 == 0.0 as numbers; bytes differ
+    steps["p91"] = torch.tensor(0.0)
+    big = torch.randn(400_000)  # above the group size
+    state = {"step": steps, "big": big, "big2": big.clone(), "big3": big + 1}
+    data = save_bytes(state)
+    with nvckpt.open(io.BytesIO(data)) as ck:
+        source = {e.name: ck.index.tensors[e.derived["source"]].name for e in ck.index.tensors
+                  if e.derived and e.derived["function"] == "copy"}
+    assert source == {**{f"step/p{i}": "step/p0" for i in range(1, 120) if i not in (17, 90, 91)}, "big2": "big"}
     assert_tree_equal(nvckpt.load(io.BytesIO(data)), state)
 
 

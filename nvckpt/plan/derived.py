@@ -142,24 +142,28 @@ class DerivedSearch:
         self.tensors = tensors
         self.pairs: list[tuple[PlannedTensor, PlannedTensor]] = []  # (bf16 candidate, fp32 source), source order
         self.classes: list[list[PlannedTensor]] = []  # possible copies: same dtype, shape, device, first bytes
+        self._heads = _Heads(tensors)
         if bf16:
             self._bf16_candidates()
         if copies:
             self._copy_candidates()
         self.undecided = {t.tensor_id for t, _ in self.pairs} | {t.tensor_id for c in self.classes for t in c}
+        self._heads = None  # host copies, no longer needed
 
     def _bf16_candidates(self) -> None:
         sources = [t for t in self.tensors
                    if t.data is not None and t.entry["dtype"] == "float32" and not t.entry.get("internal")]
         candidates = [t for t in self.tensors if t.data is not None and t.entry["dtype"] == "bfloat16"
                       and t.data.numel() > 0 and not t.entry.get("internal")]
+        shapes = {tuple(t.entry["shape"]) for t in candidates}
+        sources = [t for t in sources if tuple(t.entry["shape"]) in shapes]  # (an optimizer's step counts: none)
         if not sources or not candidates:
             return
         index: dict[tuple, list[PlannedTensor]] = {}
-        for t, head in zip(sources, _heads(sources, rne=True)):
-            index.setdefault((tuple(t.entry["shape"]), t.data.device, head), []).append(t)
-        self.pairs = [(t, src) for t, head in zip(candidates, _heads(candidates, rne=False))
-                      for src in index.get((tuple(t.entry["shape"]), t.data.device, head), [])]
+        for t in sources:
+            index.setdefault((tuple(t.entry["shape"]), t.data.device, self._heads.rne(t)), []).append(t)
+        self.pairs = [(t, src) for t in candidates
+                      for src in index.get((tuple(t.entry["shape"]), t.data.device, self._heads.bits(t)), [])]
 
     def _copy_candidates(self) -> None:
         stored = [t for t in self.tensors if t.data is not None and t.data.numel() > 0 and not t.entry.get("internal")]
@@ -170,8 +174,8 @@ class DerivedSearch:
         if not flat:
             return
         classes: dict[tuple, list[PlannedTensor]] = {}
-        for t, head in zip(flat, _heads(flat, rne=False, raw=True)):
-            classes.setdefault((t.entry["dtype"], tuple(t.entry["shape"]), t.data.device, head), []).append(t)
+        for t in flat:
+            classes.setdefault((t.entry["dtype"], tuple(t.entry["shape"]), t.data.device, self._heads.raw(t)), []).append(t)
         self.classes = [c for c in classes.values() if len(c) > 1]
 
     def verify(self) -> None:
@@ -194,7 +198,11 @@ class DerivedSearch:
 
     def _verify_bf16(self) -> None:
         pairs = self.pairs
-        differs = _all_on_host([_may_differ_from_rne(t.data, src.data) for t, src in pairs])
+        flags, members = _rne_flags(pairs)
+        differs = [False] * len(pairs)
+        for flag, ks in zip(_all_on_host(flags), members):
+            for k in ks:
+                differs[k] = flag
         again = [k for k, d in enumerate(differs) if d]  # a difference, or NaNs: decided exactly
         for k, d in zip(again, _all_on_host([_differs_from_rne(pairs[k][0].data, pairs[k][1].data) for k in again])):
             differs[k] = d
@@ -214,7 +222,7 @@ class DerivedSearch:
         work = [(c[0], c[1:]) for c in classes if len(c) > 1]  # (stored tensor, undecided after it)
         while work:
             pairs = [(t, rep) for rep, rest in work for t in rest]
-            equal = _all_on_host([~(rep.flat_bytes() != t.flat_bytes()).any() for t, rep in pairs])
+            equal = _bytes_equal(pairs)
             decided = {id(t): rep for (t, rep), same in zip(pairs, equal) if same}
             next_work = []
             for rep, rest in work:
@@ -266,7 +274,8 @@ def _all_on_host(flags: list[torch.Tensor]) -> list[bool]:
     return out
 
 
-_HEAD_BYTES = 64
+_HEAD_BYTES = 64  # raw heads (copies): the first 64 bytes
+_HEAD_ELEMENTS = 64  # rounding heads: the first 64 elements
 
 
 def _first(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -275,31 +284,140 @@ def _first(t: torch.Tensor, n: int) -> torch.Tensor:
     return t.as_strided((n,), (1,)) if t.is_contiguous() else t.reshape(-1)[:n]
 
 
-def _heads(tensors: list[PlannedTensor], *, rne: bool, raw: bool = False) -> list[bytes]:
-    """The bf16 bits of each tensor's first 64 elements (rounded from fp32 with ``rne``), or with ``raw``
-    its first 64 bytes (any dtype): one concatenation and one host copy per device and dtype."""
-    out: list[bytes] = [b""] * len(tensors)
-    groups: dict[Any, list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault((t.data.device, t.data.dtype), []).append(i)
-    for (_, dtype), idx in groups.items():
-        if raw:  # the first 64 bytes: as many elements as fill them
-            count = max(1, _HEAD_BYTES // tensors[idx[0]].data.element_size())
-            parts = [_first(tensors[i].data, count) for i in idx]
+class _Heads:
+    """The first 64 elements of every tensor, on the host: one concatenation and one host copy per device and
+    dtype, made when first asked for, shared by the searches for roundings and for copies.
+
+    ``rne(t)``: the bf16 bits of bf16_rne of a float32 tensor's first 64 elements; ``bits(t)``: a bf16
+    tensor's first 64 elements; ``raw(t)``: the first 64 bytes of any tensor."""
+
+    def __init__(self, tensors: list[PlannedTensor]) -> None:
+        self._members: dict[tuple, list[PlannedTensor]] = {}
+        for t in tensors:
+            if t.data is not None and t.data.numel() > 0 and not t.entry.get("internal"):
+                self._members.setdefault((t.data.device, t.data.dtype), []).append(t)
+        self._groups: dict[tuple, tuple[torch.Tensor, dict[int, tuple[int, int]]]] = {}
+        self._rne: dict[tuple, Any] = {}
+        self._views: dict[tuple, Any] = {}
+
+    def _group(self, t: PlannedTensor) -> tuple[tuple, torch.Tensor, tuple[int, int]]:
+        key = (t.data.device, t.data.dtype)
+        group = self._groups.get(key)
+        if group is None:
+            us = self._members[key]
+            parts = [_first(u.data, _HEAD_ELEMENTS) for u in us]
             flat = torch.cat(parts)
-            bits = (flat.view(torch.uint8) if dtype != torch.bool else flat.to(torch.uint8)).cpu().numpy()
-            scale = max(1, tensors[idx[0]].data.element_size())
+            host = (flat if flat.dtype != torch.bool else flat.to(torch.uint8)).cpu()
+            spans, at = {}, 0
+            for u, part in zip(us, parts):
+                spans[u.tensor_id] = (at, part.numel())
+                at += part.numel()
+            group = self._groups[key] = (host, spans)
+        return key, group[0], group[1][t.tensor_id]
+
+    def rne(self, t: PlannedTensor) -> bytes:
+        key, host, (at, n) = self._group(t)
+        bits = self._rne.get(key)
+        if bits is None:  # the rounding of the whole group at once, on the host (a few thousand elements)
+            bits = self._rne[key] = bf16_rne(host).view(torch.int16).numpy()
+        return bits[at: at + n].tobytes()
+
+    def bits(self, t: PlannedTensor) -> bytes:
+        key, host, (at, n) = self._group(t)
+        return self._view(key, host, torch.int16)[at: at + n].tobytes()
+
+    def raw(self, t: PlannedTensor) -> bytes:
+        key, host, (at, n) = self._group(t)
+        size = host.element_size()
+        count = max(1, _HEAD_BYTES // size)
+        return self._view(key, host, torch.uint8)[at * size: (at + min(n, count)) * size].tobytes()
+
+    def _view(self, key: tuple, host: torch.Tensor, dtype: torch.dtype) -> Any:
+        view = self._views.get((key, dtype))
+        if view is None:
+            view = self._views[(key, dtype)] = host.view(dtype).numpy()
+        return view
+
+
+def _bytes_equal(pairs: list[tuple[PlannedTensor, PlannedTensor]]) -> list[bool]:
+    """Are the two tensors of each pair (same dtype and shape) equal bit for bit?  Small pairs (an optimizer's
+    step counts: hundreds of one-element tensors) are compared a group at a time, concatenated, and only the
+    pairs of a group that differs one by one; one synchronisation per device and round."""
+    flags: list[torch.Tensor] = []
+    members: list[list[int]] = []
+    small: dict[torch.device, list[int]] = {}
+    for k, (t, rep) in enumerate(pairs):
+        if t.nbytes <= _GROUP_PAIR:
+            small.setdefault(t.data.device, []).append(k)
         else:
-            parts = [_first(tensors[i].data, _HEAD_BYTES) for i in idx]
-            flat = torch.cat(parts)
-            bits = (bf16_rne(flat) if rne else flat).view(torch.int16).cpu().numpy()
-            scale = 1
-        at = 0
-        for i, part in zip(idx, parts):
-            n = part.numel() * scale
-            out[i] = bits[at: at + n].tobytes()
-            at += n
+            flags.append((rep.flat_bytes() != t.flat_bytes()).any())
+            members.append([k])
+    for ks in small.values():
+        for group in _groups(ks, lambda k: pairs[k][0].nbytes, _GROUP_ELEMENTS):
+            a = torch.cat([pairs[k][0].flat_bytes() for k in group])
+            b = torch.cat([pairs[k][1].flat_bytes() for k in group])
+            flags.append((a != b).any())
+            members.append(group)
+    differs = [False] * len(pairs)
+    again = []
+    for flag, ks in zip(_all_on_host(flags), members):
+        if flag:
+            if len(ks) == 1:
+                differs[ks[0]] = True
+            else:
+                again.extend(ks)
+    for k, d in zip(again, _all_on_host([(pairs[k][1].flat_bytes() != pairs[k][0].flat_bytes()).any() for k in again])):
+        differs[k] = d
+    return [not d for d in differs]
+
+
+def _groups(ks: list[int], size: Callable[[int], int], limit: int) -> list[list[int]]:
+    """``ks`` cut, in order, into runs whose sizes add up to at most ``limit`` (a larger one alone)."""
+    out: list[list[int]] = []
+    run, total = [], 0
+    for k in ks:
+        n = size(k)
+        if run and total + n > limit:
+            out.append(run)
+            run, total = [], 0
+        run.append(k)
+        total += n
+    if run:
+        out.append(run)
     return out
+
+
+_GROUP_PAIR = 1 << 20  # elements: pairs up to this size are compared together, ...
+_GROUP_ELEMENTS = 1 << 23  # ... in groups of up to this many elements (bounds the temporaries to ~80 MB)
+
+
+def _rne_flags(pairs: list[tuple[PlannedTensor, PlannedTensor]]) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """0-d bool tensors (not yet read) that may flag a difference between candidates and the rounding of their
+    sources, and which pairs each flag covers (False: all equal; True: decide each exactly).
+
+    Small pairs (biases, norms: most of a model's tensors) are compared a group at a time, concatenated: a
+    handful of kernels per group instead of five per pair, which in a read-ahead async_save run beside the
+    engine's own host work (each kernel launch takes the GIL)."""
+    flags: list[torch.Tensor] = []
+    members: list[list[int]] = []
+    groups: dict[torch.device, list[int]] = {}
+    for k, (t, src) in enumerate(pairs):
+        if src.data.numel() <= _GROUP_PAIR and _cast_is_rne(src.data.device):
+            groups.setdefault(src.data.device, []).append(k)
+        else:
+            flags.append(_may_differ_from_rne(t.data, src.data))
+            members.append([k])
+    for ks in groups.values():
+        for group in _groups(ks, lambda k: pairs[k][1].data.numel(), _GROUP_ELEMENTS):
+            if len(group) == 1:
+                t, src = pairs[group[0]]
+                flags.append(_may_differ_from_rne(t.data, src.data))
+            else:
+                source = torch.cat([pairs[k][1].data.reshape(-1) for k in group])
+                candidate = torch.cat([pairs[k][0].data.reshape(-1) for k in group])
+                flags.append(_may_differ_from_rne(candidate, source))
+            members.append(group)
+    return flags, members
 
 
 __all__ = ["bf16_rne", "is_bf16_rne_of", "DerivedSearch", "find_derived", "find_copies"]
