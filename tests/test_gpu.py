@@ -336,3 +336,28 @@ def test_consecutive_async_saves_reuse_pinned_memory(tmp_path):
     assert PINNED.in_use == 0
     assert len(set(sizes[1:])) == 1, sizes  # flat after the first save
     assert nvckpt.release_pinned_memory() == sizes[-1] and PINNED.cached == 0
+
+
+@pytest.mark.parametrize("algorithm,data_type,shuffle", [("ans", "<f2", 1), ("zstd", "|u1", 2)])
+def test_encode_parts_is_encode_of_the_views(algorithm, data_type, shuffle):
+    """The engine hands nvCOMP byte ranges of its sources (no view per chunk): the same streams as views give,
+    misaligned ranges (staged) included; a range outside its source is refused."""
+    stream = torch.cuda.Stream(DEV)
+    codec = nb.GpuCodec(algorithm, data_type, shuffle, DEV, stream)
+    src = torch.randn(300_000, device=DEV).to(torch.bfloat16).view(torch.uint8).reshape(-1)
+    ranges = [(0, 64 * KiB), (64 * KiB, 100_000), (2, 4096), (200_006, 50_000), (src.numel() - 1000, 1000)]
+    stream.wait_stream(torch.cuda.current_stream(DEV))
+
+    def streams(batch):
+        sizes = batch.sizes()
+        return [bytes(batch.buffer[o: o + n].cpu().numpy()) for o, n in zip(batch.offsets, sizes)]
+
+    by_views = streams(codec.encode([src[s: s + n] for s, n in ranges]))
+    by_parts = streams(codec.encode_parts([(src, s, n) for s, n in ranges]))
+    assert by_parts == by_views
+    with pytest.raises(ValueError, match="within its"):
+        codec.encode_parts([(src, src.numel() - 10, 20)])
+    with pytest.raises(ValueError, match="whole"):
+        codec.encode_parts([(src, 0, 3)])
+    with pytest.raises(ValueError, match="source of chunk 0"):
+        codec.encode_parts([(src.view(torch.int16), 0, 4)])

@@ -188,26 +188,31 @@ def _shuffle_batch(dst: torch.Tensor, dst_offsets: list[int], chunks: Sequence[t
 
 # -- batches -------------------------------------------------------------------
 class _Span:
-    """Device bytes [base, end) covering a list of 1-D uint8 tensors, as one buffer for
+    """Device bytes [base, end) covering a list of byte ranges, as one buffer for
     ``nvcomp.as_arrays(buffer, offsets, sizes)``.
 
     One wrapper per batch instead of one per chunk: wrapping each chunk
     separately costs ~17 us of host time per chunk (measured), which capped a
     2 GiB encode of 1 MiB chunks at 58 GB/s.  nvCOMP only touches the
-    [offset, offset + size) ranges; the tensors are referenced here, so their
-    memory outlives the batch (nvCOMP keeps the buffer object alive).
+    [offset, offset + size) ranges; ``keep`` (the tensors holding them) is
+    referenced here, so their memory outlives the batch (nvCOMP keeps the
+    buffer object alive).
     """
 
-    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
-        self.tensors = tuple(tensors)
-        ptrs = [t.data_ptr() for t in self.tensors]
+    def __init__(self, ptrs: Sequence[int], sizes: Sequence[int], keep: Any) -> None:
+        self.keep = keep
         base = min(ptrs)
-        end = max(p + t.numel() for p, t in zip(ptrs, self.tensors))
+        end = max(p + n for p, n in zip(ptrs, sizes))
         self.offsets = [p - base for p in ptrs]
-        self.sizes = [t.numel() for t in self.tensors]
+        self.sizes = list(sizes)
         self.__cuda_array_interface__ = {
             "shape": (end - base,), "typestr": "|u1", "data": (base, False), "strides": None, "version": 3,
         }
+
+    @classmethod
+    def of(cls, tensors: Sequence[torch.Tensor]) -> "_Span":
+        tensors = tuple(tensors)
+        return cls([t.data_ptr() for t in tensors], [t.numel() for t in tensors], tensors)
 
 
 @dataclass
@@ -332,9 +337,10 @@ class GpuCodec:
         return out
 
     def _batch(self, tensors: Sequence[torch.Tensor]) -> Any:
-        nv = load_nvcomp()
-        span = _Span(tensors)
-        return nv.as_arrays(span, span.offsets, span.sizes, self.stream.cuda_stream)
+        return self._arrays(_Span.of(tensors))
+
+    def _arrays(self, span: _Span) -> Any:
+        return load_nvcomp().as_arrays(span, span.offsets, span.sizes, self.stream.cuda_stream)
 
     # -- encode --
     def encode(self, chunks: Sequence[torch.Tensor]) -> EncodedBatch:
@@ -347,36 +353,68 @@ class GpuCodec:
         if not chunks:
             raise ValueError("nothing to encode")
         self._check_chunks(chunks, "chunk")
+        return self.encode_parts([(c, 0, c.numel()) for c in chunks])
+
+    def encode_parts(self, parts: Sequence[tuple[torch.Tensor, int, int]]) -> EncodedBatch:
+        """``encode`` of chunks given as (tensor, start, length): bytes [start, start + length) of a contiguous
+        1-D uint8 CUDA tensor.  The engine's form: no tensor view per chunk (each costs microseconds of
+        host time, thousands per save), and each tensor is checked once, not once per chunk."""
+        if not parts:
+            raise ValueError("nothing to encode")
         nv = load_nvcomp()
         s = self.stream
-        raw_lengths = [c.numel() for c in chunks]
+        known: dict[int, tuple[int, int]] = {}  # id(tensor) -> (address, bytes)
+        keep: list[torch.Tensor] = []  # what the chunks are in: alive until the encode is done
+        ptrs, raw_lengths = [], []
+        for i, (base, start, n) in enumerate(parts):
+            got = known.get(id(base))
+            if got is None:
+                if base.dtype != torch.uint8 or base.dim() != 1 or not base.is_contiguous() or base.device != self.device:
+                    raise ValueError(f"the source of chunk {i} must be a contiguous 1-D uint8 tensor on {self.device}")
+                got = known[id(base)] = (base.data_ptr(), base.numel())
+                keep.append(base)
+            if not (n > 0 and 0 <= start and start + n <= got[1]) or n % self.itemsize:
+                raise ValueError(f"chunk {i}: bytes [{start}, {start + n}) are not a non-empty range of whole "
+                                 f"{self.itemsize}-byte elements within its {got[1]}-byte source")
+            ptrs.append(got[0] + start)
+            raw_lengths.append(n)
         biggest = max(raw_lengths)
         if self.algorithm == "ans" and biggest > MAX_ANS_CHUNK:
             raise ValueError(f"nvCOMP ANS compresses at most {MAX_ANS_CHUNK} bytes per chunk, got {biggest}")
         a = self.comp_alignment
         cap = align_up(self.max_compressed_size(biggest), a)
-        offsets = [i * cap for i in range(len(chunks))]
+        offsets = [i * cap for i in range(len(parts))]
         with torch.cuda.stream(s):
             # Zeroed: nvCOMP ANS leaves a few bytes inside each reported stream length
             # unwritten (measured: 476 bytes over 8 chunks of 1 MiB differed between
             # 0x00- and 0xFF-filled outputs).  Zeroing keeps files deterministic and
             # keeps stale GPU memory out of them; the memset costs ~1 ms per 2 GB.
-            out = torch.zeros(cap * len(chunks), dtype=torch.uint8, device=self.device)
+            out = torch.zeros(cap * len(parts), dtype=torch.uint8, device=self.device)
             if self.algorithm == "zstd" and self.shuffle > 1:
+                chunks = [base[start: start + n] for base, start, n in parts]
                 planes_offsets, p = packed_offsets(raw_lengths, a)
                 planes = torch.empty(p, dtype=torch.uint8, device=self.device)
                 _shuffle_batch(planes, planes_offsets, chunks, self.shuffle, inverse=False)
-                inputs = [planes[o: o + n] for o, n in zip(planes_offsets, raw_lengths)]
+                ptrs = [planes.data_ptr() + o for o in planes_offsets]
+                keep.append(planes)
             else:
-                inputs = self._aligned(chunks, a)
-            src = self._batch(inputs)
-            dst = nv.as_arrays(out, offsets, [cap] * len(chunks), s.cuda_stream)
+                bad = [i for i, ptr in enumerate(ptrs) if ptr % a]
+                if bad:  # misaligned chunks are copied (on the stream) to where nvCOMP accepts them
+                    offs, total = packed_offsets((raw_lengths[i] for i in bad), a)
+                    stage = torch.empty(total, dtype=torch.uint8, device=self.device)  # 512-B aligned
+                    for i, o in zip(bad, offs):
+                        base, start, n = parts[i]
+                        stage[o: o + n].copy_(base[start: start + n])
+                        ptrs[i] = stage.data_ptr() + o
+                    keep.append(stage)
+            src = self._arrays(_Span(ptrs, raw_lengths, keep))
+            dst = nv.as_arrays(out, offsets, [cap] * len(parts), s.cuda_stream)
             before = self._mark()
             result = self._codec.encode(src, out=dst)
             after = self._mark()
             event = torch.cuda.Event()
             event.record(s)
-        batch = EncodedBatch(out, offsets, cap, raw_lengths, event, result, (src, dst, inputs, tuple(chunks)))
+        batch = EncodedBatch(out, offsets, cap, raw_lengths, event, result, (src, dst, keep))
         batch.codec_events = (before, after) if before is not None else None
         return batch
 

@@ -29,7 +29,7 @@ class Encoded:
     """One batch after its encode call was issued."""
 
     batch: Batch
-    inputs: list[torch.Tensor]  # the chunks' raw bytes on the device (views or staged copies)
+    parts: list[tuple[torch.Tensor, int, int]]  # chunk i's raw bytes: (tensor, start, length), on the device
     capacity: int
     buffer: torch.Tensor  # chunk i at [i * capacity, i * capacity + sizes[i])
     result: Any  # nvcomp EncodedBatch, or None on the host
@@ -40,6 +40,11 @@ class Encoded:
         if self.sizes_known is None:
             self.sizes_known = self.result.sizes()  # waits for the encode
         return self.sizes_known
+
+    def input(self, i: int) -> torch.Tensor:
+        """Chunk i's raw bytes (a view: made only for the few chunks stored raw)."""
+        base, start, n = self.parts[i]
+        return base[start: start + n]
 
     @property
     def event(self) -> Any:
@@ -89,7 +94,7 @@ def _packable(pieces: list[tuple[int, int, int, int, int]]) -> bool:
 
 def _copy_raw(enc: Encoded, run: SlotRun, raw: list[int], slot: torch.Tensor, *, non_blocking: bool) -> None:
     for i in raw:
-        x = enc.inputs[i]
+        x = enc.input(i)
         at = run.offsets[i - run.first]
         slot[at: at + x.numel()].copy_(x, non_blocking=non_blocking)
 
@@ -234,24 +239,33 @@ class CudaBackend:
 
     def encode(self, batch: Batch, sources: dict[int, torch.Tensor]) -> Encoded:
         codec = self._codec(batch.key.device_op())
-        inputs = [sources[j.tensor_id][j.start: j.start + j.length] for j in batch.jobs]
+        parts = self._parts(batch, sources)
         with torch.cuda.stream(self.stream):
-            away = [i for i, x in enumerate(inputs) if x.device != self.device]
-            if away:  # chunks of tensors on the CPU (an optimizer's step counts) or another GPU
-                offs, total = packed_offsets((inputs[i].numel() for i in away), 512)
-                stage = torch.empty(total, dtype=torch.uint8, device=self.device)
-                for i, o in zip(away, offs):
-                    dst = stage[o: o + inputs[i].numel()]
-                    dst.copy_(inputs[i])
-                    inputs[i] = dst
             start = self._timed()
-            result = codec.encode(inputs)
+            result = codec.encode_parts(parts)
             end = self._timed()
         if result.capacity != batch.capacity:
             raise RuntimeError(f"planned capacity {batch.capacity} != nvCOMP's {result.capacity}")
         if self.timing:
             self.timings.append((start, end, *(result.codec_events or (None, None)), batch.key.describe(), batch.raw_bytes))
-        return Encoded(batch, inputs, result.capacity, result.buffer, result)
+        return Encoded(batch, parts, result.capacity, result.buffer, result)
+
+    def _parts(self, batch: Batch, sources: dict[int, torch.Tensor]) -> list[tuple[torch.Tensor, int, int]]:
+        """(tensor, start, length) of each chunk of ``batch`` on this device: chunks of tensors elsewhere (an
+        optimizer's step counts on the CPU, another GPU) are staged on the engine's stream."""
+        parts = [(sources[j.tensor_id], j.start, j.length) for j in batch.jobs]
+        distinct = {id(p[0]): p[0] for p in parts}
+        away = {k for k, x in distinct.items() if x.device != self.device}
+        if away:
+            with torch.cuda.stream(self.stream):
+                idx = [i for i, p in enumerate(parts) if id(p[0]) in away]
+                offs, total = packed_offsets((parts[i][2] for i in idx), 512)
+                stage = torch.empty(total, dtype=torch.uint8, device=self.device)
+                for i, o in zip(idx, offs):
+                    base, start, n = parts[i]
+                    stage[o: o + n].copy_(base[start: start + n])
+                    parts[i] = (stage, o, n)
+        return parts
 
     def copy_out(self, enc: Encoded, run: SlotRun, raw: list[int], slot: torch.Tensor, gather: bool = False) -> Any:
         """Issue the copies of ``run``'s chunks into ``slot``; returns an event to wait for.
@@ -409,17 +423,17 @@ class HostBackend:
     def encode(self, batch: Batch, sources: dict[int, torch.Tensor]) -> Encoded:
         cap = batch.capacity
         out = torch.zeros(cap * len(batch.jobs), dtype=torch.uint8)
-        inputs, sizes = [], []
+        parts, sizes = [], []
         view = out.numpy()
         for i, j in enumerate(batch.jobs):
+            parts.append((sources[j.tensor_id], j.start, j.length))
             raw = sources[j.tensor_id][j.start: j.start + j.length]
-            inputs.append(raw)
             data = memoryview(batch.key.encode(memoryview(raw.numpy()))).cast("B")
             n = data.nbytes
             if n <= cap:
                 view[i * cap: i * cap + n] = data
             sizes.append(n)
-        return Encoded(batch, inputs, cap, out, None, sizes)
+        return Encoded(batch, parts, cap, out, None, sizes)
 
     def copy_out(self, enc: Encoded, run: SlotRun, raw: list[int], slot: torch.Tensor, gather: bool = False) -> Any:
         _copy_run(enc, run, raw, slot, non_blocking=False, gather=gather)

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -293,6 +293,29 @@ def gather_bytes(options: GpuSaveOptions, budget: int) -> int:
     return GATHER_BUFFERS * options.slot_bytes if budget >= 8 * GATHER_BUFFERS * options.slot_bytes else 0
 
 
+# The batch plans of the last few saves, by what decides them (backend, batch size, each tensor's codec and
+# chunks): a training job saves the same state again and again, and planning its thousands of chunks costs
+# milliseconds of host time that an async_save's caller would wait for.
+_PLANS: "OrderedDict[tuple, tuple[list[Batch], dict[int, int]]]" = OrderedDict()
+_PLANS_KEPT = 4
+_PLANS_LOCK = threading.Lock()
+
+
+def _cached_plan(key: tuple, make: Callable[[], tuple[list[Batch], dict[int, int]]]) -> tuple[list[Batch], dict[int, int]]:
+    """The batches (never changed once made) of ``key``'s save, made by ``make()`` unless one of the last saves had them."""
+    with _PLANS_LOCK:
+        hit = _PLANS.get(key)
+        if hit is not None:
+            _PLANS.move_to_end(key)
+            return hit
+    made = make()
+    with _PLANS_LOCK:
+        _PLANS[key] = made
+        while len(_PLANS) > _PLANS_KEPT:
+            _PLANS.popitem(last=False)
+    return made
+
+
 def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, options: GpuSaveOptions,
               tensor_checksums: bool, ready: Any, stats: dict[str, Any],
               read_ahead: threading.Event | None) -> Iterator[TensorReady | EncodedChunk]:
@@ -305,7 +328,6 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
     batch_bytes, budget = batch_bytes_for(options, dev, scratch=scratch)
     gather = gather_bytes(options, budget) > 0
     stats.update(engine=type(dev).__name__, memory_budget=budget, batch_bytes=batch_bytes, gather=gather)
-    pipelines: dict[int, Pipeline] = {}
     left: dict[int, int] = {}  # chunks left per tensor: its flat bytes are dropped after the last one is encoded
     by_id = {t.tensor_id: t for t in plan.tensors}
     counts = {"batches": 0, "chunks": 0}
@@ -321,26 +343,35 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
         return cap
 
     def plan_some(tensors: list[PlannedTensor]) -> list[Batch]:
+        tensors = [t for t in tensors if t.data is not None and t.chunks]
+        dtypes = {t.entry["dtype"] for t in tensors}
+        shape = (type(dev), dev.device, batch_bytes, options.max_batch_chunks,
+                 tuple(sorted((d, choose(d)) for d in dtypes)),  # compared once per dtype, not once per tensor
+                 tuple((t.tensor_id, t.entry["dtype"], tuple(t.chunks)) for t in tensors))
+        planned, per_tensor = _cached_plan(shape, lambda: _plan(tensors))
+        for b in planned:
+            if b.capacity > slot_bytes:
+                raise ValueError(f"GpuSaveOptions.slot_bytes ({slot_bytes}) is smaller than one chunk's output capacity ({b.capacity})")
+        for tid, n in per_tensor.items():
+            left[tid] = left.get(tid, 0) + n
+        counts["batches"] += len(planned)
+        counts["chunks"] += sum(per_tensor.values())
+        return planned
+
+    def _plan(tensors: list[PlannedTensor]) -> tuple[list[Batch], dict[int, int]]:
         jobs: list[ChunkJob] = []
+        per_tensor: dict[int, int] = {}
         for t in tensors:
-            if t.data is not None and t.chunks:
-                pipelines[t.tensor_id] = p = choose(t.entry["dtype"])
-                jobs.extend(ChunkJob(t.tensor_id, i, s, n, p) for i, (s, n) in enumerate(t.chunks))
+            p = choose(t.entry["dtype"])
+            jobs.extend(ChunkJob(t.tensor_id, i, s, n, p) for i, (s, n) in enumerate(t.chunks))
+            per_tensor[t.tensor_id] = len(t.chunks)
         biggest = max((capacity(j.key, j.length) for j in jobs), default=0)
         if biggest > batch_bytes:
             raise ValueError(f"GpuSaveOptions.memory_budget {budget} is too small for this save: one chunk needs "
                              f"{biggest} bytes of output, so the budget must be at least "
                              f"{_halves(scratch) * (inflight + 1) * biggest // 2 + gather_bytes(options, budget)} "
                              "(or use smaller chunks, or fewer batches in flight)")
-        planned = plan_batches(jobs, capacity, batch_bytes=batch_bytes, max_chunks=options.max_batch_chunks)
-        for b in planned:
-            if b.capacity > slot_bytes:
-                raise ValueError(f"GpuSaveOptions.slot_bytes ({slot_bytes}) is smaller than one chunk's output capacity ({b.capacity})")
-        for j in jobs:
-            left[j.tensor_id] = left.get(j.tensor_id, 0) + 1
-        counts["batches"] += len(planned)
-        counts["chunks"] += len(jobs)
-        return planned
+        return plan_batches(jobs, capacity, batch_bytes=batch_bytes, max_chunks=options.max_batch_chunks), per_tensor
 
     # Tensors whose storage is not decided yet (derived-tensor candidates, plan_save(defer=True)) come
     # last: every other tensor is read while the candidates are verified (in the caller's thread).
