@@ -6,6 +6,12 @@ then one under torch.profiler: within the blocked window, how long the copy engi
 chunks to the host, how long kernels ran, and where neither did (host-bound gaps).  JSON + text under --out.
 
     python3 benchmarks/probe_async.py --out DIR [--free 3] [--warm 3]
+    python3 benchmarks/probe_async.py --out DIR --ab base,chunk=16,switch=0.0005,derive=0 --reps 5
+
+``--ab``: only the blocked time of warm saves under each variant, interleaved round-robin in one process
+(so that the machine's drift hits every variant alike): ``chunk=MiB`` (SaveOptions.chunk_size),
+``switch=SECONDS`` (sys.setswitchinterval during the save), ``derive=0|1``, ``inflight=N``; join several with
+``+`` (``chunk=8+derive=0``).
 """
 
 from __future__ import annotations
@@ -64,6 +70,80 @@ def timeline(trace: dict, t0_us: float, t1_us: float, bins: int = 20) -> dict:
             "kernels_ms": {k: round(v / 1e3, 2) for k, v in top}, "bins": rows}
 
 
+def _variant(spec: str, base: dict) -> tuple[dict, float | None]:
+    """(async_save keywords, switch interval) of one --ab variant."""
+    from nvckpt.options import GpuSaveOptions
+
+    kw: dict = {}
+    gpu = dict(base)
+    switch = None
+    for part in filter(None, spec.split("+")):
+        if part == "base":
+            continue
+        key, _, value = part.partition("=")
+        if key == "chunk":
+            kw["chunk_size"] = int(float(value) * (1 << 20))
+        elif key == "switch":
+            switch = float(value)
+        elif key == "derive":
+            kw["derive"] = value not in ("0", "false", "no")
+        elif key == "inflight":
+            gpu["inflight"] = int(value)
+        else:
+            raise SystemExit(f"unknown --ab variant {part!r}")
+    kw["gpu"] = GpuSaveOptions(**gpu)
+    return kw, switch
+
+
+def ab(args: argparse.Namespace, save, base: dict) -> dict:
+    variants = [v.strip() for v in args.ab.split(",") if v.strip()]
+    parsed = {v: _variant(v, base) for v in variants}
+    for _ in range(args.warm):
+        save()
+    rows: dict[str, list] = {v: [] for v in variants}
+    for rep in range(args.reps):
+        for v in (variants if rep % 2 == 0 else variants[::-1]):
+            kw, switch = parsed[v]
+            old = sys.getswitchinterval()
+            if switch is not None:
+                sys.setswitchinterval(switch)
+            try:
+                row, _, blocked = save(**kw)
+            finally:
+                sys.setswitchinterval(old)
+            rows[v].append({"blocked_s": round(blocked, 4), "phases": row["phases"], "chunks": row["chunks"],
+                            "batches": row["batches"], "tensors_read_s": row["tensors_read_s"],
+                            "setup_s": row["setup_s"], "stored_bytes": row["stored_bytes"],
+                            "raw_chunks": row["stats"].get("raw_chunks")})
+    loads: dict[str, list] = {}
+    if args.load:  # each variant's file read back to the GPU from the page cache: what its chunking costs a load
+        import nvckpt
+
+        args.release()  # the filler: a load makes every tensor anew
+        for rep in range(2):
+            for v in variants:
+                kw, _ = parsed[v]
+                save(**kw)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                state = nvckpt.load(args.path, device="cuda")
+                torch.cuda.synchronize()
+                loads.setdefault(v, []).append(round(time.perf_counter() - t0, 4))
+                del state
+    summary = {}
+    for v, rs in rows.items():
+        b = sorted(r["blocked_s"] for r in rs)
+        summary[v] = {"median_blocked_s": b[len(b) // 2], "min_blocked_s": b[0], "max_blocked_s": b[-1],
+                      "chunks": rs[0]["chunks"], "batches": rs[0]["batches"], "raw_chunks": rs[0]["raw_chunks"],
+                      "stored_bytes": rs[0]["stored_bytes"]}
+        if v in loads:
+            summary[v]["load_s"] = min(loads[v])
+        print(f"{v:28s} load {min(loads[v]) if v in loads else '-'} blocked median {b[len(b) // 2]:.4f} min {b[0]:.4f} max {b[-1]:.4f} "
+              f"chunks {rs[0]['chunks']} raw {rs[0]['raw_chunks']} batches {rs[0]['batches']} "
+              f"stored {rs[0]['stored_bytes']}", flush=True)
+    return {"variants": variants, "reps": args.reps, "summary": summary, "rows": rows}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=".")
@@ -72,6 +152,9 @@ def main() -> int:
     ap.add_argument("--warm", type=int, default=3)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--inflight", type=int, default=None, help="GpuSaveOptions.inflight for every save (default: its default)")
+    ap.add_argument("--ab", default=None, help="comma-separated variants to compare (see the module's docstring)")
+    ap.add_argument("--reps", type=int, default=5, help="saves per variant with --ab")
+    ap.add_argument("--load", action="store_true", help="with --ab: also time a load of each variant's file to the GPU")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     os.makedirs(args.workdir, exist_ok=True)
@@ -82,9 +165,16 @@ def main() -> int:
     tr = bench_gpu.Trainer(targs)
     for _ in range(args.steps):
         tr.step()
-    filler = bench_training.fill_gpu(tr, args.free * 1e9)  # noqa: F841  (kept alive)
+    filler = [bench_training.fill_gpu(tr, args.free * 1e9)]  # kept alive (args.release() lets it go)
+
+    def release() -> None:
+        filler.clear()
+        torch.cuda.empty_cache()
+
+    args.release = release
     out: dict = {"free_GB": args.free, "saves": []}
     path = os.path.join(args.workdir, "probe")
+    args.path = path
 
     base = {} if args.inflight is None else {"inflight": args.inflight}
 
@@ -105,6 +195,11 @@ def main() -> int:
         return row, t0, blocked
 
     nvckpt.reserve_pinned_memory(6 << 30)
+    if args.ab:
+        out["ab"] = ab(args, save, base)
+        with open(os.path.join(args.out, "probe_async_ab.json"), "w") as f:
+            json.dump(out, f, indent=1, default=str)
+        return 0
     for i in range(args.warm):
         row, _, _ = save()
         out["saves"].append(row)
