@@ -142,40 +142,39 @@ class DerivedSearch:
         self.tensors = tensors
         self.pairs: list[tuple[PlannedTensor, PlannedTensor]] = []  # (bf16 candidate, fp32 source), source order
         self.classes: list[list[PlannedTensor]] = []  # possible copies: same dtype, shape, device, first bytes
-        self._heads = _Heads(tensors)
+        # (tensor, dtype name, shape, device) of every stored tensor that may be a source or a candidate:
+        # computed once (a state has thousands of tensors; each attribute costs host time).
+        stored = [(t, t.entry["dtype"], tuple(t.entry["shape"]), t.data.device) for t in tensors
+                  if t.data is not None and not t.entry.get("internal") and t.data.numel() > 0]
+        self._heads = _Heads(stored)
         if bf16:
-            self._bf16_candidates()
+            self._bf16_candidates(stored)
         if copies:
-            self._copy_candidates()
+            self._copy_candidates(stored)
         self.undecided = {t.tensor_id for t, _ in self.pairs} | {t.tensor_id for c in self.classes for t in c}
         self._heads = None  # host copies, no longer needed
 
-    def _bf16_candidates(self) -> None:
-        sources = [t for t in self.tensors
-                   if t.data is not None and t.entry["dtype"] == "float32" and not t.entry.get("internal")]
-        candidates = [t for t in self.tensors if t.data is not None and t.entry["dtype"] == "bfloat16"
-                      and t.data.numel() > 0 and not t.entry.get("internal")]
-        shapes = {tuple(t.entry["shape"]) for t in candidates}
-        sources = [t for t in sources if tuple(t.entry["shape"]) in shapes]  # (an optimizer's step counts: none)
+    def _bf16_candidates(self, stored: list[tuple]) -> None:
+        candidates = [s for s in stored if s[1] == "bfloat16"]
+        shapes = {s[2] for s in candidates}
+        sources = [s for s in stored if s[1] == "float32" and s[2] in shapes]  # (an optimizer's step counts: none)
         if not sources or not candidates:
             return
         index: dict[tuple, list[PlannedTensor]] = {}
-        for t in sources:
-            index.setdefault((tuple(t.entry["shape"]), t.data.device, self._heads.rne(t)), []).append(t)
-        self.pairs = [(t, src) for t in candidates
-                      for src in index.get((tuple(t.entry["shape"]), t.data.device, self._heads.bits(t)), [])]
+        for t, _, shape, device in sources:
+            index.setdefault((shape, device, self._heads.rne(t)), []).append(t)
+        self.pairs = [(t, src) for t, _, shape, device in candidates
+                      for src in index.get((shape, device, self._heads.bits(t)), [])]
 
-    def _copy_candidates(self) -> None:
-        stored = [t for t in self.tensors if t.data is not None and t.data.numel() > 0 and not t.entry.get("internal")]
+    def _copy_candidates(self, stored: list[tuple]) -> None:
         groups: dict[tuple, list[PlannedTensor]] = {}
-        for t in stored:
-            groups.setdefault((t.entry["dtype"], tuple(t.entry["shape"]), t.data.device), []).append(t)
-        flat = [t for g in groups.values() if len(g) > 1 for t in g]
-        if not flat:
-            return
+        for t, dtype, shape, device in stored:
+            groups.setdefault((dtype, shape, device), []).append(t)
         classes: dict[tuple, list[PlannedTensor]] = {}
-        for t in flat:
-            classes.setdefault((t.entry["dtype"], tuple(t.entry["shape"]), t.data.device, self._heads.raw(t)), []).append(t)
+        for key, g in groups.items():
+            if len(g) > 1:
+                for t in g:
+                    classes.setdefault((key, self._heads.raw(t)), []).append(t)
         self.classes = [c for c in classes.values() if len(c) > 1]
 
     def verify(self) -> None:
@@ -291,17 +290,18 @@ class _Heads:
     ``rne(t)``: the bf16 bits of bf16_rne of a float32 tensor's first 64 elements; ``bits(t)``: a bf16
     tensor's first 64 elements; ``raw(t)``: the first 64 bytes of any tensor."""
 
-    def __init__(self, tensors: list[PlannedTensor]) -> None:
+    def __init__(self, stored: list[tuple]) -> None:
         self._members: dict[tuple, list[PlannedTensor]] = {}
-        for t in tensors:
-            if t.data is not None and t.data.numel() > 0 and not t.entry.get("internal"):
-                self._members.setdefault((t.data.device, t.data.dtype), []).append(t)
+        self._key: dict[int, tuple] = {}
+        for t, dtype, _, device in stored:
+            key = self._key[t.tensor_id] = (device, dtype)
+            self._members.setdefault(key, []).append(t)
         self._groups: dict[tuple, tuple[torch.Tensor, dict[int, tuple[int, int]]]] = {}
         self._rne: dict[tuple, Any] = {}
         self._views: dict[tuple, Any] = {}
 
     def _group(self, t: PlannedTensor) -> tuple[tuple, torch.Tensor, tuple[int, int]]:
-        key = (t.data.device, t.data.dtype)
+        key = self._key[t.tensor_id]
         group = self._groups.get(key)
         if group is None:
             us = self._members[key]
