@@ -3,9 +3,10 @@
 Stages, all overlapping:
 
 1. encode: chunks are grouped into batches (``batching.plan_batches``: one
-   codec, similar sizes, output of at most ``batch_bytes``), each encoded by
-   one batched nvCOMP call on the engine's compute stream, up to ``inflight``
-   batches ahead of the writer;
+   codec, similar sizes, output of at most ``batch_bytes``; the next save of
+   the same state reuses the plan), each encoded by one batched nvCOMP call
+   on the engine's compute stream (given byte ranges of the sources, not a
+   tensor view per chunk), up to ``inflight`` batches ahead of the writer;
 2. copy out: an encoded batch goes to pinned host memory in runs of chunks
    (``batching.copy_groups``), packed (the compressed bytes, not nvCOMP's
    worst-case bound per chunk), by device-to-host copies on a copy stream,
