@@ -7,6 +7,7 @@ pools, threads and ordering as on a GPU, only the batched calls differ.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import io
 import os
@@ -221,6 +222,41 @@ def test_gpu_pipeline_with_cpu_codecs_roundtrips(codec, gap, gather, monkeypatch
     buf.seek(0)
     with nvckpt.open(buf) as ck:  # every tensor carries its checksum, as on the CPU engine
         assert all(e.checksum is not None for e in ck.index.tensors if e.chunks is not None)
+
+
+def test_the_next_save_of_the_same_state_reuses_the_batch_plan(monkeypatch):
+    """The engine's batch plan is kept for the next save with the same backend, batch size, codecs and chunks
+    (a training job's checkpoints); any difference plans anew.  The files are the same either way."""
+    from nvckpt.engines.gpu import encode
+
+    planned = []
+    real = encode.plan_batches
+    monkeypatch.setattr(encode, "plan_batches", lambda *a, **k: planned.append(1) or real(*a, **k))
+    monkeypatch.setattr(encode, "_PLANS", encode.OrderedDict())
+
+    def save(state, chunk_size=16 * KiB, **opts):
+        plan = plan_save(state, chunk_size=chunk_size)
+        buf = io.BytesIO()
+        options = dataclasses.replace(SMALL, **opts)
+        write_items(buf, encode_batches(plan, chooser("auto", 1), HostBackend(), options), plan, alignment=4096,
+                    info=writer_info())
+        return buf.getvalue()
+
+    state = mixed_state()
+    first = save(state)
+    assert len(planned) == 1
+    assert_tree_equal(nvckpt.load(io.BytesIO(first)), state)
+    state["big"].add_(1)  # new values, same tensors: the same plan
+    again = save(state)
+    assert len(planned) == 1
+    assert_tree_equal(nvckpt.load(io.BytesIO(again)), state)
+    for changed in ({"chunk_size": 8 * KiB}, {"batch_bytes": 200 * KiB}):
+        size = changed.pop("chunk_size", 16 * KiB)
+        assert_tree_equal(nvckpt.load(io.BytesIO(save(state, size, **changed))), state)
+    grown = dict(state, extra=torch.randn(3000))
+    assert_tree_equal(nvckpt.load(io.BytesIO(save(grown))), grown)
+    assert len(planned) == 4  # another chunk size, batch size, tensor: each planned anew
+    assert save(state) == again and len(planned) == 4  # and the first one is still kept
 
 
 def test_gpu_pipeline_bounds_its_host_slots():

@@ -346,10 +346,10 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
     def plan_some(tensors: list[PlannedTensor]) -> list[Batch]:
         tensors = [t for t in tensors if t.data is not None and t.chunks]
         dtypes = {t.entry["dtype"] for t in tensors}
-        shape = (type(dev), dev.device, batch_bytes, options.max_batch_chunks,
-                 tuple(sorted((d, choose(d)) for d in dtypes)),  # compared once per dtype, not once per tensor
-                 tuple((t.tensor_id, t.entry["dtype"], tuple(t.chunks)) for t in tensors))
-        planned, per_tensor = _cached_plan(shape, lambda: _plan(tensors))
+        key = (type(dev), dev.device, batch_bytes, options.max_batch_chunks,
+               tuple(sorted((d, choose(d)) for d in dtypes)),  # compared once per dtype, not once per tensor
+               tuple((t.tensor_id, t.entry["dtype"], tuple(t.chunks)) for t in tensors))
+        planned, per_tensor = _cached_plan(key, lambda: _plan(tensors))
         for b in planned:
             if b.capacity > slot_bytes:
                 raise ValueError(f"GpuSaveOptions.slot_bytes ({slot_bytes}) is smaller than one chunk's output capacity ({b.capacity})")
