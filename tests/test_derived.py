@@ -263,6 +263,37 @@ def test_many_step_counts_and_large_copies():
     assert_tree_equal(nvckpt.load(io.BytesIO(data)), state)
 
 
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 400), st.sampled_from(["rne", "ulp", "nan", "cast", "alone"])), min_size=1,
+                max_size=24), st.integers(0, 2**31 - 1))
+def test_derived_found_exactly_whatever_the_grouping(pairs, seed):
+    """Property: a bf16 tensor is stored derived iff some fp32 tensor of its shape rounds to it bit for bit
+    (checked here by numpy), however the pairs fall into comparison groups."""
+    gen = torch.Generator().manual_seed(seed)
+    state, expect = {"m": {}, "w": {}}, set()
+    for i, (n, kind) in enumerate(pairs):
+        m = torch.randn(n, generator=gen)
+        if kind == "nan":
+            m.view(torch.int32)[n // 2] = 0x7FC12345  # a NaN with a payload: the cast alone cannot decide
+        w = spec_bf16_rne(m).clone()
+        if kind == "ulp":
+            w.view(torch.int16)[n - 1] += 1
+        elif kind == "cast":
+            w = m.to(torch.bfloat16)  # the rounding wherever no NaN
+        elif kind == "alone":
+            w = torch.randn(n, generator=gen).to(torch.bfloat16)
+        state["m"][f"{i}"], state["w"][f"{i}"] = m, w
+    masters_ = list(state["m"].values())
+    for i, w in enumerate(state["w"].values()):
+        if any(s.shape == w.shape and torch.equal(spec_bf16_rne(s).view(torch.int16), w.view(torch.int16)) for s in masters_):
+            expect.add(f"w/{i}")
+    data = save_bytes(state, derive=True)
+    with nvckpt.open(io.BytesIO(data)) as ck:
+        found = {e.name for e in ck.index.tensors if e.derived and e.derived["function"] == "bf16_rne"}
+    assert found == expect
+    assert_tree_equal(nvckpt.load(io.BytesIO(data)), state)
+
+
 def test_is_bf16_rne_of_empty_and_mismatched():
     from nvckpt.plan.derived import is_bf16_rne_of
 
