@@ -197,14 +197,10 @@ class DerivedSearch:
 
     def _verify_bf16(self) -> None:
         pairs = self.pairs
-        flags, members = _rne_flags(pairs)
-        differs = [False] * len(pairs)
-        for flag, ks in zip(_all_on_host(flags), members):
-            for k in ks:
-                differs[k] = flag
-        again = [k for k, d in enumerate(differs) if d]  # a difference, or NaNs: decided exactly
-        for k, d in zip(again, _all_on_host([_differs_from_rne(pairs[k][0].data, pairs[k][1].data) for k in again])):
-            differs[k] = d
+        # A flag (a difference, or NaNs, which the cast alone cannot decide) is decided exactly, pair by pair.
+        differs = _differing(pairs, _rne_may_differ, lambda p: _differs_from_rne(p[0].data, p[1].data), quick_is_exact=False,
+                             size=lambda p: p[1].data.numel(),
+                             small=lambda p: p[1].data.numel() <= _GROUP_PAIR and _cast_is_rne(p[1].data.device))
         for (t, src), bad in zip(pairs, differs):
             if t.data is not None and not bad:  # verified bit for bit; the first matching source wins
                 t.entry["derived"] = {"function": BF16_RNE, "source": src.tensor_id}
@@ -221,8 +217,9 @@ class DerivedSearch:
         work = [(c[0], c[1:]) for c in classes if len(c) > 1]  # (stored tensor, undecided after it)
         while work:
             pairs = [(t, rep) for rep, rest in work for t in rest]
-            equal = _bytes_equal(pairs)
-            decided = {id(t): rep for (t, rep), same in zip(pairs, equal) if same}
+            differs = _differing(pairs, _bytes_differ, lambda p: _bytes_differ([p]), quick_is_exact=True,
+                                 size=lambda p: p[0].nbytes, small=lambda p: p[0].nbytes <= _GROUP_PAIR)
+            decided = {id(t): rep for (t, rep), bad in zip(pairs, differs) if not bad}
             next_work = []
             for rep, rest in work:
                 left = []
@@ -339,36 +336,56 @@ class _Heads:
         return view
 
 
-def _bytes_equal(pairs: list[tuple[PlannedTensor, PlannedTensor]]) -> list[bool]:
-    """Are the two tensors of each pair (same dtype and shape) equal bit for bit?  Small pairs (an optimizer's
-    step counts: hundreds of one-element tensors) are compared a group at a time, concatenated, and only the
-    pairs of a group that differs one by one; one synchronisation per device and round."""
+Pairs = list[tuple["PlannedTensor", "PlannedTensor"]]
+
+
+def _differing(pairs: Pairs, quick: Callable[[Pairs], torch.Tensor], exact: Callable[[Any], torch.Tensor], *,
+               quick_is_exact: bool, size: Callable[[Any], int], small: Callable[[Any], bool]) -> list[bool]:
+    """Which pairs differ.  ``quick(group)``: a 0-d bool tensor, True when some pair of the group may differ;
+    ``exact(pair)``: whether one pair does.  Small pairs (biases, norms, an optimizer's step counts: most of
+    a model's tensors) are flagged a group at a time, up to _GROUP_ELEMENTS of ``size`` per group and device:
+    a handful of kernels per group instead of several per pair, which in a read-ahead async_save run beside
+    the engine's own host work (each kernel launch takes the GIL).  Only the pairs of a flagged group (and a
+    flagged pair itself, unless ``quick`` is exact) are then decided one by one.  One synchronisation per
+    device and step."""
     flags: list[torch.Tensor] = []
     members: list[list[int]] = []
-    small: dict[torch.device, list[int]] = {}
-    for k, (t, rep) in enumerate(pairs):
-        if t.nbytes <= _GROUP_PAIR:
-            small.setdefault(t.data.device, []).append(k)
+    grouped: dict[torch.device, list[int]] = {}
+    for k, pair in enumerate(pairs):
+        if small(pair):
+            grouped.setdefault(pair[0].data.device, []).append(k)
         else:
-            flags.append((rep.flat_bytes() != t.flat_bytes()).any())
+            flags.append(quick([pair]))
             members.append([k])
-    for ks in small.values():
-        for group in _groups(ks, lambda k: pairs[k][0].nbytes, _GROUP_ELEMENTS):
-            a = torch.cat([pairs[k][0].flat_bytes() for k in group])
-            b = torch.cat([pairs[k][1].flat_bytes() for k in group])
-            flags.append((a != b).any())
+    for ks in grouped.values():
+        for group in _groups(ks, lambda k: size(pairs[k]), _GROUP_ELEMENTS):
+            flags.append(quick([pairs[k] for k in group]))
             members.append(group)
     differs = [False] * len(pairs)
     again = []
     for flag, ks in zip(_all_on_host(flags), members):
-        if flag:
-            if len(ks) == 1:
-                differs[ks[0]] = True
-            else:
-                again.extend(ks)
-    for k, d in zip(again, _all_on_host([(pairs[k][1].flat_bytes() != pairs[k][0].flat_bytes()).any() for k in again])):
+        if flag and quick_is_exact and len(ks) == 1:
+            differs[ks[0]] = True
+        elif flag:
+            again.extend(ks)
+    for k, d in zip(again, _all_on_host([exact(pairs[k]) for k in again])):
         differs[k] = d
-    return [not d for d in differs]
+    return differs
+
+
+def _rne_may_differ(group: Pairs) -> torch.Tensor:
+    """May a candidate of the group differ from the rounding of its source?  (_may_differ_from_rne, concatenated.)"""
+    if len(group) == 1:
+        return _may_differ_from_rne(group[0][0].data, group[0][1].data)
+    return _may_differ_from_rne(torch.cat([t.data.reshape(-1) for t, _ in group]),
+                                torch.cat([src.data.reshape(-1) for _, src in group]))
+
+
+def _bytes_differ(group: Pairs) -> torch.Tensor:
+    """Does any pair of the group (same dtype and shape each) differ in its bytes?  (Concatenated.)"""
+    if len(group) == 1:
+        return (group[0][1].flat_bytes() != group[0][0].flat_bytes()).any()
+    return (torch.cat([t.flat_bytes() for t, _ in group]) != torch.cat([rep.flat_bytes() for _, rep in group])).any()
 
 
 def _groups(ks: list[int], size: Callable[[int], int], limit: int) -> list[list[int]]:
@@ -387,37 +404,8 @@ def _groups(ks: list[int], size: Callable[[int], int], limit: int) -> list[list[
     return out
 
 
-_GROUP_PAIR = 1 << 20  # elements: pairs up to this size are compared together, ...
-_GROUP_ELEMENTS = 1 << 23  # ... in groups of up to this many elements (bounds the temporaries to ~80 MB)
-
-
-def _rne_flags(pairs: list[tuple[PlannedTensor, PlannedTensor]]) -> tuple[list[torch.Tensor], list[list[int]]]:
-    """0-d bool tensors (not yet read) that may flag a difference between candidates and the rounding of their
-    sources, and which pairs each flag covers (False: all equal; True: decide each exactly).
-
-    Small pairs (biases, norms: most of a model's tensors) are compared a group at a time, concatenated: a
-    handful of kernels per group instead of five per pair, which in a read-ahead async_save run beside the
-    engine's own host work (each kernel launch takes the GIL)."""
-    flags: list[torch.Tensor] = []
-    members: list[list[int]] = []
-    groups: dict[torch.device, list[int]] = {}
-    for k, (t, src) in enumerate(pairs):
-        if src.data.numel() <= _GROUP_PAIR and _cast_is_rne(src.data.device):
-            groups.setdefault(src.data.device, []).append(k)
-        else:
-            flags.append(_may_differ_from_rne(t.data, src.data))
-            members.append([k])
-    for ks in groups.values():
-        for group in _groups(ks, lambda k: pairs[k][1].data.numel(), _GROUP_ELEMENTS):
-            if len(group) == 1:
-                t, src = pairs[group[0]]
-                flags.append(_may_differ_from_rne(t.data, src.data))
-            else:
-                source = torch.cat([pairs[k][1].data.reshape(-1) for k in group])
-                candidate = torch.cat([pairs[k][0].data.reshape(-1) for k in group])
-                flags.append(_may_differ_from_rne(candidate, source))
-            members.append(group)
-    return flags, members
+_GROUP_PAIR = 1 << 20  # pairs up to this size (elements for roundings, bytes for copies) are grouped, ...
+_GROUP_ELEMENTS = 1 << 23  # ... up to this much per group (bounds the temporaries to ~80 MB)
 
 
 __all__ = ["bf16_rne", "is_bf16_rne_of", "DerivedSearch", "find_derived", "find_copies"]

@@ -209,8 +209,9 @@ def plan_save(
 
     ``chunk_size``: the target chunk size, or a function of the distinct tensors that picks it (the
     engine that will run depends on where they live: each tensor is then cut once).  ``derive``: find
-    bf16 tensors that are the rounding of a stored fp32 one; ``copies``: find exact copies.  ``defer``: only pick the candidates; ``SavePlan.decide()`` verifies them later (until then
-    ``undecided`` names the tensors whose storage may change)."""
+    bf16 tensors that are the rounding of a stored fp32 one; ``copies``: find exact copies.  ``defer``:
+    only pick the candidates; ``SavePlan.decide()`` verifies them later (until then ``undecided`` names
+    the tensors whose storage may change)."""
     if not callable(chunk_size):
         check_chunk_size(chunk_size)
     started = time.perf_counter()
