@@ -259,6 +259,19 @@ def test_the_next_save_of_the_same_state_reuses_the_batch_plan(monkeypatch):
     assert save(state) == again and len(planned) == 4  # and the first one is still kept
 
 
+def test_stage_parts_packs_copies_of_byte_ranges_aligned():
+    """The staging copy of the GPU engines (chunks of tensors on another device, misaligned chunks)."""
+    from nvckpt.codecs.nvcomp.staging import stage_parts
+
+    a, b = torch.arange(1000, dtype=torch.int32).view(torch.uint8), torch.randint(0, 255, (77,), dtype=torch.uint8)
+    parts = [(a, 3, 100), (b, 0, 77), (a, 0, 4000), (b, 70, 7)]
+    staged = stage_parts(parts, [0, 2, 3], 512, "cpu")
+    assert len({id(buf) for buf, _, _ in staged}) == 1 and [o % 512 for _, o, _ in staged] == [0, 0, 0]
+    for (base, start, n), (buf, o, m) in zip([parts[0], parts[2], parts[3]], staged):
+        assert m == n and torch.equal(buf[o: o + m], base[start: start + n])
+    assert [o for _, o, _ in staged] == [0, 512, 512 + 4096]  # end to end, each at the next aligned offset
+
+
 def test_gpu_pipeline_bounds_its_host_slots():
     """A writer that keeps every payload (never releases) gets an error, not more memory."""
     made = []

@@ -55,7 +55,7 @@ import torch
 from ...errors import UnsupportedCodecError
 from ..base import DecodeRejected, DeviceOp
 from .ans import ITEMSIZE
-from .staging import align_up, packed_offsets
+from .staging import align_up, packed_offsets, stage_parts
 
 NVCOMP_PACKAGE = "nvidia-nvcomp-cu12"
 NVCOMP_MODULE = "nvidia.nvcomp"
@@ -328,12 +328,9 @@ class GpuCodec:
         bad = [i for i, c in enumerate(out) if c.data_ptr() % alignment]
         if bad:
             with torch.cuda.stream(self.stream):
-                offs, p = packed_offsets((out[i].numel() for i in bad), alignment)
-                stage = torch.empty(p, dtype=torch.uint8, device=self.device)  # 512-B aligned
-                for i, o in zip(bad, offs):
-                    dst = stage[o: o + out[i].numel()]
-                    dst.copy_(out[i])
-                    out[i] = dst
+                staged = stage_parts([(c, 0, c.numel()) for c in out], bad, alignment, self.device)
+            for i, (stage, o, n) in zip(bad, staged):
+                out[i] = stage[o: o + n]
         return out
 
     def _batch(self, tensors: Sequence[torch.Tensor]) -> Any:
@@ -400,13 +397,10 @@ class GpuCodec:
             else:
                 bad = [i for i, ptr in enumerate(ptrs) if ptr % a]
                 if bad:  # misaligned chunks are copied (on the stream) to where nvCOMP accepts them
-                    offs, total = packed_offsets((raw_lengths[i] for i in bad), a)
-                    stage = torch.empty(total, dtype=torch.uint8, device=self.device)  # 512-B aligned
-                    for i, o in zip(bad, offs):
-                        base, start, n = parts[i]
-                        stage[o: o + n].copy_(base[start: start + n])
+                    staged = stage_parts(parts, bad, a, self.device)
+                    for i, (stage, o, _) in zip(bad, staged):
                         ptrs[i] = stage.data_ptr() + o
-                    keep.append(stage)
+                    keep.append(staged[0][0])
             src = self._arrays(_Span(ptrs, raw_lengths, keep))
             dst = nv.as_arrays(out, offsets, [cap] * len(parts), s.cuda_stream)
             before = self._mark()

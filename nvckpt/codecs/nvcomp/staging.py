@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable, Sequence
+
+import torch
 
 
 def align_up(x: int, a: int) -> int:
@@ -18,4 +20,19 @@ def packed_offsets(lengths: Iterable[int], align: int) -> tuple[list[int], int]:
     return offsets, at
 
 
-__all__ = ["align_up", "packed_offsets"]
+def stage_parts(parts: Sequence[tuple[Any, int, int]], which: Sequence[int], align: int,
+                device: Any) -> list[tuple[torch.Tensor, int, int]]:
+    """Copies of the byte ranges ``parts[i]`` ((tensor, start, length), for i in ``which``) packed into one new
+    uint8 buffer on ``device``, each at an ``align``-aligned offset (torch's device allocations start 512-byte
+    aligned, so up to 512 the addresses are too), copied on the current stream; their (buffer, offset, length)."""
+    offsets, total = packed_offsets((parts[i][2] for i in which), align)
+    stage = torch.empty(total, dtype=torch.uint8, device=device)
+    out = []
+    for i, o in zip(which, offsets):
+        base, start, n = parts[i]
+        stage[o: o + n].copy_(base[start: start + n])
+        out.append((stage, o, n))
+    return out
+
+
+__all__ = ["align_up", "packed_offsets", "stage_parts"]

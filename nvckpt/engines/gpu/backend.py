@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ...codecs.base import DecodeRejected, DeviceOp, Pipeline
-from ...codecs.nvcomp.staging import align_up, packed_offsets
+from ...codecs.nvcomp.staging import align_up, stage_parts
 from ...plan.walk import flat_bytes
 from .batching import Batch, SlotRun, aligned_host_buffer
 
@@ -257,14 +257,10 @@ class CudaBackend:
         distinct = {id(p[0]): p[0] for p in parts}
         away = {k for k, x in distinct.items() if x.device != self.device}
         if away:
+            idx = [i for i, p in enumerate(parts) if id(p[0]) in away]
             with torch.cuda.stream(self.stream):
-                idx = [i for i, p in enumerate(parts) if id(p[0]) in away]
-                offs, total = packed_offsets((parts[i][2] for i in idx), 512)
-                stage = torch.empty(total, dtype=torch.uint8, device=self.device)
-                for i, o in zip(idx, offs):
-                    base, start, n = parts[i]
-                    stage[o: o + n].copy_(base[start: start + n])
-                    parts[i] = (stage, o, n)
+                for i, staged in zip(idx, stage_parts(parts, idx, 512, self.device)):
+                    parts[i] = staged
         return parts
 
     def copy_out(self, enc: Encoded, run: SlotRun, raw: list[int], slot: torch.Tensor, gather: bool = False) -> Any:
