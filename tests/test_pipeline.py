@@ -13,6 +13,7 @@ import io
 import os
 import threading
 import time
+import types
 from concurrent.futures import CancelledError
 
 import pytest
@@ -749,3 +750,35 @@ def test_read_ahead_reads_the_rest_while_derived_candidates_are_verified(who, pi
     buf.seek(0)
     assert_tree_equal(nvckpt.load(buf), state)
     assert "derived_verify" in plan.seconds
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_async_save_keeps_the_collector_off_while_its_caller_waits(tmp_path, monkeypatch, enabled):
+    """A collection pass holds the GIL the save's thread needs: off while the caller waits (planning, the
+    candidates, the engine's read; here a CPU save made to wait as a read-ahead one does), then as it
+    was before the call, also when the call fails."""
+    import gc
+
+    from nvckpt.session.save import SaveFuture, SaveSession
+
+    seen = []
+    wait_read, prepare = SaveFuture.wait_read, SaveSession.prepare_async
+
+    def read_ahead(self, *a, **k):
+        prepare(self, *a, **k)
+        self.tensors_read, self.caller_decides = threading.Event(), True  # set by the save's thread at its end
+        seen.append(gc.isenabled())
+
+    monkeypatch.setattr(SaveSession, "prepare_async", read_ahead)
+    monkeypatch.setattr(SaveFuture, "wait_read", lambda self, *a, **k: (seen.append(gc.isenabled()), wait_read(self, *a, **k))[1])
+    (gc.enable if enabled else gc.disable)()
+    try:
+        state = {"w": torch.randn(100, 100)}
+        nvckpt.async_save(state, tmp_path / "a.nvckpt").result()
+        assert len(seen) == 2 and not any(seen) and gc.isenabled() is enabled
+        assert_tree_equal(nvckpt.load(tmp_path / "a.nvckpt"), state)
+        with pytest.raises(FileNotFoundError, match="No such directory"):
+            nvckpt.async_save({"w": torch.randn(10)}, tmp_path / "missing" / "b.nvckpt").result()
+        assert gc.isenabled() is enabled
+    finally:
+        gc.enable()

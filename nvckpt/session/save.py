@@ -400,6 +400,7 @@ def start_async(obj: Any, target: Any, options: SaveOptions, fence: Any = None) 
     lifecycle.prepare(async_save=True)
     future = SaveFuture()
     future.set_running_or_notify_cancel()
+    collecting = False  # the collector was on, and this call turned it off
     if fences:
         skeleton = _containers(obj)
         options = dataclasses.replace(options, metadata=copy.deepcopy(options.metadata))
@@ -416,8 +417,9 @@ def start_async(obj: Any, target: Any, options: SaveOptions, fence: Any = None) 
             future.snapshot = dict(session.stats.get("snapshot", {}))
             return session
     else:
-        # No garbage-collection pass while the caller waits: in a large process (torch,
-        # a model, its optimizer) one full pass can take longer than the whole snapshot.
+        # No garbage-collection pass while the caller waits (planning, verifying candidates, the engine's
+        # read in the save's thread): in a large process (torch, a model, its optimizer) one full pass can
+        # take longer than the whole read, and it holds the GIL that both threads need.
         collecting = gc.isenabled()
         gc.disable()
         try:
@@ -425,15 +427,15 @@ def start_async(obj: Any, target: Any, options: SaveOptions, fence: Any = None) 
             t0 = time.perf_counter()
             prepared.prepare_async()
             prepared.phases["prepare"] = time.perf_counter() - t0
-        finally:
+        except BaseException:
             if collecting:
                 gc.enable()
+            raise
         future.snapshot = dict(prepared.stats.get("snapshot", {}))
         future._read = prepared.tensors_read
 
         def begin() -> SaveSession:
             return prepared
-    running = _register(target, options, future._stop, future)  # before the thread starts: an exit now waits for it
 
     def work() -> None:
         started_after = time.perf_counter() - launched
@@ -455,13 +457,20 @@ def start_async(obj: Any, target: Any, options: SaveOptions, fence: Any = None) 
             if future._read is not None:
                 future._read.set()  # also when it failed before reading: whoever waits sees the outcome
 
-    launched = time.perf_counter()
-    threading.Thread(target=work, name="nvckpt-async-save", daemon=False).start()
-    if not fences and prepared.caller_decides:
-        try:  # verify the derived-tensor candidates here while the save's thread reads every other tensor
-            prepared.plan.decide()
-        except Exception:
-            pass  # the engine raises the same error in the save's thread: the future reports it below
+    try:
+        running = _register(target, options, future._stop, future)  # before the thread starts: an exit now waits for it
+        launched = time.perf_counter()
+        threading.Thread(target=work, name="nvckpt-async-save", daemon=False).start()
+        if not fences and prepared.caller_decides:
+            try:  # verify the derived-tensor candidates here while the save's thread reads every other tensor
+                prepared.plan.decide()
+            except Exception:
+                pass  # the engine raises the same error in the save's thread: the future reports it below
+        if not fences and future._read is not None:
+            future.wait_read()
+    finally:
+        if collecting:
+            gc.enable()
     if fences:  # lazy: the next optimizer.step() waits for the reads, the forward and backward do not
         _remove_spent_hooks()
 
@@ -472,7 +481,6 @@ def start_async(obj: Any, target: Any, options: SaveOptions, fence: Any = None) 
         with _hooks_lock:
             _hooks.extend((f.register_step_pre_hook(before_step), future) for f in fences)
     elif future._read is not None:
-        future.wait_read()
         if future.done() and future.exception() is not None:
             raise future.exception()  # failed before it had read the tensors: nothing was written
     future.blocked_seconds = time.perf_counter() - start
