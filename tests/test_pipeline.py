@@ -273,6 +273,52 @@ def test_stage_parts_packs_copies_of_byte_ranges_aligned():
     assert [o for _, o, _ in staged] == [0, 512, 512 + 4096]  # end to end, each at the next aligned offset
 
 
+def test_codecs_outlive_their_thread_for_the_next_one(monkeypatch):
+    """An async_save runs in a thread of its own: the next save's thread gets the codecs the last one left,
+    threads alive at once never share one, and release_codecs() drops the idle ones."""
+    from nvckpt.codecs.base import DeviceOp
+    from nvckpt.codecs.nvcomp import backend as nb
+
+    made = []
+
+    class Codec:  # stands in for GpuCodec (nvCOMP is not needed to pool codecs)
+        def __init__(self, *args):
+            made.append(self)
+
+    monkeypatch.setattr(nb, "GpuCodec", Codec)
+    monkeypatch.setattr(nb, "_IDLE", {})
+    stream = types.SimpleNamespace(cuda_stream=1234)
+    op = DeviceOp("zstd", "|u1", 2, "")
+
+    def in_thread(fn):
+        got = []
+        th = threading.Thread(target=lambda: got.append(fn()))
+        th.start()
+        th.join()
+        return got[0]
+
+    take = lambda: nb.codec_for(op, device=torch.device("cuda", 0), stream=stream)  # noqa: E731
+    first = in_thread(lambda: (take(), take()))
+    assert first[0] is first[1] and len(made) == 1  # one per thread and key
+    assert in_thread(take) is first[0] and len(made) == 1  # the next thread's, after the first ended
+    both, ready = [], threading.Barrier(2)
+
+    def hold():
+        both.append(take())
+        ready.wait()  # alive together
+
+    threads = [threading.Thread(target=hold) for _ in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert both[0] is not both[1] and len(made) == 2
+    other = in_thread(lambda: nb.codec_for(DeviceOp("zstd", "|u1", 4, ""), device=torch.device("cuda", 0), stream=stream))
+    assert other not in both and len(made) == 3  # another key, another codec
+    assert nb.release_codecs() == 3 and nb.release_codecs() == 0
+    assert in_thread(take) not in made[:3]
+
+
 def test_gpu_pipeline_bounds_its_host_slots():
     """A writer that keeps every payload (never releases) gets an error, not more memory."""
     made = []

@@ -47,6 +47,7 @@ use one per thread, e.g. through ``codec_for()``.
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -481,26 +482,64 @@ class GpuCodec:
         return targets
 
 
-# -- per-thread codec cache ------------------------------------------------------
+# -- codecs: one per thread, kept for the next thread --------------------------------
+# A new nvCOMP codec costs ~9 ms of host time (measured on the H200), and every async_save runs in a thread
+# of its own (so does every load's decode pool): a thread's codecs go back to this pool when the thread ends,
+# for the next thread that asks for the same (codec, device, stream).  Work stays ordered: a codec is bound
+# to its stream, and the engine's streams are the device's (engines.gpu.backend.device_streams).
+_IDLE: dict[tuple, list[GpuCodec]] = {}
+_IDLE_LOCK = threading.Lock()
+_IDLE_KEPT = 8  # idle codecs kept per key (a decode pool has a few threads)
 _local = threading.local()
 
 
+class _ThreadCodecs:
+    """The codecs of one thread; they return to ``_IDLE`` when its thread-local storage is freed (the thread ended)."""
+
+    def __init__(self) -> None:
+        self.codecs: dict[tuple, GpuCodec] = {}
+        weakref.finalize(self, _give_back, self.codecs)
+
+
+def _give_back(codecs: dict[tuple, GpuCodec]) -> None:
+    with _IDLE_LOCK:
+        for key, codec in codecs.items():
+            idle = _IDLE.setdefault(key, [])
+            if len(idle) < _IDLE_KEPT:
+                idle.append(codec)
+    codecs.clear()
+
+
 def codec_for(op: DeviceOp, *, device: torch.device, stream: torch.cuda.Stream) -> GpuCodec:
-    """This thread's GpuCodec for a pipeline's device op on (device, stream)."""
+    """This thread's GpuCodec for a pipeline's device op on (device, stream): an idle one that an ended
+    thread left, else a new one."""
     if op.algorithm == "ans":
         check_ans_version(op.written_by)
     key = (op.algorithm, op.data_type, op.shuffle, device.index, stream.cuda_stream)
-    cache = getattr(_local, "codecs", None)
-    if cache is None:
-        cache = _local.codecs = {}
-    codec = cache.get(key)
+    mine = getattr(_local, "mine", None)
+    if mine is None:
+        mine = _local.mine = _ThreadCodecs()
+    codec = mine.codecs.get(key)
     if codec is None:
-        data_type = op.data_type if op.algorithm == "ans" else "|u1"
-        codec = cache[key] = GpuCodec(op.algorithm, data_type, op.shuffle, device, stream)
+        with _IDLE_LOCK:
+            idle = _IDLE.get(key)
+            codec = idle.pop() if idle else None
+        if codec is None:
+            data_type = op.data_type if op.algorithm == "ans" else "|u1"
+            codec = GpuCodec(op.algorithm, data_type, op.shuffle, device, stream)
+        mine.codecs[key] = codec
     return codec
+
+
+def release_codecs() -> int:
+    """Drop the idle codecs (and whatever nvCOMP keeps for them); returns how many."""
+    with _IDLE_LOCK:
+        n = sum(len(v) for v in _IDLE.values())
+        _IDLE.clear()
+    return n
 
 
 __all__ = [
     "NVCOMP_PACKAGE", "load_nvcomp", "available", "nvcomp_version", "check_ans_version",
-    "byteshuffle_into", "unshuffle_into", "EncodedBatch", "GpuCodec", "codec_for", "DecodeRejected",
+    "byteshuffle_into", "unshuffle_into", "EncodedBatch", "GpuCodec", "codec_for", "release_codecs", "DecodeRejected",
 ]
