@@ -10,8 +10,8 @@ chunks to the host, how long kernels ran, and where neither did (host-bound gaps
 
 ``--ab``: only the blocked time of warm saves under each variant, interleaved round-robin in one process
 (so that the machine's drift hits every variant alike): ``chunk=MiB`` (SaveOptions.chunk_size),
-``switch=SECONDS`` (sys.setswitchinterval during the save), ``derive=0|1``, ``inflight=N``; join several with
-``+`` (``chunk=8+derive=0``).
+``switch=SECONDS`` (sys.setswitchinterval during the save), ``derive=0|1``, ``inflight=N``, ``native=0|1``
+(nvCOMP's C API for ANS, nvckpt.codecs.nvcomp.native.ENABLED); join several with ``+`` (``chunk=8+derive=0``).
 """
 
 from __future__ import annotations
@@ -70,13 +70,13 @@ def timeline(trace: dict, t0_us: float, t1_us: float, bins: int = 20) -> dict:
             "kernels_ms": {k: round(v / 1e3, 2) for k, v in top}, "bins": rows}
 
 
-def _variant(spec: str, base: dict) -> tuple[dict, float | None]:
-    """(async_save keywords, switch interval) of one --ab variant."""
+def _variant(spec: str, base: dict) -> tuple[dict, float | None, bool]:
+    """(async_save keywords, switch interval, native ANS) of one --ab variant."""
     from nvckpt.options import GpuSaveOptions
 
     kw: dict = {}
     gpu = dict(base)
-    switch = None
+    switch, native = None, True
     for part in filter(None, spec.split("+")):
         if part == "base":
             continue
@@ -89,28 +89,38 @@ def _variant(spec: str, base: dict) -> tuple[dict, float | None]:
             kw["derive"] = value not in ("0", "false", "no")
         elif key == "inflight":
             gpu["inflight"] = int(value)
+        elif key == "native":
+            native = value not in ("0", "false", "no")
         else:
             raise SystemExit(f"unknown --ab variant {part!r}")
     kw["gpu"] = GpuSaveOptions(**gpu)
-    return kw, switch
+    return kw, switch, native
 
 
 def ab(args: argparse.Namespace, save, base: dict) -> dict:
     variants = [v.strip() for v in args.ab.split(",") if v.strip()]
     parsed = {v: _variant(v, base) for v in variants}
+    try:
+        from nvckpt.codecs.nvcomp import native  # absent from trees older than the C-API encoder
+    except ImportError:
+        native = None
     for _ in range(args.warm):
         save()
     rows: dict[str, list] = {v: [] for v in variants}
     for rep in range(args.reps):
         for v in (variants if rep % 2 == 0 else variants[::-1]):
-            kw, switch = parsed[v]
+            kw, switch, use_native = parsed[v]
             old = sys.getswitchinterval()
             if switch is not None:
                 sys.setswitchinterval(switch)
+            if native is not None:
+                native.ENABLED = use_native
             try:
                 row, _, blocked = save(**kw)
             finally:
                 sys.setswitchinterval(old)
+                if native is not None:
+                    native.ENABLED = True
             rows[v].append({"blocked_s": round(blocked, 4), "phases": row["phases"], "chunks": row["chunks"],
                             "batches": row["batches"], "tensors_read_s": row["tensors_read_s"],
                             "setup_s": row["setup_s"], "stored_bytes": row["stored_bytes"],
@@ -122,7 +132,7 @@ def ab(args: argparse.Namespace, save, base: dict) -> dict:
         args.release()  # the filler: a load makes every tensor anew
         for rep in range(2):
             for v in variants:
-                kw, _ = parsed[v]
+                kw = parsed[v][0]
                 save(**kw)
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()

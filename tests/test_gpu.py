@@ -361,3 +361,39 @@ def test_encode_parts_is_encode_of_the_views(algorithm, data_type, shuffle):
         codec.encode_parts([(src, 0, 3)])
     with pytest.raises(ValueError, match="source of chunk 0"):
         codec.encode_parts([(src.view(torch.int16), 0, 4)])
+
+
+@pytest.mark.parametrize("data_type", ["<f2", "<f4", "|u1", "|f1"])
+def test_ans_through_the_c_api_writes_the_python_apis_streams(data_type):
+    """nvCOMP's C API (codecs.nvcomp.native) for ANS: checked at first use against the Python API, then the
+    same streams for batches of any sizes (misaligned ranges staged), with the sizes read without a copy;
+    a mode whose C number is not known for this nvCOMP keeps the Python API."""
+    from nvckpt.codecs.nvcomp import native
+
+    stream = torch.cuda.Stream(DEV)
+    codec = nb.GpuCodec("ans", data_type, 1, DEV, stream)
+    torch.manual_seed(3)
+    src = torch.randn(3_000_000, device=DEV).to(torch.bfloat16).view(torch.uint8).reshape(-1)
+    ranges = [(0, 4 << 20), (4 << 20, 100_000), (4, 4096), (200_008, 1 << 20), (src.numel() - 1000, 1000)]
+    stream.wait_stream(torch.cuda.current_stream(DEV))
+
+    def streams(batch):
+        assert isinstance(batch._result, native.NativeBatch) is (data_type in native._NVCOMP6_TYPES)
+        sizes = batch.sizes()
+        return [bytes(batch.buffer[o: o + n].cpu().numpy()) for o, n in zip(batch.offsets, sizes)]
+
+    parts = [(src, s, n) for s, n in ranges]
+    fast = streams(codec.encode_parts(parts))
+    assert native._checked.get((data_type, DEV.index), data_type not in native._NVCOMP6_TYPES) is not False
+    slow = codec.encode_parts(parts, native_api=False)
+    assert fast == [bytes(slow.buffer[o: o + n].cpu().numpy()) for o, n in zip(slow.offsets, slow.sizes())]
+    out = torch.empty(sum(n for _, n in ranges), dtype=torch.uint8, device=DEV)
+    views, at = [], 0
+    for _, n in ranges:
+        views.append(out[at: at + n])
+        at += n
+    payloads = [torch.frombuffer(bytearray(f), dtype=torch.uint8).to(DEV) for f in fast]
+    with torch.cuda.stream(stream):
+        codec.decode(payloads, views)
+    stream.synchronize()
+    assert torch.equal(out, torch.cat([src[s: s + n] for s, n in ranges]))

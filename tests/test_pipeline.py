@@ -319,6 +319,25 @@ def test_codecs_outlive_their_thread_for_the_next_one(monkeypatch):
     assert in_thread(take) not in made[:3]
 
 
+def test_native_ans_batch_reads_sizes_and_statuses_from_its_table():
+    """What nvCOMP's C API leaves in the pinned table (codecs.nvcomp.native): sizes after the three tables of
+    addresses and lengths, then per-chunk statuses; a failed chunk is an error naming it."""
+    from nvckpt.codecs.nvcomp.native import NativeBatch
+
+    class Done:
+        waited = 0
+
+        def synchronize(self):
+            Done.waited += 1
+
+    table = torch.zeros(5 * 3, dtype=torch.int64)
+    table[9:12] = torch.tensor([100, 7, 4096])
+    assert NativeBatch(table, 3, Done(), ()).buffer_sizes == [100, 7, 4096] and Done.waited == 1
+    table.view(torch.int32)[24 + 1] = 19  # nvcompErrorCannotCompress on chunk 1
+    with pytest.raises(RuntimeError, match="chunk 1 of a batch of 3 .status 19"):
+        NativeBatch(table, 3, Done(), ()).sizes()
+
+
 def test_gpu_pipeline_bounds_its_host_slots():
     """A writer that keeps every payload (never releases) gets an error, not more memory."""
     made = []

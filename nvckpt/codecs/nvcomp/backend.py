@@ -26,6 +26,10 @@ Memory rules (MEASURED.md, "nvCOMP pitfalls"):
   allocated on that stream;
 * nvCOMP does not detect corrupt input: callers verify every chunk's checksum
   before its bytes reach ``decode``;
+* ANS encodes go through nvCOMP's C API (``native``) once it was seen to
+  write this codec's streams: that call holds no GIL and its compressed sizes
+  need no copy back, where the Python API's wait behind the running
+  device-to-host copy with the GIL held;
 * ANS leaves some bytes of its output unwritten: the output buffer is zeroed;
 * a batch is wrapped as ONE buffer plus an offset table (``_Span``), not one
   nvCOMP wrapper per chunk (that costs ~17 us of host time per chunk);
@@ -55,6 +59,7 @@ import torch
 
 from ...errors import UnsupportedCodecError
 from ..base import DecodeRejected, DeviceOp
+from . import native
 from .ans import ITEMSIZE
 from .staging import align_up, packed_offsets, stage_parts
 
@@ -270,6 +275,7 @@ class GpuCodec:
     stream: torch.cuda.Stream | None = None
     timing: bool = False  # record CUDA events around each nvCOMP call (last_codec_events)
     _codec: Any = field(default=None, repr=False)
+    _native: Any = field(default=None, repr=False)  # native.NativeAns, False where unavailable, None: not asked yet
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -353,10 +359,11 @@ class GpuCodec:
         self._check_chunks(chunks, "chunk")
         return self.encode_parts([(c, 0, c.numel()) for c in chunks])
 
-    def encode_parts(self, parts: Sequence[tuple[torch.Tensor, int, int]]) -> EncodedBatch:
+    def encode_parts(self, parts: Sequence[tuple[torch.Tensor, int, int]], *, native_api: bool = True) -> EncodedBatch:
         """``encode`` of chunks given as (tensor, start, length): bytes [start, start + length) of a contiguous
         1-D uint8 CUDA tensor.  The engine's form: no tensor view per chunk (each costs microseconds of
-        host time, thousands per save), and each tensor is checked once, not once per chunk."""
+        host time, thousands per save), and each tensor is checked once, not once per chunk.  ANS goes
+        through nvCOMP's C API where it gives this codec's streams (``native_api=False``: never)."""
         if not parts:
             raise ValueError("nothing to encode")
         nv = load_nvcomp()
@@ -402,16 +409,35 @@ class GpuCodec:
                     for i, (stage, o, _) in zip(bad, staged):
                         ptrs[i] = stage.data_ptr() + o
                     keep.append(staged[0][0])
-            src = self._arrays(_Span(ptrs, raw_lengths, keep))
-            dst = nv.as_arrays(out, offsets, [cap] * len(parts), s.cuda_stream)
+            fast = self._native_ans() if native_api else None
             before = self._mark()
-            result = self._codec.encode(src, out=dst)
+            if fast is not None:  # nvCOMP's C API: the same streams, no GIL held, sizes without a copy
+                result: Any = fast.encode(ptrs, raw_lengths, out, cap, tuple(keep))
+                wrappers: tuple = ()
+            else:
+                src = self._arrays(_Span(ptrs, raw_lengths, keep))
+                dst = nv.as_arrays(out, offsets, [cap] * len(parts), s.cuda_stream)
+                result = self._codec.encode(src, out=dst)
+                wrappers = (src, dst)
             after = self._mark()
             event = torch.cuda.Event()
             event.record(s)
-        batch = EncodedBatch(out, offsets, cap, raw_lengths, event, result, (src, dst, keep))
+        batch = EncodedBatch(out, offsets, cap, raw_lengths, event, result, (*wrappers, keep))
         batch.codec_events = (before, after) if before is not None else None
         return batch
+
+    def _native_ans(self) -> Any:
+        """The C-API encoder of this ANS codec (nvckpt.codecs.nvcomp.native), or None: kept per codec once
+        checked against this codec's own streams."""
+        if self.algorithm != "ans" or not native.ENABLED:
+            return None
+        if self._native is None:
+            def reference(parts: list[tuple[torch.Tensor, int, int]]) -> tuple[list[bytes], int]:
+                batch = self.encode_parts(parts, native_api=False)
+                return [bytes(batch.buffer[o: o + n].cpu().numpy()) for o, n in zip(batch.offsets, batch.sizes())], batch.capacity
+
+            self._native = native.ans_encoder(self.data_type, self.device, self.stream, reference) or False
+        return self._native or None
 
     def _mark(self) -> Any:
         if not self.timing:
