@@ -338,6 +338,22 @@ def test_native_ans_batch_reads_sizes_and_statuses_from_its_table():
         NativeBatch(table, 3, Done(), ()).sizes()
 
 
+def test_native_ans_only_for_the_nvcomp_major_version_it_was_matched_on(monkeypatch):
+    """Another nvCOMP major version keeps the Python API: the C prototypes and type numbers are nvCOMP 6's."""
+    from nvckpt.codecs.nvcomp import backend as nb, native
+
+    asked = []
+    monkeypatch.setattr(native, "ans_encoder", lambda *a: asked.append(a) or "encoder")
+    for version, expect in (("7.0.1", None), ("6.0.0", "encoder")):
+        monkeypatch.setattr(nb, "nvcomp_version", lambda v=version: v)
+        codec = types.SimpleNamespace(algorithm="ans", _native=None, data_type="<f2", device=None, stream=None)
+        assert nb.GpuCodec._native_ans(codec) == expect
+        assert codec._native == (False if expect is None else "encoder")
+    assert len(asked) == 1
+    monkeypatch.setattr(native, "ENABLED", False)
+    assert nb.GpuCodec._native_ans(codec) is None
+
+
 def test_gpu_pipeline_bounds_its_host_slots():
     """A writer that keeps every payload (never releases) gets an error, not more memory."""
     made = []

@@ -431,6 +431,8 @@ class GpuCodec:
         checked against this codec's own streams."""
         if self.algorithm != "ans" or not native.ENABLED:
             return None
+        if self._native is None and _major(nvcomp_version()) != native.NVCOMP_MAJOR:
+            self._native = False  # the C prototypes and type numbers are those of this major version
         if self._native is None:
             def reference(parts: list[tuple[torch.Tensor, int, int]]) -> tuple[list[bytes], int]:
                 batch = self.encode_parts(parts, native_api=False)

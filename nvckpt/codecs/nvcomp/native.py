@@ -27,6 +27,8 @@ import torch
 
 ENABLED = True  # False: always nvCOMP's Python API (an escape hatch, and the A/B of benchmarks/probe_async.py)
 
+NVCOMP_MAJOR = 6  # the prototypes below are nvCOMP 6's; another major version keeps the Python API
+
 # nvcompType_t of nvCOMP 6.0 per ANS data-type mode, as matched against the Python API's streams on the H200.
 _NVCOMP6_TYPES = {"<f4": 11, "<f2": 10, "|f1": 9, "|u1": 0}
 
