@@ -401,63 +401,58 @@ def start_async(obj: Any, target: Any, options: SaveOptions, fence: Any = None) 
     future = SaveFuture()
     future.set_running_or_notify_cancel()
     collecting = False  # the collector was on, and this call turned it off
-    if fences:
-        skeleton = _containers(obj)
-        options = dataclasses.replace(options, metadata=copy.deepcopy(options.metadata))
-        ready = None
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream())
-        future._read = threading.Event()
-        future.snapshot = {"lazy": "planned and read in the save's thread"}
+    try:
+        if fences:
+            skeleton = _containers(obj)
+            options = dataclasses.replace(options, metadata=copy.deepcopy(options.metadata))
+            ready = None
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream())
+            future._read = threading.Event()
+            future.snapshot = {"lazy": "planned and read in the save's thread"}
 
-        def begin() -> SaveSession:
-            session = SaveSession(skeleton, target, options)
-            session.prepare_lazy(ready, future._read)
-            future.snapshot = dict(session.stats.get("snapshot", {}))
-            return session
-    else:
-        # No garbage-collection pass while the caller waits (planning, verifying candidates, the engine's
-        # read in the save's thread): in a large process (torch, a model, its optimizer) one full pass can
-        # take longer than the whole read, and it holds the GIL that both threads need.
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
+            def begin() -> SaveSession:
+                session = SaveSession(skeleton, target, options)
+                session.prepare_lazy(ready, future._read)
+                future.snapshot = dict(session.stats.get("snapshot", {}))
+                return session
+        else:
+            # No garbage-collection pass while the caller waits (planning, verifying candidates, the engine's
+            # read in the save's thread): in a large process (torch, a model, its optimizer) one full pass can
+            # take longer than the whole read, and it holds the GIL that both threads need.
+            collecting = gc.isenabled()
+            gc.disable()
             prepared = SaveSession(obj, target, options)
             t0 = time.perf_counter()
             prepared.prepare_async()
             prepared.phases["prepare"] = time.perf_counter() - t0
-        except BaseException:
-            if collecting:
-                gc.enable()
-            raise
-        future.snapshot = dict(prepared.stats.get("snapshot", {}))
-        future._read = prepared.tensors_read
+            future.snapshot = dict(prepared.stats.get("snapshot", {}))
+            future._read = prepared.tensors_read
 
-        def begin() -> SaveSession:
-            return prepared
+            def begin() -> SaveSession:
+                return prepared
 
-    def work() -> None:
-        started_after = time.perf_counter() - launched
-        try:
-            session = begin()
-            session.phases["thread_start"] = started_after
-            result = session.run(future._stop, running)
-        except CancelledError as exc:
-            if future._stop.is_set():
-                future._set_cancelled()
-            else:
+        def work() -> None:
+            started_after = time.perf_counter() - launched
+            try:
+                session = begin()
+                session.phases["thread_start"] = started_after
+                result = session.run(future._stop, running)
+            except CancelledError as exc:
+                if future._stop.is_set():
+                    future._set_cancelled()
+                else:
+                    future.set_exception(exc)
+            except BaseException as exc:
                 future.set_exception(exc)
-        except BaseException as exc:
-            future.set_exception(exc)
-        else:
-            future.set_result(result)
-        finally:
-            lifecycle.end(running)
-            if future._read is not None:
-                future._read.set()  # also when it failed before reading: whoever waits sees the outcome
+            else:
+                future.set_result(result)
+            finally:
+                lifecycle.end(running)
+                if future._read is not None:
+                    future._read.set()  # also when it failed before reading: whoever waits sees the outcome
 
-    try:
         running = _register(target, options, future._stop, future)  # before the thread starts: an exit now waits for it
         launched = time.perf_counter()
         threading.Thread(target=work, name="nvckpt-async-save", daemon=False).start()
