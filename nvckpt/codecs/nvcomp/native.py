@@ -116,7 +116,7 @@ class NativeAns:
         status = self.lib.nvcompBatchedANSCompressGetTempSize(n, biggest, self.opts, ctypes.byref(temp_bytes), total)
         if status:
             raise RuntimeError(f"nvCOMP ANS cannot size a batch of {n} chunks (status {status})")
-        temp = torch.empty(max(1, temp_bytes.value), dtype=torch.uint8, device=out.device) if temp_bytes.value else None
+        temp = torch.empty(temp_bytes.value, dtype=torch.uint8, device=out.device) if temp_bytes.value else None
         status = self.lib.nvcompBatchedANSCompressAsync(
             base, base + n * word, biggest, n, temp.data_ptr() if temp is not None else None, temp_bytes.value,
             base + 2 * n * word, base + 3 * n * word, self.opts, base + 4 * n * word, self.stream.cuda_stream)
