@@ -1,0 +1,211 @@
+#!/usr/bin/env python3
+"""What slows a training step while a background save runs (a diagnostic beside bench_training).
+
+Trains bench_training's model at ``--free`` GB of free GPU memory and times its steps while one of these
+runs in the background, the variants interleaved round-robin in one process (the machine's drift then hits
+them alike), each followed by as many steps with nothing running (its paired baseline):
+
+- ``idle``: nothing (the baseline's baseline);
+- ``async``: a plain ``nvckpt.async_save`` to a file (steps while its writer runs, after the caller is released);
+- ``lazy``: ``nvckpt.async_save(fence=optimizer)``;
+- ``null``: the same save into a stream that drops what it is given (no sink copy, no disk): the engine's and
+  the frame writer's host work alone;
+- ``disk``: the disk alone: the same number of bytes written from pinned host memory with O_DIRECT by two
+  threads, 16 MiB per pwrite (no Python between writes beyond the loop);
+- ``copy``: host memory bandwidth alone: the same bytes copied by numpy between pinned memory and 16 MiB blocks;
+- ``gil``: a thread that holds the GIL for ~``--gil-us`` µs at a time and then sleeps 0.5 ms: the step's
+  sensitivity to GIL handoffs.
+
+Per variant: median step time while it ran and after it, the steps counted, the allocator's retries
+(cudaFree + cudaMalloc after a failed allocation: a device synchronisation each).  JSON under --out.
+
+    python3 benchmarks/probe_slowdown.py --out DIR [--free 3] [--rounds 3] [--variants idle,async,null,disk]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_gpu  # noqa: E402
+import bench_training  # noqa: E402
+
+BLOCK = 16 << 20
+
+
+class NullStream:
+    """A write-only stream that drops its bytes (counts them)."""
+
+    name = "<null>"
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def write(self, data) -> int:
+        n = memoryview(data).nbytes
+        self.n += n
+        return n
+
+    def flush(self) -> None:
+        pass
+
+
+def _disk(path: str, total: int, pinned: torch.Tensor, stop: threading.Event) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o644)
+    view = memoryview(pinned.numpy()).cast("B")
+    blocks = total // BLOCK
+    nxt = [0]
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while not stop.is_set():
+            with lock:
+                i = nxt[0]
+                nxt[0] += 1
+            if i >= blocks:
+                return
+            at = (i * BLOCK) % (pinned.numel() - BLOCK + 1) // 4096 * 4096
+            os.pwrite(fd, view[at: at + BLOCK], i * BLOCK)
+
+    ts = [threading.Thread(target=worker) for _ in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    os.fsync(fd)
+    os.close(fd)
+    os.unlink(path)
+
+
+def _copy(total: int, pinned: torch.Tensor, stop: threading.Event) -> None:
+    src = pinned.numpy()
+    dst = np.empty(BLOCK, dtype=np.uint8)
+    done = 0
+    while done < total and not stop.is_set():
+        at = done % (src.size - BLOCK + 1)
+        dst[:] = src[at: at + BLOCK]
+        done += BLOCK
+
+
+def _gil(seconds: float, hold_us: float, stop: threading.Event) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end and not stop.is_set():
+        t1 = time.perf_counter() + hold_us * 1e-6
+        while time.perf_counter() < t1:
+            pass
+        time.sleep(0.0005)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--workdir", default="/tmp/nvckpt-probe")
+    ap.add_argument("--free", type=float, default=3.0)
+    ap.add_argument("--steps", type=int, default=30, help="training steps before the probe")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--after", type=int, default=25, help="steps timed after each variant (its paired baseline)")
+    ap.add_argument("--variants", default="idle,async,lazy,null,disk,copy,gil")
+    ap.add_argument("--gil-us", type=float, default=100.0)
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    os.makedirs(args.workdir, exist_ok=True)
+    import nvckpt
+
+    targs = argparse.Namespace(vocab=32000, d_model=1280, layers=24, seq=512, batch=8, lr=6e-4, warmup=30)
+    tr = bench_gpu.Trainer(targs)
+    for _ in range(args.steps):
+        tr.step()
+    filler = bench_training.fill_gpu(tr, args.free * 1e9)  # noqa: F841 (kept alive)
+    path = os.path.join(args.workdir, "probe")
+    nvckpt.reserve_pinned_memory(6 << 30)
+    first = nvckpt.async_save(tr.checkpoint(), path).result()  # pinned memory allocated, plans cached
+    tr.step()
+    total = first.file_bytes
+    seconds = first.seconds
+    pinned = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+    pinned.fill_(7)
+    variants = [v for v in args.variants.split(",") if v]
+    rows: dict[str, list] = {v: [] for v in variants}
+
+    def retries() -> int:
+        return int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
+
+    for rnd in range(args.rounds):
+        for v in (variants if rnd % 2 == 0 else variants[::-1]):
+            torch.cuda.synchronize()
+            r0 = retries()
+            stop = threading.Event()
+            fut = thread = None
+            t0 = time.perf_counter()
+            if v == "async":
+                fut = nvckpt.async_save(tr.checkpoint(), path)
+            elif v == "lazy":
+                fut = nvckpt.async_save(tr.checkpoint(), path, fence=tr.opt)
+            elif v == "null":
+                fut = nvckpt.async_save(tr.checkpoint(), NullStream())
+            elif v in ("disk", "copy", "gil"):
+                target = {"disk": lambda: _disk(path + ".disk", total, pinned, stop),
+                          "copy": lambda: _copy(total, pinned, stop),
+                          "gil": lambda: _gil(seconds, args.gil_us, stop)}[v]
+                thread = threading.Thread(target=target)
+                thread.start()
+            blocked = time.perf_counter() - t0
+            during: list[float] = []
+            limit = 0 if v == "idle" else 400
+
+            def running() -> bool:
+                return (fut is not None and not fut.done()) or (thread is not None and thread.is_alive())
+
+            if v == "idle":
+                for _ in range(60):
+                    t1 = time.perf_counter()
+                    tr.step()
+                    during.append(time.perf_counter() - t1)
+            while running() and len(during) < limit:
+                t1 = time.perf_counter()
+                tr.step()
+                during.append(time.perf_counter() - t1)
+            background = time.perf_counter() - t0
+            stop.set()
+            if fut is not None:
+                fut.result()
+            if thread is not None:
+                thread.join()
+            after = []
+            for _ in range(args.after):
+                t1 = time.perf_counter()
+                tr.step()
+                after.append(time.perf_counter() - t1)
+            row = {"round": rnd, "blocked_s": round(blocked, 4), "background_s": round(background, 3),
+                   "steps": len(during), "step_median_s": round(statistics.median(during), 5) if during else None,
+                   "after_median_s": round(statistics.median(after), 5),
+                   "slowdown": round(statistics.median(during) / statistics.median(after) - 1, 4) if during else None,
+                   "alloc_retries": retries() - r0}
+            rows[v].append(row)
+            print(v, json.dumps(row), flush=True)
+    summary = {}
+    for v, rs in rows.items():
+        sl = [r["slowdown"] for r in rs if r["slowdown"] is not None]
+        summary[v] = {"slowdown_median": round(statistics.median(sl), 4) if sl else None, "slowdowns": sl,
+                      "steps": [r["steps"] for r in rs], "alloc_retries": sum(r["alloc_retries"] for r in rs)}
+        print(f"{v:8s} slowdown median {summary[v]['slowdown_median']} {sl} retries {summary[v]['alloc_retries']}")
+    out = {"free_GB": args.free, "file_bytes": total, "first_save_s": seconds, "variants": variants,
+           "summary": summary, "rows": rows, "gil_us": args.gil_us,
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": torch.cuda.get_device_name(),
+           "torch": torch.__version__}
+    with open(os.path.join(args.out, "probe_slowdown.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
