@@ -11,7 +11,10 @@ chunks to the host, how long kernels ran, and where neither did (host-bound gaps
 ``--ab``: only the blocked time of warm saves under each variant, interleaved round-robin in one process
 (so that the machine's drift hits every variant alike): ``chunk=MiB`` (SaveOptions.chunk_size),
 ``switch=SECONDS`` (sys.setswitchinterval during the save), ``derive=0|1``, ``inflight=N``, ``native=0|1``
-(nvCOMP's C API for ANS, nvckpt.codecs.nvcomp.native.ENABLED); join several with ``+`` (``chunk=8+derive=0``).
+(nvCOMP's C API for ANS, nvckpt.codecs.nvcomp.native.ENABLED), ``halves=N`` (device memory the engine
+reserves per batch alive, in halves of the batch's output: nvckpt.engines.gpu.encode._halves without scratch;
+3 counts nvCOMP temporary memory of half a batch, 2 none); join several with ``+`` (``chunk=8+derive=0``).
+Each row also has the save's peak extra GPU memory (torch's allocator, above what was allocated at the call).
 """
 
 from __future__ import annotations
@@ -70,13 +73,13 @@ def timeline(trace: dict, t0_us: float, t1_us: float, bins: int = 20) -> dict:
             "kernels_ms": {k: round(v / 1e3, 2) for k, v in top}, "bins": rows}
 
 
-def _variant(spec: str, base: dict) -> tuple[dict, float | None, bool]:
-    """(async_save keywords, switch interval, native ANS) of one --ab variant."""
+def _variant(spec: str, base: dict) -> tuple[dict, float | None, bool, int | None]:
+    """(async_save keywords, switch interval, native ANS, halves) of one --ab variant."""
     from nvckpt.options import GpuSaveOptions
 
     kw: dict = {}
     gpu = dict(base)
-    switch, native = None, True
+    switch, native, halves = None, True, None
     for part in filter(None, spec.split("+")):
         if part == "base":
             continue
@@ -91,10 +94,12 @@ def _variant(spec: str, base: dict) -> tuple[dict, float | None, bool]:
             gpu["inflight"] = int(value)
         elif key == "native":
             native = value not in ("0", "false", "no")
+        elif key == "halves":
+            halves = int(value)
         else:
             raise SystemExit(f"unknown --ab variant {part!r}")
     kw["gpu"] = GpuSaveOptions(**gpu)
-    return kw, switch, native
+    return kw, switch, native, halves
 
 
 def ab(args: argparse.Namespace, save, base: dict) -> dict:
@@ -104,13 +109,18 @@ def ab(args: argparse.Namespace, save, base: dict) -> dict:
         from nvckpt.codecs.nvcomp import native  # absent from trees older than the C-API encoder
     except ImportError:
         native = None
+    from nvckpt.engines.gpu import encode
+
     for _ in range(args.warm):
         save()
     rows: dict[str, list] = {v: [] for v in variants}
     for rep in range(args.reps):
         for v in (variants if rep % 2 == 0 else variants[::-1]):
-            kw, switch, use_native = parsed[v]
+            kw, switch, use_native, halves = parsed[v]
             old = sys.getswitchinterval()
+            old_halves = encode._halves
+            if halves is not None:
+                encode._halves = lambda scratch, n=halves: n + 2 if scratch else n
             if switch is not None:
                 sys.setswitchinterval(switch)
             if native is not None:
@@ -119,12 +129,14 @@ def ab(args: argparse.Namespace, save, base: dict) -> dict:
                 row, _, blocked = save(**kw)
             finally:
                 sys.setswitchinterval(old)
+                encode._halves = old_halves
                 if native is not None:
                     native.ENABLED = True
             rows[v].append({"blocked_s": round(blocked, 4), "phases": row["phases"], "chunks": row["chunks"],
                             "batches": row["batches"], "tensors_read_s": row["tensors_read_s"],
                             "setup_s": row["setup_s"], "stored_bytes": row["stored_bytes"],
-                            "raw_chunks": row["stats"].get("raw_chunks")})
+                            "raw_chunks": row["stats"].get("raw_chunks"), "extra_gpu_GB": row["extra_gpu_GB"],
+                            "batch_bytes": row["batch_bytes"]})
     loads: dict[str, list] = {}
     if args.load:  # each variant's file read back to the GPU from the page cache: what its chunking costs a load
         import nvckpt
@@ -144,13 +156,14 @@ def ab(args: argparse.Namespace, save, base: dict) -> dict:
     for v, rs in rows.items():
         b = sorted(r["blocked_s"] for r in rs)
         summary[v] = {"median_blocked_s": b[len(b) // 2], "min_blocked_s": b[0], "max_blocked_s": b[-1],
+                      "extra_gpu_GB": max(r["extra_gpu_GB"] for r in rs), "batch_bytes": rs[0]["batch_bytes"],
                       "chunks": rs[0]["chunks"], "batches": rs[0]["batches"], "raw_chunks": rs[0]["raw_chunks"],
                       "stored_bytes": rs[0]["stored_bytes"]}
         if v in loads:
             summary[v]["load_s"] = min(loads[v])
         print(f"{v:28s} load {min(loads[v]) if v in loads else '-'} blocked median {b[len(b) // 2]:.4f} min {b[0]:.4f} max {b[-1]:.4f} "
               f"chunks {rs[0]['chunks']} raw {rs[0]['raw_chunks']} batches {rs[0]['batches']} "
-              f"stored {rs[0]['stored_bytes']}", flush=True)
+              f"stored {rs[0]['stored_bytes']} extra GPU {summary[v]['extra_gpu_GB']} GB", flush=True)
     return {"variants": variants, "reps": args.reps, "summary": summary, "rows": rows}
 
 
@@ -191,16 +204,20 @@ def main() -> int:
     def save(**kw):
         kw.setdefault("gpu", GpuSaveOptions(**base))
         torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        alloc0 = torch.cuda.memory_allocated()
         t0 = time.perf_counter()
         fut = nvckpt.async_save(tr.checkpoint(), path, **kw)
         blocked = time.perf_counter() - t0
         res = fut.result()
+        extra = torch.cuda.max_memory_allocated() - alloc0
         tr.step()
         st = res.stats
         row = {"blocked_s": round(blocked, 4), "phases": st.get("phases"), "setup_s": st.get("setup_seconds"),
                "tensors_read_s": st.get("tensors_read_seconds"), "waits": st.get("waits"),
                "batches": st.get("batches"), "chunks": st.get("chunks"), "stored_bytes": st.get("stored_bytes"),
-               "raw_bytes": st.get("raw_bytes"), "gather": st.get("gather"), "batch_bytes": st.get("batch_bytes")}
+               "raw_bytes": st.get("raw_bytes"), "gather": st.get("gather"), "batch_bytes": st.get("batch_bytes"),
+               "extra_gpu_GB": round(extra / 1e9, 3)}
         row["stats"] = {k: v for k, v in st.items() if k not in row and len(json.dumps(v, default=str)) < 2000}
         return row, t0, blocked
 
