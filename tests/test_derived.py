@@ -302,3 +302,64 @@ def test_is_bf16_rne_of_empty_and_mismatched():
     assert is_bf16_rne_of(spec_bf16_rne(m), m)
     assert not is_bf16_rne_of(m.to(torch.bfloat16), m)  # NaN payloads differ
     assert not is_bf16_rne_of(spec_bf16_rne(m).reshape(32, 128), m)
+
+
+_DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                                   reason="needs a CUDA GPU")])]
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["float32", "bfloat16", "float16", "int64", "bool", "uint8", "complex64",
+                                           "float8_e4m3fn"]),
+                          st.lists(st.integers(1, 9), min_size=0, max_size=3),
+                          st.sampled_from(["contiguous", "transposed", "sliced", "offset"])),
+                min_size=1, max_size=12), st.integers(0, 2**31 - 1))
+def test_heads_gathered_by_address_equal_the_heads_of_views(device, specs, seed):
+    """Property: the candidates' keys (first 64 elements, their rounding, first 64 bytes) read in one gather by
+    address are those of a view per tensor, for any dtypes, shapes (0-d, fewer than 64 elements) and layouts
+    (transposed, sliced, at an offset in their storage)."""
+    from nvckpt.plan import derived as D
+    from nvckpt.plan.walk import PlannedTensor
+
+    gen = torch.Generator().manual_seed(seed)
+    tensors = []
+    for i, (dtype, shape, layout) in enumerate(specs):
+        base = torch.randint(0, 256, (16 * (int(np.prod(shape)) + 8),), dtype=torch.uint8, generator=gen)
+        dt = getattr(torch, dtype)
+        size = torch.empty((), dtype=dt).element_size()
+        values = base[: base.numel() // size * size].view(dt) if dt is not torch.bool else base.to(torch.bool)
+        n = int(np.prod(shape))
+        if layout == "offset":
+            t = values[3: 3 + n].reshape(shape)
+        elif layout == "transposed" and len(shape) >= 2:
+            t = values[:n].reshape(shape[::-1]).transpose(0, -1)
+        elif layout == "sliced" and len(shape) >= 1:
+            t = values[: 2 * n].reshape([2 * shape[0], *shape[1:]])[::2]
+        else:
+            t = values[:n].reshape(shape)
+        t = t.to(device)
+        if layout == "offset":
+            t = torch.cat([torch.zeros(5, dtype=t.dtype, device=device), t.reshape(-1)])[5:].reshape(shape)
+        tensors.append(PlannedTensor(i, {"name": str(i), "dtype": dtype, "shape": list(shape)}, t))
+    stored = [(t, t.entry["dtype"], tuple(t.entry["shape"]), t.data.device) for t in tensors]
+
+    def keys(heads):
+        out = {}
+        for t, dtype, _, _ in stored:
+            out[t.tensor_id] = (heads.raw(t), heads.rne(t) if dtype == "float32" else None,
+                                heads.bits(t) if dtype == "bfloat16" else None)
+        return out
+
+    gathered = keys(D._Heads(stored))
+    original = D._gather_heads
+    D._gather_heads = lambda *a, **k: None  # the per-tensor views of other devices
+    try:
+        viewed = keys(D._Heads(stored))
+    finally:
+        D._gather_heads = original
+    assert gathered == viewed
+    for t, dtype, _, _ in stored:  # and both are the tensor's own first bytes
+        head = t.data.reshape(-1)[:64]
+        first = torch.empty(head.numel(), dtype=head.dtype).copy_(head)
+        assert gathered[t.tensor_id][0] == (first.to(torch.uint8) if dtype == "bool" else first).view(torch.uint8).numpy()[:max(64, first.element_size())].tobytes()

@@ -14,8 +14,10 @@ then verified in full.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 from typing import TYPE_CHECKING, Any, Callable
 
+import numpy as np
 import torch
 
 from ..format.constants import BF16_RNE, COPY
@@ -280,9 +282,66 @@ def _first(t: torch.Tensor, n: int) -> torch.Tensor:
     return t.as_strided((n,), (1,)) if t.is_contiguous() else t.reshape(-1)[:n]
 
 
+class _CudaSpan:
+    """``size`` bytes of device memory from address ``ptr``, for torch.as_tensor (CUDA Array Interface):
+    a view that owns nothing and that nothing reads but the gather of heads below."""
+
+    def __init__(self, ptr: int, size: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1", "data": (ptr, False), "strides": None,
+                                         "version": 2}
+
+
+def _head_addresses(tensors: list[torch.Tensor], n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(addresses of the bytes of every tensor's first ``n`` elements in C order, one after the other;
+    each tensor's byte count)."""
+    starts: list[Any] = []
+    lengths: list[Any] = []
+    counts = np.empty(len(tensors), dtype=np.int64)
+    for k, t in enumerate(tensors):
+        m, size, ptr = min(n, t.numel()), t.element_size(), t.data_ptr()
+        counts[k] = m * size
+        if t.is_contiguous():  # one run of bytes (most tensors)
+            starts.append(ptr)
+            lengths.append(m * size)
+            continue
+        # Elements one by one: the offsets of the first m in C order, from the strides.
+        index = np.unravel_index(np.arange(m), tuple(t.shape))
+        offsets = sum((i * st for i, st in zip(index, t.stride())), np.zeros(m, dtype=np.int64))
+        starts.extend((ptr + offsets * size).tolist())
+        lengths.extend([size] * m)
+    run_starts = np.asarray(starts, dtype=np.int64)
+    run_lengths = np.asarray(lengths, dtype=np.int64)
+    total = int(run_lengths.sum())
+    # Byte j of the output is byte (j - where its run begins in the output) of its run.
+    begins = np.cumsum(run_lengths) - run_lengths
+    addresses = np.repeat(run_starts - begins, run_lengths) + np.arange(total, dtype=np.int64)
+    return addresses, counts
+
+
+def _gather_heads(tensors: list[torch.Tensor], device: torch.device, n: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """The bytes of every tensor's first ``n`` elements (C order), concatenated, on the host, with the byte
+    count of each: one gather and one copy for all of them, by address, instead of a view per tensor (a
+    state has thousands of tensors, and each torch call costs microseconds of host time that an
+    async_save's caller waits for).  None where the device has no such gather (not CPU or CUDA)."""
+    if device.type not in ("cpu", "cuda") or not tensors:
+        return None
+    addresses, counts = _head_addresses(tensors, n)
+    base = int(addresses.min())
+    span = int(addresses.max()) - base + 1
+    offsets = addresses - base
+    if device.type == "cpu":
+        memory = np.frombuffer((ctypes.c_char * span).from_address(base), dtype=np.uint8)
+        return memory[offsets], counts
+    with torch.cuda.device(device):
+        memory = torch.as_tensor(_CudaSpan(base, span), device=device)
+        index = torch.from_numpy(offsets).to(device)
+        return memory[index].cpu().numpy(), counts
+
+
 class _Heads:
-    """The first 64 elements of every tensor, on the host: one concatenation and one host copy per device and
-    dtype, made when first asked for, shared by the searches for roundings and for copies.
+    """The first 64 elements of every tensor, on the host: one gather and one host copy per device (for
+    other devices one concatenation and copy per device and dtype), made when first asked for, shared by
+    the searches for roundings and for copies; the keys of a whole group (device, dtype) at once.
 
     ``rne(t)``: the bf16 bits of bf16_rne of a float32 tensor's first 64 elements; ``bits(t)``: a bf16
     tensor's first 64 elements; ``raw(t)``: the first 64 bytes of any tensor."""
@@ -293,47 +352,75 @@ class _Heads:
         for t, dtype, _, device in stored:
             key = self._key[t.tensor_id] = (device, dtype)
             self._members.setdefault(key, []).append(t)
-        self._groups: dict[tuple, tuple[torch.Tensor, dict[int, tuple[int, int]]]] = {}
-        self._rne: dict[tuple, Any] = {}
-        self._views: dict[tuple, Any] = {}
-
-    def _group(self, t: PlannedTensor) -> tuple[tuple, torch.Tensor, tuple[int, int]]:
-        key = self._key[t.tensor_id]
-        group = self._groups.get(key)
-        if group is None:
-            us = self._members[key]
-            parts = [_first(u.data, _HEAD_ELEMENTS) for u in us]
-            flat = torch.cat(parts)
-            host = (flat if flat.dtype != torch.bool else flat.to(torch.uint8)).cpu()
-            spans, at = {}, 0
-            for u, part in zip(us, parts):
-                spans[u.tensor_id] = (at, part.numel())
-                at += part.numel()
-            group = self._groups[key] = (host, spans)
-        return key, group[0], group[1][t.tensor_id]
+        self._groups: dict[tuple, tuple[np.ndarray, list[int]]] = {}  # head bytes, byte count per member
+        self._keys: dict[tuple, dict[int, bytes]] = {}
 
     def rne(self, t: PlannedTensor) -> bytes:
-        key, host, (at, n) = self._group(t)
-        bits = self._rne.get(key)
-        if bits is None:  # the rounding of the whole group at once, on the host (a few thousand elements)
-            bits = self._rne[key] = bf16_rne(host).view(torch.int16).numpy()
-        return bits[at: at + n].tobytes()
+        return self._lookup("rne", t)
 
     def bits(self, t: PlannedTensor) -> bytes:
-        key, host, (at, n) = self._group(t)
-        return self._view(key, host, torch.int16)[at: at + n].tobytes()
+        return self._lookup("bits", t)
 
     def raw(self, t: PlannedTensor) -> bytes:
-        key, host, (at, n) = self._group(t)
-        size = host.element_size()
-        count = max(1, _HEAD_BYTES // size)
-        return self._view(key, host, torch.uint8)[at * size: (at + min(n, count)) * size].tobytes()
+        return self._lookup("raw", t)
 
-    def _view(self, key: tuple, host: torch.Tensor, dtype: torch.dtype) -> Any:
-        view = self._views.get((key, dtype))
-        if view is None:
-            view = self._views[(key, dtype)] = host.view(dtype).numpy()
-        return view
+    def _lookup(self, kind: str, t: PlannedTensor) -> bytes:
+        key = self._key[t.tensor_id]
+        keys = self._keys.get((kind, key))
+        if keys is None:
+            keys = self._keys[(kind, key)] = self._make(kind, key)
+        return keys[t.tensor_id]
+
+    def _make(self, kind: str, key: tuple) -> dict[int, bytes]:
+        if key not in self._groups:
+            self._gather(key[0])
+        host, counts = self._groups[key]
+        members = self._members[key]
+        if kind == "rne":  # the rounding of the whole group at once, on the host (a few thousand elements)
+            fp32 = torch.from_numpy(host.copy().view(np.float32))  # a copy: the group's bytes may sit unaligned
+            host = bf16_rne(fp32).view(torch.int16).numpy().view(np.uint8)
+            counts = [n // 2 for n in counts]
+            width = None
+        else:
+            width = max(_HEAD_BYTES, members[0].data.element_size()) if kind == "raw" else None
+        return dict(zip((u.tensor_id for u in members), _rows(host, counts, width)))
+
+    def _gather(self, device: torch.device) -> None:
+        keys = [k for k in self._members if k[0] == device]
+        members = [u for k in keys for u in self._members[k]]
+        gathered = _gather_heads([u.data for u in members], device, _HEAD_ELEMENTS)
+        if gathered is None:
+            for k in keys:
+                us = self._members[k]
+                flat = torch.cat([_first(u.data, _HEAD_ELEMENTS) for u in us])
+                host = (flat if flat.dtype != torch.bool else flat.to(torch.uint8)).cpu().view(torch.uint8).numpy()
+                self._groups[k] = (host, [min(u.data.numel(), _HEAD_ELEMENTS) * u.data.element_size() for u in us])
+            return
+        data, counts = gathered
+        at = begin = 0
+        for k in keys:  # members are in group order: each group's heads are one slice
+            n = len(self._members[k])
+            part = counts[at: at + n].tolist()
+            self._groups[k] = (data[begin: begin + sum(part)], part)
+            at += n
+            begin += sum(part)
+
+
+def _rows(data: np.ndarray, counts: list[int], width: int | None) -> list[bytes]:
+    """``data`` cut into pieces of ``counts`` bytes, each as bytes (its first ``width`` bytes if given): one
+    numpy step per distinct length (most heads have 64 whole elements; an optimizer's step counts one)."""
+    sizes = np.asarray(counts, dtype=np.int64)
+    starts = np.cumsum(sizes) - sizes
+    out: list[bytes] = [b""] * len(counts)
+    for c in np.unique(sizes).tolist():
+        w = c if width is None else min(c, width)
+        which = np.flatnonzero(sizes == c)
+        if w == 0:
+            continue
+        rows = data[starts[which, None] + np.arange(w)]
+        for k, row in zip(which.tolist(), rows.view(f"V{w}").ravel().tolist()):
+            out[k] = row
+    return out
 
 
 Pairs = list[tuple["PlannedTensor", "PlannedTensor"]]
