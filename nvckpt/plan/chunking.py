@@ -9,6 +9,7 @@ one: 1 MiB on the CPU (zstd's sweet spot on 2 cores), 4 MiB on the GPU
 
 from __future__ import annotations
 
+import functools
 import math
 
 from ..format.constants import MAX_CHUNK_LENGTH
@@ -26,18 +27,27 @@ def check_chunk_size(chunk_size: object) -> int:
 
 def chunk_ranges(shape: tuple[int, ...], itemsize: int, chunk_size: int) -> list[tuple[int, int]]:
     """(byte start, byte length) of each chunk of a C-contiguous tensor."""
+    shape = tuple(shape)
+    if math.prod(shape) * itemsize > 64 * chunk_size:
+        return list(_ranges.__wrapped__(shape, itemsize, chunk_size))  # long lists are not kept
+    return list(_ranges(shape, itemsize, chunk_size))
+
+
+# A model repeats its shapes (each layer's, again in its optimizer state): their short chunk lists are kept.
+@functools.lru_cache(maxsize=4096)
+def _ranges(shape: tuple[int, ...], itemsize: int, chunk_size: int) -> tuple[tuple[int, int], ...]:
     nbytes = math.prod(shape) * itemsize
     if nbytes == 0:
-        return []
+        return ()
     row_bytes = nbytes // shape[0] if shape else nbytes
     step = max(itemsize, chunk_size - chunk_size % itemsize)
     if row_bytes <= step:
         per = (step // row_bytes) * row_bytes
-        return [(s, min(per, nbytes - s)) for s in range(0, nbytes, per)]
+        return tuple((s, min(per, nbytes - s)) for s in range(0, nbytes, per))
     out = []
     for row in range(0, nbytes, row_bytes):
         out.extend((row + s, min(step, row_bytes - s)) for s in range(0, row_bytes, step))
-    return out
+    return tuple(out)
 
 
 __all__ = ["CPU_CHUNK_SIZE", "GPU_CHUNK_SIZE", "check_chunk_size", "chunk_ranges"]

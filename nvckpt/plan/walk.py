@@ -178,22 +178,27 @@ def _set_item(item: Any, path: str) -> Any:
     return item  # refused by the caller, naming its type
 
 
-def _check_tensor(t: torch.Tensor, path: str) -> None:
+def _check_tensor(t: torch.Tensor, path: str) -> tuple[str, int]:
+    """Refuses what the format cannot store; returns the tensor's dtype name and element size (asked once
+    here: a state has thousands of tensors, and every attribute of one costs host time)."""
     if t.is_nested:
         raise UnsupportedObjectError(f"tensor at {path or '<root>'} is a nested tensor; store its components "
                                      "(a list: t.unbind()) instead")
     if t.layout != torch.strided:
         raise UnsupportedObjectError(f"tensor at {path or '<root>'} has layout {t.layout}; only dense tensors are stored")
-    if t.is_quantized or t.device.type == "meta":
+    if t.is_quantized or t.is_meta:
         raise UnsupportedObjectError(f"tensor at {path or '<root>'} is {'quantized' if t.is_quantized else 'on the meta device'}")
-    if t.dim() > MAX_RANK:
-        raise LimitError(f"tensor at {path or '<root>'} has rank {t.dim()} > {MAX_RANK}")
-    name_of(t.dtype)  # raises for dtypes without a byte layout
+    shape = t.shape
+    if len(shape) > MAX_RANK:
+        raise LimitError(f"tensor at {path or '<root>'} has rank {len(shape)} > {MAX_RANK}")
+    name = name_of(t.dtype)  # raises for dtypes without a byte layout
+    size = t.element_size()
     n = t.numel()
-    span = (n if n else math.prod(d or 1 for d in t.shape)) * t.element_size()  # SPEC 8.3 (zero dims count as 1)
+    span = (n if n else math.prod(d or 1 for d in shape)) * size  # SPEC 8.3 (zero dims count as 1)
     if span > MAX_TENSOR_BYTES:
-        raise LimitError(f"tensor at {path or '<root>'} of shape {list(t.shape)} spans {span} bytes, more than the "
+        raise LimitError(f"tensor at {path or '<root>'} of shape {list(shape)} spans {span} bytes, more than the "
                          f"limit of {MAX_TENSOR_BYTES}")
+    return name, size
 
 
 def plan_save(
@@ -215,19 +220,19 @@ def plan_save(
     if not callable(chunk_size):
         check_chunk_size(chunk_size)
     started = time.perf_counter()
-    leaves: list[tuple[str, torch.Tensor]] = []  # (path, tensor) in tree order
+    leaves: list[tuple[str, torch.Tensor, tuple[str, int]]] = []  # (path, tensor, (dtype name, element size)) in tree order
 
     def walk(node: Any, parts: tuple[str, ...], depth: int) -> Any:
         path = "/".join(parts)
         if depth > MAX_TREE_DEPTH and isinstance(node, (dict, list, tuple)):  # SPEC 9: containers count, not leaves
             raise LimitError(f"object nesting at {path} exceeds the limit of {MAX_TREE_DEPTH}")
         if isinstance(node, torch.Tensor):
-            _check_tensor(node, path)
+            facts = _check_tensor(node, path)
             if node.is_conj() or node.is_neg():
                 # A lazy conjugate/negative view shares bytes with its source but shows other values:
                 # store the values it shows, as a tensor of its own.
                 node = node.detach().resolve_conj().resolve_neg()
-            leaves.append((path, node))
+            leaves.append((path, node, facts))
             return len(leaves) - 1  # replaced by a TensorRef below
         if isinstance(node, dict):
             if sum(isinstance(k, float) and k != k for k in node) > 1:  # SPEC 1: every NaN is the same key
@@ -373,14 +378,14 @@ def _view_key(t: torch.Tensor) -> tuple:
     return (t.dtype, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
 
 
-def _dedupe(leaves: list[tuple[str, torch.Tensor]]) -> tuple[list[PlannedTensor], list[int]]:
+def _dedupe(leaves: list[tuple[str, torch.Tensor, tuple[str, int]]]) -> tuple[list[PlannedTensor], list[int]]:
     """One entry per distinct tensor; views of one storage share a base entry (chunks not cut yet)."""
     groups: dict[tuple, list[int]] = {}  # in order of each group's first leaf (dicts keep insertion order)
-    for i, (_, t) in enumerate(leaves):
+    for i, (_, t, (_, size)) in enumerate(leaves):
         if t.numel() == 0:
             key: tuple = ("leaf", i)
         else:  # the storage's start address, without making a storage object (this loop runs once per tensor)
-            key = ("storage", t.get_device(), t.data_ptr() - t.storage_offset() * t.element_size())
+            key = ("storage", t.get_device(), t.data_ptr() - t.storage_offset() * size)
         groups.setdefault(key, []).append(i)
 
     names_seen: dict[str, int] = {}
@@ -390,7 +395,7 @@ def _dedupe(leaves: list[tuple[str, torch.Tensor]]) -> tuple[list[PlannedTensor]
     def add(entry: dict[str, Any], data: torch.Tensor | None) -> int:
         tid = len(tensors)
         name = entry["name"]
-        if len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+        if len(name) * 4 > MAX_NAME_BYTES and len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
             raise LimitError(f"tensor name {name[:80]!r}... is longer than {MAX_NAME_BYTES} bytes")
         if name in names_seen:
             raise UnsupportedObjectError(
@@ -401,14 +406,14 @@ def _dedupe(leaves: list[tuple[str, torch.Tensor]]) -> tuple[list[PlannedTensor]
         tensors.append(PlannedTensor(tid, entry, data))
         return tid
 
-    def base_entry(path: str, t: torch.Tensor) -> dict[str, Any]:
-        return {"name": path, "dtype": name_of(t.dtype), "shape": list(t.shape)}
+    def base_entry(path: str, t: torch.Tensor, facts: tuple[str, int]) -> dict[str, Any]:
+        return {"name": path, "dtype": facts[0], "shape": list(t.shape)}
 
     # Walk groups in order of their first leaf, so names follow tree order.
     for members in groups.values():
         if len(members) == 1:  # the common case: a tensor that shares its storage with no other leaf
-            path, t = leaves[members[0]]
-            leaf_ids[members[0]] = add(base_entry(path, t), t)
+            path, t, facts = leaves[members[0]]
+            leaf_ids[members[0]] = add(base_entry(path, t, facts), t)
             continue
         views: dict[tuple, list[int]] = {}
         for i in members:
@@ -417,8 +422,8 @@ def _dedupe(leaves: list[tuple[str, torch.Tensor]]) -> tuple[list[PlannedTensor]
             # One distinct view (tied weights), or views of differing dtypes
             # (stored as separate copies: the format's views share one dtype).
             for same in views.values():
-                path, t = leaves[same[0]]
-                tid = add(base_entry(path, t), t)
+                path, t, facts = leaves[same[0]]
+                tid = add(base_entry(path, t, facts), t)
                 for i in same:
                     leaf_ids[i] = tid
             _check_alias_names(leaves, members, names_seen, leaf_ids)
@@ -431,8 +436,8 @@ def _dedupe(leaves: list[tuple[str, torch.Tensor]]) -> tuple[list[PlannedTensor]
         base_name = leaves[members[0]][0] + "@base"
         base = add({"name": base_name, "dtype": name_of(first.dtype), "shape": [hi - lo], "internal": True}, base_data)
         for key, same in views.items():
-            path, t = leaves[same[0]]
-            entry = base_entry(path, t)
+            path, t, facts = leaves[same[0]]
+            entry = base_entry(path, t, facts)
             entry["view"] = {"base": base, "offset": key[1] - lo, "stride": list(key[3])}
             if max(key[3], default=0) > MAX_TENSOR_BYTES or key[1] - lo > MAX_TENSOR_BYTES:  # SPEC 16
                 raise LimitError(f"view at {path or '<root>'} has a stride or offset above {MAX_TENSOR_BYTES} elements")
