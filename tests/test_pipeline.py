@@ -863,3 +863,19 @@ def test_async_save_keeps_the_collector_off_while_its_caller_waits(tmp_path, mon
         assert gc.isenabled() is enabled
     finally:
         gc.enable()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 5000), min_size=1, max_size=40), st.integers(1, 6))
+def test_chunk_checksums_of_a_run_come_in_order_from_a_few_tasks(sizes, workers):
+    """Property: the writer gets every chunk's XXH3-64 in order, from at most one task per hash worker."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from nvckpt.engines.gpu.encode import _Digests
+    from nvckpt.format.structs import xxh3
+
+    payloads = [memoryview(os.urandom(n)) for n in sizes]
+    with ThreadPoolExecutor(workers) as pool:
+        digests = _Digests(pool, [(xxh3, p) for p in payloads], workers)
+        assert len(digests._futures) <= workers
+        assert [digests.get(k) for k in range(len(payloads))] == [xxh3(p) for p in payloads]

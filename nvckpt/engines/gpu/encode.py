@@ -12,7 +12,7 @@ Stages, all overlapping:
    worst-case bound per chunk), by device-to-host copies on a copy stream,
    into a fixed pool of pinned slots (``pinned_slots`` x ``slot_bytes``);
 3. hand over: the generator yields each chunk as a memoryview of its slot with
-   its XXH3-64 (computed by a small thread pool; xxhash releases the GIL) and
+   its XXH3-64 (computed by a small thread pool, a few tasks per run; xxhash releases the GIL) and
    a ``release`` callback; the writer (ContainerWriter -> FileSink, whose I/O
    threads write with O_DIRECT) copies it out and calls release, which frees
    the slot once all its chunks are written.  No free slot: the generator
@@ -47,7 +47,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict, deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -163,7 +163,7 @@ class _Group:
     view: Any  # numpy view of the slot
     raw: set[int]
     event: Any
-    hashes: list[Future] | None = None
+    hashes: "_Digests | None" = None
     slots: "_Slots | None" = field(default=None, repr=False)
     lengths: list[int] = field(default_factory=list)
     jobs: list[ChunkJob] = field(default_factory=list)
@@ -242,6 +242,35 @@ class _Slots:
                 del self.refs[slot]
         if done:
             self.pool.give(slot)
+
+
+class _Digests:
+    """The XXH3-64 of a group's chunks, computed by a few tasks of consecutive chunks, about equal in bytes (one
+    per hash worker): a task per chunk cost a future, a queue hand-off and a wake-up each, thousands per save,
+    each taking the GIL from the training loop's thread while the save's writer runs."""
+
+    def __init__(self, pool: ThreadPoolExecutor, work: list[tuple[Callable[[memoryview], int], memoryview]],
+                 parts: int) -> None:
+        total = sum(p.nbytes for _, p in work) or 1
+        cuts, acc, start = [], 0, 0
+        for k, (_, p) in enumerate(work):
+            acc += p.nbytes
+            if acc * parts >= total * (len(cuts) + 1) and k + 1 < len(work):
+                cuts.append((start, k + 1))
+                start = k + 1
+        cuts.append((start, len(work)))
+        self._futures = deque(pool.submit(_digest_all, work[a:b]) for a, b in cuts)
+        self._done: list[int] = []
+
+    def get(self, k: int) -> int:
+        """The checksum of the group's k-th chunk (waits for its task)."""
+        while k >= len(self._done):
+            self._done.extend(self._futures.popleft().result())
+        return self._done[k]
+
+
+def _digest_all(work: list[tuple[Callable[[memoryview], int], memoryview]]) -> list[int]:
+    return [digest(payload) for digest, payload in work]
 
 
 def _checked_xxh3(payload: memoryview) -> int:
@@ -454,8 +483,8 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
                 dev.wait(g.event)
                 waits["copy_out"] += time.perf_counter() - t0
                 digest = _checked_xxh3 if g.pipeline.coder.name == "zstd" else xxh3
-                g.hashes = [hasher.submit(digest, g.payload(i)) if i not in g.raw else hasher.submit(xxh3, g.payload(i))
-                            for i in range(g.first, g.stop)]
+                g.hashes = _Digests(hasher, [(digest if i not in g.raw else xxh3, g.payload(i))
+                                             for i in range(g.first, g.stop)], options.hash_workers)
 
         while True:
             if later and not todo:
@@ -532,7 +561,7 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
                 stored += payload.nbytes
                 nraw += is_raw
                 t0 = time.perf_counter()
-                checksum = group.hashes[k].result()
+                checksum = group.hashes.get(k)
                 t1 = time.perf_counter()
                 waits["chunk_xxh3"] += t1 - t0
                 yield EncodedChunk(job.tensor_id, job.chunk_index, RAW if is_raw else group.pipeline, payload,
