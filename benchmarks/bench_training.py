@@ -8,7 +8,9 @@ the training step itself needs (1 GB, 3 GB, "plenty").  For each way of
 checkpointing, a checkpoint every K steps, the run measures: the time the
 caller is blocked per checkpoint; the wall time lost per checkpoint against
 training without checkpoints; the step time while a background save runs
-(slowdown); the peak extra GPU memory (torch's allocator and the device's own
+(slowdown: against the run's steps without a save, and paired per checkpoint
+against the steps right after that checkpoint's save, with the same split of
+the run without checkpoints as the method's noise floor); the peak extra GPU memory (torch's allocator and the device's own
 free memory, sampled); the peak pinned host memory nvckpt holds; and, for
 nvckpt's async saves, that the file holds the values at the call (bit for bit).
 A second K (2 steps) shows a save that cannot finish between checkpoints (the
@@ -155,7 +157,7 @@ def _phases(result: Any) -> dict[str, Any] | None:
 
 
 def run(tr: Any, name: str, level: str, k: int, n_ckpt: int, base_step: float, workdir: str,
-        check: bool = True) -> tuple[dict[str, Any], tuple]:
+        check: bool = True, split: float = 0.7) -> tuple[dict[str, Any], tuple]:
     from nvckpt.engines.gpu.pinned import PINNED
 
     start = method(name, workdir) if name != "none" else None
@@ -164,6 +166,10 @@ def run(tr: Any, name: str, level: str, k: int, n_ckpt: int, base_step: float, w
     torch.cuda.reset_peak_memory_stats()
     alloc0, free0 = torch.cuda.memory_allocated(), torch.cuda.mem_get_info()[0]
     blocked, step_times_bg, step_times, step_times_idle = [], [], [], []
+    # Per checkpoint interval: the steps while its save ran and the steps after it (the save's paired
+    # baseline: the step time drifts over a run by more than a few %, see probe_slowdown_h200.md).
+    during: list[list[float]] = [[] for _ in range(n_ckpt)]
+    after: list[list[float]] = [[] for _ in range(n_ckpt)]
     phases: list[dict[str, Any] | None] = []
     expected, pending = None, None
     steps = k * n_ckpt
@@ -185,10 +191,15 @@ def run(tr: Any, name: str, level: str, k: int, n_ckpt: int, base_step: float, w
             tr.step()  # returns the loss as a float: synchronises, as training loops that log do
             dt = time.perf_counter() - t0
             step_times.append(dt)
-            if pending is not None and not pending.done():
+            n = i // k
+            if start is None:  # no save: the same split as a save that runs ``split`` of the interval (noise floor)
+                (during if i % k < max(1, round(split * k)) else after)[n].append(dt)
+            elif pending is not None and not pending.done():
                 step_times_bg.append(dt)
+                during[n].append(dt)
             else:
                 step_times_idle.append(dt)
+                after[n].append(dt)
         if pending is not None:
             result = pending.result()
             phases.append(_phases(result))
@@ -210,10 +221,17 @@ def run(tr: Any, name: str, level: str, k: int, n_ckpt: int, base_step: float, w
         step_s_idle_median=round(statistics.median(step_times_idle), 4) if step_times_idle else None,
         slowdown_while_saving=(round(statistics.median(step_times_bg) / statistics.median(step_times_idle or [base_step]) - 1, 4)
                                if step_times_bg else None),
+        # Paired: per checkpoint, its steps while saving against the steps after its save (each at least 5).
+        slowdown_per_checkpoint=[round(statistics.median(d) / statistics.median(a) - 1, 4)
+                                 for d, a in zip(during, after) if len(d) >= 5 and len(a) >= 5],
         extra_gpu_allocated_GB=round((torch.cuda.max_memory_allocated() - alloc0) / GB, 3),
         extra_gpu_device_GB=round((free0 - (s.min_free or free0)) / GB, 3),
         peak_rss_GB=round(s.max_rss / GB, 2), nvckpt_pinned_cached_GB=round(PINNED.cached / GB, 2),
     )
+    paired = out["slowdown_per_checkpoint"]
+    out["slowdown_paired"] = round(statistics.median(paired), 4) if paired else None
+    if start is None:
+        out["noise_split"] = split
     keep = None
     if expected is not None:
         out["snapshot"] = getattr(pending, "snapshot", None)
@@ -284,17 +302,21 @@ def markdown() -> str:
              f"AdamW steps, bf16 weights + fp32 master + moments = **{R.get('state', {}).get('bytes', 0) / GB:.2f} GB**; "
              f"training step {R.get('base_step_s', 0):.3f} s without checkpoints. 'free' = GPU memory left free beyond "
              "what the training step needs (a filler tensor takes the rest).", "",
-             "| free | method | K | blocked s: first ckpt / later (median) | lost per ckpt s | step while saving s (slowdown vs steps without a save) | extra GPU GB (allocator / device) | nvckpt pinned GB | bit-exact |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| free | method | K | blocked s: first ckpt / later (median) | lost per ckpt s | step while saving s (slowdown vs steps without a save) | slowdown paired per checkpoint: median (each) | extra GPU GB (allocator / device) | nvckpt pinned GB | bit-exact |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in R["runs"]:
         if "error" in r:
-            lines.append(f"| {r['free']} | {r['method']} | {r['K']} | error: {r['error'][:80]} | | | | | |")
+            lines.append(f"| {r['free']} | {r['method']} | {r['K']} | error: {r['error'][:80]} | | | | | | |")
             continue
         slow = "-" if r["step_s_while_saving_median"] is None else f"{r['step_s_while_saving_median']:.3f} ({100 * r['slowdown_while_saving']:+.1f} %)"
         b = r["blocked_s"]
         blocked = "-" if not b else f"{b[0]:.4f}" + (f" / {statistics.median(b[1:]):.4f}" if len(b) > 1 else "")
+        each = r.get("slowdown_per_checkpoint") or []
+        paired = "-" if r.get("slowdown_paired") is None else (
+            f"{100 * r['slowdown_paired']:+.1f} % ({', '.join(f'{100 * x:+.1f}' for x in each)})"
+            + (f" noise: steps 1-{round(r['noise_split'] * r['K'])} vs the rest" if "noise_split" in r else ""))
         lines.append(f"| {r['free']} | {r['method']} | {r['K']} | {blocked} | {r['lost_per_checkpoint_s']:.2f} | "
-                     f"{slow} | {r['extra_gpu_allocated_GB']:.2f} / {r['extra_gpu_device_GB']:.2f} | "
+                     f"{slow} | {paired} | {r['extra_gpu_allocated_GB']:.2f} / {r['extra_gpu_device_GB']:.2f} | "
                      f"{r['nvckpt_pinned_cached_GB']:.2f} | {r.get('bit_exact_first_checkpoint', '')} |")
     if R.get("profile"):
         keys = ["blocked_s", "walk", "derived", "prepare", "thread_start", "start_engine", "setup_seconds",
