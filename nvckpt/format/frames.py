@@ -84,18 +84,20 @@ class FrameWriter:
         # The lowest version that describes the file (SPEC 19): 1.1 only when it uses a 1.1 feature.
         self.version = (VERSION_MAJOR, TYPED_TREE_MINOR if required_features & FEATURE_TYPED_TREE else VERSION_MINOR)
         self.required_features = required_features
+        self._packer = msgpack.Packer()  # one per writer (not thread-safe): a TENSOR frame per tensor, thousands per save
         self._write(Preamble(self.version[0], self.version[1], required_features).pack())
 
-    def _write(self, data: Any) -> None:
+    def _write(self, data: Any, nbytes: int | None = None) -> None:
         self.stream.write(data)
-        self.position += memoryview(data).nbytes
+        self.position += memoryview(data).nbytes if nbytes is None else nbytes
 
     def _frame(self, header: FrameHeader, payload: Any) -> int:
         """Write one frame; returns the payload's offset."""
         # Header and padding in one write: a save writes thousands of frames, each write costs host time.
-        self._write(header.pack() + _ZEROS[: header.padding_length] if header.padding_length else header.pack())
+        head = header.pack() + _ZEROS[: header.padding_length] if header.padding_length else header.pack()
+        self._write(head, len(head))
         offset = self.position
-        self._write(payload)
+        self._write(payload, header.stored_length)
         return offset
 
     def _meta_frame(self, ftype: int, payload: bytes, **ids: int) -> int:
@@ -128,7 +130,7 @@ class FrameWriter:
             self.checksums[tensor_id] = checksum
         entry = self._entry(tensor_id)
         entry["nchunks"] = len(self.chunk_lengths[tensor_id])
-        self._meta_frame(FRAME_TENSOR, msgpack.packb(entry), tensor_id=tensor_id)
+        self._meta_frame(FRAME_TENSOR, self._packer.pack(entry), tensor_id=tensor_id)
         self.announced[tensor_id] = True
 
     def chunk(self, tensor_id: int, index: int, pipeline: PipelineLike, payload: Any, raw_length: int,
