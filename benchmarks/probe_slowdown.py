@@ -8,6 +8,8 @@ them alike), each followed by as many steps with nothing running (its paired bas
 - ``idle``: nothing (the baseline's baseline);
 - ``async``: a plain ``nvckpt.async_save`` to a file (steps while its writer runs, after the caller is released);
 - ``lazy``: ``nvckpt.async_save(fence=optimizer)``;
+- ``async_h1`` / ``async_8m``: the plain save with one chunk-checksum worker (``GpuSaveOptions(hash_workers=1)``)
+  / with 8 MiB chunks (half as many frames);
 - ``null``: the same save into a stream that drops what it is given (no sink copy, no disk): the engine's and
   the frame writer's host work alone;
 - ``disk``: the disk alone: the same number of bytes written from pinned host memory with O_DIRECT by two
@@ -148,6 +150,10 @@ def main() -> int:
             t0 = time.perf_counter()
             if v == "async":
                 fut = nvckpt.async_save(tr.checkpoint(), path)
+            elif v == "async_h1":
+                fut = nvckpt.async_save(tr.checkpoint(), path, gpu=nvckpt.GpuSaveOptions(hash_workers=1))
+            elif v == "async_8m":
+                fut = nvckpt.async_save(tr.checkpoint(), path, chunk_size=8 << 20)
             elif v == "lazy":
                 fut = nvckpt.async_save(tr.checkpoint(), path, fence=tr.opt)
             elif v == "null":
