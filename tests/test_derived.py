@@ -363,3 +363,23 @@ def test_heads_gathered_by_address_equal_the_heads_of_views(device, specs, seed)
         head = t.data.reshape(-1)[:64]
         first = torch.empty(head.numel(), dtype=head.dtype).copy_(head)
         assert gathered[t.tensor_id][0] == (first.to(torch.uint8) if dtype == "bool" else first).view(torch.uint8).numpy()[:max(64, first.element_size())].tobytes()
+
+
+def test_heads_fall_back_to_views_where_the_gather_cannot_be_made(monkeypatch):
+    """A numpy or ctypes that refuses the span by address: the candidates come from a view per tensor, same result."""
+    import types
+
+    from nvckpt.plan import derived as D
+
+    torch.manual_seed(5)
+    master = {f"w{i}": torch.randn(64, 32) for i in range(3)}
+    state = {"master": master, "model": {k: v.to(torch.bfloat16) for k, v in master.items()}, "copy": master["w1"].clone()}
+    expected = save_bytes(state)
+
+    class Refusing:
+        def __mul__(self, n):
+            raise OverflowError("array too large")
+
+    monkeypatch.setattr(D, "ctypes", types.SimpleNamespace(c_char=Refusing()))
+    assert D._gather_heads([torch.ones(3)], torch.device("cpu"), 64) is None
+    assert save_bytes(state) == expected  # the same derived tensors, found through the views

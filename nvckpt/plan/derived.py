@@ -329,13 +329,16 @@ def _gather_heads(tensors: list[torch.Tensor], device: torch.device, n: int) -> 
     base = int(addresses.min())
     span = int(addresses.max()) - base + 1
     offsets = addresses - base
-    if device.type == "cpu":
-        memory = np.frombuffer((ctypes.c_char * span).from_address(base), dtype=np.uint8)
-        return memory[offsets], counts
-    with torch.cuda.device(device):
-        memory = torch.as_tensor(_CudaSpan(base, span), device=device)
+    try:
+        if device.type == "cpu":
+            memory = np.frombuffer((ctypes.c_char * span).from_address(base), dtype=np.uint8)
+            return memory[offsets], counts
+        with torch.cuda.device(device):
+            memory = torch.as_tensor(_CudaSpan(base, span), device=device)
         index = torch.from_numpy(offsets).to(device)
-        return memory[index].cpu().numpy(), counts
+    except (TypeError, ValueError, OverflowError, RuntimeError):
+        return None  # a torch, numpy or ctypes that will not make the span: the views of other devices
+    return memory[index].cpu().numpy(), counts
 
 
 class _Heads:
