@@ -464,3 +464,16 @@ def test_checksums_of_hostile_builders_are_valid():
     loaded = nvckpt.load(io.BytesIO(data))
     assert len(loaded) == 300 and int(loaded["t7"][0]) == 49
     assert xxhash.xxh3_64_intdigest(b"") >= 0 and struct.calcsize("<I") == 4
+
+
+def test_an_index_whose_entries_alone_are_over_the_limit_fails_before_anything_is_written(tmp_path, monkeypatch):
+    """Many tensors with long names: their entries (not the tree or metadata) go over the limit."""
+    from nvckpt.format import frames
+
+    state = {("n" * 200) + str(i): torch.ones(1) for i in range(200)}
+    tree_and_names = len(msgpack.packb(list(state))) * 2
+    monkeypatch.setattr(frames, "MAX_INDEX_LENGTH", tree_and_names + 2000)  # above the tree, below tree + entries
+    buf = io.BytesIO()
+    with pytest.raises(nvckpt.LimitError, match="nothing was written"):
+        nvckpt.save(state, buf)
+    assert buf.getvalue() == b""

@@ -201,7 +201,13 @@ def check_index_floor(entries: Sequence[dict[str, Any]], chunk_lengths: Sequence
     floor = len(pack_tree(tree)) + len(msgpack.packb(metadata, use_bin_type=True))
     floor += len(msgpack.packb(writer_info, use_bin_type=True))
     if floor <= MAX_INDEX_LENGTH:
-        floor += sum(len(msgpack.packb(e, use_bin_type=True)) for e in entries) + 6 * sum(map(len, chunk_lengths))
+        chunks = 6 * sum(map(len, chunk_lengths))
+        # The entries are packed only when a bound on their size does not fit: a name is at most 4 bytes a
+        # character in UTF-8, a dimension 9 (a view's stride 9 more), the other fields a few dozen bytes.
+        # (A save packs thousands of them again for the index; this runs beside training in an async_save.)
+        bound = sum(4 * len(e["name"]) + 18 * len(e["shape"]) + 256 for e in entries)
+        if floor + bound + chunks > MAX_INDEX_LENGTH:
+            floor += sum(len(msgpack.packb(e, use_bin_type=True)) for e in entries) + chunks
     if floor > MAX_INDEX_LENGTH:
         raise LimitError(f"the index would be at least {floor} bytes, more than the limit of {MAX_INDEX_LENGTH} "
                          "(too many tensors or chunks, or too large a tree or metadata); nothing was written")
