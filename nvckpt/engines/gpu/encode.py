@@ -255,7 +255,7 @@ class _Digests:
         cuts, acc, start = [], 0, 0
         for k, (_, p) in enumerate(work):
             acc += p.nbytes
-            if acc * parts >= total * (len(cuts) + 1) and k + 1 < len(work):
+            if len(cuts) + 1 < parts and acc * parts >= total * (len(cuts) + 1) and k + 1 < len(work):
                 cuts.append((start, k + 1))
                 start = k + 1
         cuts.append((start, len(work)))
