@@ -156,11 +156,13 @@ class FrameWriter:
         offset = self._frame(header, payload)
         self.chunks[tensor_id][index] = [offset, stored, raw_length, cid, checksum]
 
-    def finish(self, tree: Any, metadata: dict[str, Any], writer_info: dict[str, Any]) -> int:
+    def finish(self, tree: Any, metadata: dict[str, Any], writer_info: dict[str, Any], *,
+               packed_tree: bytes | None = None) -> int:
         """Write the INDEX frame and the footer; returns the file's length.
 
-        ``tree`` holds TensorRefs; its typed extensions need ``required_features`` (SPEC 9.2).  An index over MAX_INDEX_LENGTH raises LimitError
-        before the INDEX frame is written (SPEC 16: a writer fails first)."""
+        ``tree`` holds TensorRefs; its typed extensions need ``required_features`` (SPEC 9.2); ``packed_tree``:
+        ``pack_tree(tree)`` where the caller has it (check_index_floor returns it).  An index over
+        MAX_INDEX_LENGTH raises LimitError before the INDEX frame is written (SPEC 16: a writer fails first)."""
         for tid, entry in enumerate(self.entries):
             if not self.announced[tid]:
                 raise RuntimeError(f"tensor {entry['name']!r} was never written")
@@ -180,7 +182,7 @@ class FrameWriter:
             "writer": writer_info,
             "codecs": [p.to_json() for p in self.codec_table],
             "tensors": tensors,
-            "tree": _Packed(pack_tree(tree)),
+            "tree": _Packed(pack_tree(tree) if packed_tree is None else packed_tree),
             "metadata": metadata,
         }
         payload = _pack_index(index)
@@ -194,11 +196,13 @@ class FrameWriter:
 
 
 def check_index_floor(entries: Sequence[dict[str, Any]], chunk_lengths: Sequence[Sequence[int]], tree: Any,
-                      metadata: dict[str, Any], writer_info: dict[str, Any]) -> None:
+                      metadata: dict[str, Any], writer_info: dict[str, Any]) -> bytes:
     """SPEC 16: refuse, before the first byte is written, an object whose index cannot fit in
     MAX_INDEX_LENGTH: its entries, tree and metadata as they will be packed, and at least 6 bytes
-    a chunk (so this never refuses an index that would fit; ``finish`` checks the exact size)."""
-    floor = len(pack_tree(tree)) + len(msgpack.packb(metadata, use_bin_type=True))
+    a chunk (so this never refuses an index that would fit; ``finish`` checks the exact size).
+    Returns the packed tree (for ``FrameWriter.finish``)."""
+    packed_tree = pack_tree(tree)
+    floor = len(packed_tree) + len(msgpack.packb(metadata, use_bin_type=True))
     floor += len(msgpack.packb(writer_info, use_bin_type=True))
     if floor <= MAX_INDEX_LENGTH:
         chunks = 6 * sum(map(len, chunk_lengths))
@@ -211,6 +215,7 @@ def check_index_floor(entries: Sequence[dict[str, Any]], chunk_lengths: Sequence
     if floor > MAX_INDEX_LENGTH:
         raise LimitError(f"the index would be at least {floor} bytes, more than the limit of {MAX_INDEX_LENGTH} "
                          "(too many tensors or chunks, or too large a tree or metadata); nothing was written")
+    return packed_tree
 
 
 class _Packed:

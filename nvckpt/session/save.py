@@ -63,7 +63,7 @@ def write_items(stream: Any, items: Iterable[TensorReady | EncodedChunk], plan: 
                 info: dict[str, Any], progress: Callable[[int], None] | None = None) -> int:
     """Frame an engine's items onto ``stream``; returns the file's length.  ``progress(raw bytes)`` per chunk."""
     try:
-        check_index_floor(plan.entries(), plan.chunk_lengths(), plan.tree, plan.metadata, info)
+        packed_tree = check_index_floor(plan.entries(), plan.chunk_lengths(), plan.tree, plan.metadata, info)
         writer = FrameWriter(stream, plan.entries(), plan.chunk_lengths(), alignment=alignment,
                              required_features=plan.required_features)
         for item in items:
@@ -77,7 +77,7 @@ def write_items(stream: Any, items: Iterable[TensorReady | EncodedChunk], plan: 
                     item.release()
             if progress is not None:
                 progress(item.raw_length)
-        return writer.finish(plan.tree, plan.metadata, info)
+        return writer.finish(plan.tree, plan.metadata, info, packed_tree=packed_tree)
     finally:
         # Stop the engine now, also on an error: its threads and buffers must not live on in the traceback.
         close = getattr(items, "close", None)
