@@ -40,11 +40,11 @@ def test_failure_while_writing_keeps_old_file(old_file, monkeypatch, after, exc)
     original = container.FrameWriter._write
     written = [0]
 
-    def failing_write(self, data):
+    def failing_write(self, data, *rest):
         if written[0] >= after:
             raise exc("disk on fire")
         written[0] += memoryview(data).nbytes
-        original(self, data)
+        original(self, data, *rest)
 
     monkeypatch.setattr(container.FrameWriter, "_write", failing_write)
     with pytest.raises(exc):
@@ -116,7 +116,7 @@ def test_successful_save_replaces(old_file):
 def test_failed_first_save_creates_nothing(tmp_path, monkeypatch):
     path = tmp_path / "fresh.nvckpt"
 
-    def failing_write(self, data):
+    def failing_write(self, data, *rest):
         raise OSError("no space left on device")
 
     monkeypatch.setattr(container.FrameWriter, "_write", failing_write)
