@@ -141,7 +141,10 @@ def load_seed_files(folder: str) -> list[bytes]:
 def interesting_int(rng: random.Random, old: Any = None) -> int:
     r = rng.random()
     if isinstance(old, int) and not isinstance(old, bool) and r < 0.4:
-        return rng.choice([old + 1, old - 1, old * 2, old // 2, old + rng.randint(-64, 64), old ^ (1 << rng.randrange(64)), -old])
+        new = rng.choice([old + 1, old - 1, old * 2, old // 2, old + rng.randint(-64, 64), old ^ (1 << rng.randrange(64)), -old])
+        # msgpack holds -2**63 .. 2**64-1: a value past either end (2**64-1 doubled, -(2**64-1)) wraps to 64 bits,
+        # so the mutated document can still be packed
+        return new if -(1 << 63) <= new < 1 << 64 else new & ((1 << 64) - 1)
     if r < 0.85:
         return rng.choice(INTERESTING)
     return rng.getrandbits(rng.choice([8, 16, 32, 64]))
