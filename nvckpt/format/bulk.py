@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import msgpack
 
-from ..errors import FormatError, LimitError, NvckptError
+from ..errors import NvckptError
 from . import tree
 
 STREAM_FROM = 16 << 10  # index payloads from this size on are decoded in pieces
@@ -80,15 +80,8 @@ class LazyEntries:
         previous = getattr(tree._nesting, "budget", None)
         tree._nesting.budget = self._budget
         try:
-            return decode_entry(self._data[self._bounds[i]: self._bounds[i + 1]])
-        except NvckptError:
-            raise
-        except (RecursionError, msgpack.StackError):
-            raise LimitError(f"index nesting is too deep (tensor {i})") from None
-        except MemoryError:
-            raise LimitError(f"tensor {i}'s entry does not fit in memory") from None
-        except Exception as exc:  # msgpack raises several types on malformed input
-            raise FormatError(f"index is not valid msgpack (tensor {i}): {str(exc)[:200]}") from None
+            with tree.msgpack_errors("index", f"tensor {i}'s entry", where=f" (tensor {i})"):
+                return decode_entry(self._data[self._bounds[i]: self._bounds[i + 1]])
         finally:
             tree._nesting.budget = previous
 

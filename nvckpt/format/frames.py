@@ -16,7 +16,7 @@ from typing import Any, Hashable, Iterator, Protocol, Sequence
 
 import msgpack
 
-from ..errors import ChecksumError, FormatError, LimitError, NvckptError, TruncatedError, UnsupportedFeatureError
+from ..errors import ChecksumError, FormatError, LimitError, TruncatedError, UnsupportedFeatureError
 from .constants import (
     DEFAULT_ALIGNMENT,
     FIRST_OPTIONAL_FRAME,
@@ -41,7 +41,7 @@ from .constants import (
 )
 from .index import Index, parse_index, unpack_index
 from .structs import Footer, FrameHeader, Preamble, xxh3
-from .tree import check_depth, no_gc, pack_tree, tree_features, unpackb
+from .tree import check_depth, msgpack_errors, no_gc, pack_tree, tree_features, unpackb
 
 _ZEROS = bytes(MAX_ALIGNMENT)
 
@@ -276,16 +276,8 @@ def read_meta_frame(source: Any, offset: int, header: FrameHeader) -> Any:
     payload = source.pread(offset + header.payload_skip, header.stored_length)
     if xxh3(payload) != header.payload_checksum:
         raise ChecksumError("frame payload checksum does not match", offset=offset)
-    try:
+    with msgpack_errors("frame payload", f"a frame payload of {len(payload)} bytes", offset=offset):
         value = unpackb(payload)
-    except NvckptError as exc:
-        raise exc.located(offset=offset)
-    except MemoryError:
-        raise LimitError(f"a frame payload of {len(payload)} bytes does not fit in memory", offset=offset) from None
-    except msgpack.StackError:
-        raise LimitError("frame payload nesting is too deep (more than msgpack's 1024 levels)", offset=offset) from None
-    except Exception as exc:  # msgpack raises several types on bad input
-        raise FormatError(f"frame payload is not valid msgpack: {str(exc)[:200]}", offset=offset) from None
     check_depth(value, f"the {FRAME_NAMES.get(header.frame_type, 'frame')} frame payload")
     return value
 

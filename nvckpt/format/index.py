@@ -7,13 +7,12 @@ from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 
-from ..errors import FormatError, LimitError, NvckptError, brief
+from ..errors import FormatError, LimitError, brief
 from .constants import EXT_TENSOR, EXT_TUPLE, FEATURE_TYPED_TREE, MAX_CODECS, MAX_TENSORS, MAX_TREE_DEPTH, VERSION_MAJOR
 from .bulk import LazyEntries, decode_index
 from .entry import ChunkStore, TensorEntry, check_list, check_map, check_overlaps, parse_entry, reference_problem
-from .tree import MAX_PAYLOAD_DEPTH, TensorRef, check_depth, check_tree, leaf_paths, memory_budget
+from .tree import MAX_PAYLOAD_DEPTH, TensorRef, check_depth, check_tree, leaf_paths, memory_budget, msgpack_errors
 
 
 
@@ -32,17 +31,8 @@ def unpack_index(payload: bytes, max_memory: int | None = None) -> dict[str, Any
     """The decoded INDEX payload; ``max_memory`` bounds the memory its decoding may take (LimitError)."""
     if max_memory is not None and len(payload) > max_memory:
         raise LimitError(f"the index is {len(payload)} bytes, more than max_index_memory={max_memory}")
-    try:
-        with memory_budget(max_memory):
-            data = decode_index(payload)
-    except NvckptError:
-        raise
-    except (RecursionError, msgpack.StackError):
-        raise LimitError("index nesting is too deep (more than msgpack's 1024 levels)") from None
-    except MemoryError:
-        raise LimitError(f"the decoded index of {len(payload)} bytes does not fit in memory") from None
-    except Exception as exc:  # msgpack raises several types on malformed input
-        raise FormatError(f"index is not valid msgpack: {str(exc)[:200]}") from None
+    with msgpack_errors("index", f"the decoded index of {len(payload)} bytes"), memory_budget(max_memory):
+        data = decode_index(payload)
     return check_map(data, "index")
 
 

@@ -299,6 +299,27 @@ def memory_budget(limit: int | None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def msgpack_errors(what: str, memory: str, *, where: str = "", offset: int | None = None) -> Iterator[None]:
+    """What msgpack raises while decoding hostile or malformed ``what`` (the index, a frame payload) as
+    nvckpt's errors: LimitError for nesting past msgpack's 1024 levels and for input whose decoding does
+    not fit in memory (``memory`` says what did not fit), FormatError for the rest; ``where`` narrows it
+    down (" (tensor 3)"); nvckpt's own errors pass, located at ``offset`` when given."""
+    from ..errors import NvckptError
+
+    try:
+        yield
+    except NvckptError as exc:
+        raise exc.located(offset=offset) if offset is not None else exc
+    except (RecursionError, msgpack.StackError):
+        raise LimitError(f"{what} nesting is too deep" + (where or " (more than msgpack's 1024 levels)"),
+                         offset=offset) from None
+    except MemoryError:
+        raise LimitError(f"{memory} does not fit in memory", offset=offset) from None
+    except Exception as exc:  # msgpack raises several types on malformed input
+        raise FormatError(f"{what} is not valid msgpack{where}: {str(exc)[:200]}", offset=offset) from None
+
+
+@contextlib.contextmanager
 def no_gc() -> Iterator[None]:
     """Garbage collection paused: decoding a large index builds millions of containers (none cyclic),
     and the collector would walk them again and again (a 1M-tensor index: 7 s of 9)."""
