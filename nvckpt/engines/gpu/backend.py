@@ -60,6 +60,7 @@ class Backend(Protocol):
     def to_host(self, src: torch.Tensor, dst: torch.Tensor, stream: Any) -> Any: ...
     def side_stream(self, after: Any) -> Any: ...
     def flat(self, tensor: torch.Tensor) -> torch.Tensor: ...
+    def source(self, tensor: torch.Tensor) -> torch.Tensor: ...
     def mark(self) -> Any: ...
     def wait(self, event: Any) -> None: ...
     def ready(self, event: Any) -> bool: ...
@@ -185,6 +186,12 @@ class CudaBackend:
         with torch.cuda.stream(self.stream):
             return flat_bytes(tensor)
 
+    def source(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What encode reads a tensor's chunks from: its flat bytes (a view) where it is contiguous, else the
+        tensor itself, whose chunks each batch stages (a contiguous copy of the whole tensor could be larger
+        than the memory budget)."""
+        return flat_bytes(tensor) if tensor.is_contiguous() else tensor
+
     def mark(self) -> Any:
         ev = torch.cuda.Event()
         ev.record(self.stream)
@@ -252,10 +259,10 @@ class CudaBackend:
 
     def _parts(self, batch: Batch, sources: dict[int, torch.Tensor]) -> list[tuple[torch.Tensor, int, int]]:
         """(tensor, start, length) of each chunk of ``batch`` on this device: chunks of tensors elsewhere (an
-        optimizer's step counts on the CPU, another GPU) are staged on the engine's stream."""
+        optimizer's step counts on the CPU, another GPU) or not contiguous are staged on the engine's stream."""
         parts = [(sources[j.tensor_id], j.start, j.length) for j in batch.jobs]
         distinct = {id(p[0]): p[0] for p in parts}
-        away = {k for k, x in distinct.items() if x.device != self.device}
+        away = {k for k, x in distinct.items() if x.device != self.device or not x.is_contiguous()}
         if away:
             idx = [i for i, p in enumerate(parts) if id(p[0]) in away]
             with torch.cuda.stream(self.stream):
@@ -389,6 +396,10 @@ class HostBackend:
         flat = flat_bytes(tensor)
         return flat if flat.device.type == "cpu" else flat.cpu()
 
+    def source(self, tensor: torch.Tensor) -> torch.Tensor:
+        # As on a GPU: a non-contiguous tensor is staged chunk by chunk in encode, not copied whole.
+        return tensor if tensor.device.type == "cpu" and not tensor.is_contiguous() else self.flat(tensor)
+
     def mark(self) -> Any:
         return None
 
@@ -419,11 +430,15 @@ class HostBackend:
     def encode(self, batch: Batch, sources: dict[int, torch.Tensor]) -> Encoded:
         cap = batch.capacity
         out = torch.zeros(cap * len(batch.jobs), dtype=torch.uint8)
-        parts, sizes = [], []
+        parts = [(sources[j.tensor_id], j.start, j.length) for j in batch.jobs]
+        strided = [i for i, p in enumerate(parts) if not p[0].is_contiguous()]
+        for i, staged in zip(strided, stage_parts(parts, strided, 512, self.device) if strided else []):
+            parts[i] = staged
+        sizes = []
         view = out.numpy()
         for i, j in enumerate(batch.jobs):
-            parts.append((sources[j.tensor_id], j.start, j.length))
-            raw = sources[j.tensor_id][j.start: j.start + j.length]
+            base, start, _ = parts[i]
+            raw = base[start: start + j.length]
             data = memoryview(batch.key.encode(memoryview(raw.numpy()))).cast("B")
             n = data.nbytes
             if n <= cap:

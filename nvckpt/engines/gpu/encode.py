@@ -352,7 +352,8 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
     started = time.perf_counter()
     inflight, slot_bytes = options.inflight, options.slot_bytes
     stored = [t for t in plan.tensors if t.data is not None and t.chunks]
-    scratch = any(t.data.device != dev.device for t in stored) or any(
+    # Scratch per batch: for byte planes, and for chunks staged from another device or a non-contiguous tensor.
+    scratch = any(t.data.device != dev.device or not t.data.is_contiguous() for t in stored) or any(
         (op := choose(dtype).device_op()) is not None and op.algorithm == "zstd" and op.shuffle > 1
         for dtype in {t.entry["dtype"] for t in stored})
     batch_bytes, budget = batch_bytes_for(options, dev, scratch=scratch)
@@ -470,7 +471,7 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
             b = todo.popleft()
             for j in b.jobs:
                 if j.tensor_id not in sources:
-                    sources[j.tensor_id] = dev.flat(by_id[j.tensor_id].data)
+                    sources[j.tensor_id] = dev.source(by_id[j.tensor_id].data)
             encoded.append(dev.encode(b, sources))
             for j in b.jobs:  # the batch holds views of what it needs
                 left[j.tensor_id] -= 1
