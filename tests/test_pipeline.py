@@ -882,17 +882,18 @@ def test_chunk_checksums_of_a_run_come_in_order_from_a_few_tasks(sizes, workers)
         assert [digests.get(k) for k in range(len(payloads))] == [xxh3(p) for p in payloads]
 
 
-def test_non_contiguous_tensors_are_staged_chunk_by_chunk_not_copied_whole():
+@pytest.mark.parametrize("tensor_checksums", [False, True])
+def test_non_contiguous_tensors_are_staged_chunk_by_chunk_not_copied_whole(tensor_checksums):
     """A transposed, sliced or strided tensor is read by the engine a chunk at a time (staged per batch, in its
-    memory budget), never made contiguous whole; the file holds its values bit for bit (rows longer than a
-    chunk included)."""
+    memory budget) and hashed a piece at a time, never made contiguous whole; the file holds its values bit
+    for bit (rows longer than a chunk included) and, when asked, their right tensor checksums."""
     from nvckpt.plan.walk import plan_save
     from nvckpt.session.save import write_items, writer_info
 
     torch.manual_seed(6)
     state = {"t": torch.randn(300, 200).t(), "s": torch.randn(40, 50, 6)[:, ::2, 1:5],
              "c": torch.randn(9000)[::3], "wide": torch.randn(5000, 4).t(), "ok": torch.randn(64, 64),
-             "h": torch.randn(64, 64).to(torch.bfloat16).t()}
+             "h": torch.randn(64, 64).to(torch.bfloat16).t(), "i": torch.arange(6000).reshape(100, 60)[:, ::2]}
     assert not any(v.is_contiguous() for k, v in state.items() if k != "ok")
     made_contiguous = []
 
@@ -903,12 +904,21 @@ def test_non_contiguous_tensors_are_staged_chunk_by_chunk_not_copied_whole():
             return super().flat(tensor)
 
     plan = plan_save(state, chunk_size=16 * KiB)
-    opts = GpuSaveOptions(batch_bytes=64 * KiB, slot_bytes=64 * KiB, pinned_slots=2, piece_bytes=16 * KiB)
-    items = encode_batches(plan, chooser("auto", 1), Spy(), opts, tensor_checksums=False)
+    opts = GpuSaveOptions(batch_bytes=64 * KiB, slot_bytes=64 * KiB, pinned_slots=2, piece_bytes=6 * KiB + 4)
+    items = encode_batches(plan, chooser("auto", 1), Spy(), opts, tensor_checksums=tensor_checksums)
     buf = io.BytesIO()
     write_items(buf, items, plan, alignment=4096, info=writer_info())
     assert made_contiguous == []
     assert_tree_equal(nvckpt.load(io.BytesIO(buf.getvalue())), state)
+    with nvckpt.open(io.BytesIO(buf.getvalue())) as ck:
+        sums = {e.name: e.checksum for e in ck.index.tensors}
+    if tensor_checksums:  # the XXH3-64 of each tensor's C-order bytes, hashed in staged pieces
+        from nvckpt.format.structs import xxh3
+        from nvckpt.plan.walk import flat_bytes
+
+        assert sums == {k: xxh3(flat_bytes(v).numpy().tobytes()) for k, v in state.items()}
+    else:
+        assert set(sums.values()) == {None}
 
 
 @settings(max_examples=60, deadline=None)

@@ -116,8 +116,8 @@ class TensorChecksums:
             self.seconds = max(self.seconds, time.perf_counter() - self._started)
 
     def _digest(self, t: PlannedTensor, stream: Any, pieces: list[torch.Tensor]) -> int:
-        flat = self.dev.flat(t.data) if stream is None else _on_stream(stream, lambda: self.dev.flat(t.data))
-        return device_digest(self.dev, flat, stream, pieces, self.piece_bytes, self.stop)
+        # Flat bytes, or a non-contiguous tensor that device_digest stages a piece at a time (no whole copy).
+        return device_digest(self.dev, self.dev.source(t.data), stream, pieces, self.piece_bytes, self.stop)
 
     def get(self, tensor_id: int) -> int:
         start = time.perf_counter()
@@ -142,11 +142,6 @@ class TensorChecksums:
         self.stop.set()
         for th in self._threads:
             th.join()
-
-
-def _on_stream(stream: Any, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
-    with torch.cuda.stream(stream):
-        return fn()
 
 
 # -- the pipeline ---------------------------------------------------------------------------
