@@ -20,8 +20,9 @@ Stages, all overlapping:
 
 Beside them, when the save wants tensor checksums, ``checksum_workers``
 threads compute the XXH3-64 of every tensor's raw bytes (device-to-host copies
-through two pinned pieces of ``piece_bytes`` each) in the order the tensors are
-first written.
+through two pinned pieces of ``piece_bytes`` each; a non-contiguous tensor's
+pieces are staged on the device first, as its chunks are for the encode: no
+path copies a whole tensor) in the order the tensors are first written.
 
 Memory beyond the caller's tensors: GPU about (inflight + 1) x (batch_bytes of
 output + batch_bytes of scratch for the byte-plane split or staged inputs),
