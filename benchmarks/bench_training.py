@@ -79,6 +79,18 @@ class Sampler:
         self._t.join()
 
 
+MODEL = dict(vocab=32000, d_model=1280, layers=24, seq=512, batch=8, lr=6e-4, warmup=30)  # the 514M-parameter GPT
+
+
+def trained(steps: int, **changes: Any) -> Any:
+    """bench_gpu's Trainer of this benchmark's model (MODEL, with ``changes``) after ``steps`` training steps
+    (also the model of probe_async.py and probe_slowdown.py)."""
+    tr = bench_gpu.Trainer(argparse.Namespace(**{**MODEL, **changes}))
+    for _ in range(steps):
+        tr.step()
+    return tr
+
+
 def fill_gpu(tr: Any, free_bytes: float | None) -> torch.Tensor | None:
     """A filler so that ``free_bytes`` stay free beyond what one training step needs (None: no filler)."""
     torch.cuda.synchronize()
@@ -354,9 +366,6 @@ def main(argv: list[str] | None = None) -> int:
     import warnings
 
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-    targs = argparse.Namespace(vocab=32000, d_model=1280, layers=24, seq=512, batch=8, lr=6e-4, warmup=30)
-    if args.smoke:
-        targs.d_model, targs.layers, targs.vocab, targs.seq = 512, 4, 8000, 256
     from nvckpt.codecs.nvcomp import backend as nb
 
     R["environment"] = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -364,9 +373,7 @@ def main(argv: list[str] | None = None) -> int:
                         "cpus": os.cpu_count(), "torch": torch.__version__, "nvcomp": nb.nvcomp_version(),
                         "python": platform.python_version(),
                         "command": "python3 benchmarks/bench_training.py " + " ".join(argv)}
-    tr = bench_gpu.Trainer(targs)
-    for _ in range(args.steps):
-        tr.step()
+    tr = trained(args.steps, **(dict(d_model=512, layers=4, vocab=8000, seq=256) if args.smoke else {}))
     base: list[float] = []
     for _ in range(20):
         t0 = time.perf_counter()

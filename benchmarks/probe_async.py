@@ -28,7 +28,6 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_gpu  # noqa: E402
 import bench_training  # noqa: E402
 
 
@@ -184,10 +183,7 @@ def main() -> int:
     import nvckpt
     from nvckpt.options import GpuSaveOptions
 
-    targs = argparse.Namespace(vocab=32000, d_model=1280, layers=24, seq=512, batch=8, lr=6e-4, warmup=30)
-    tr = bench_gpu.Trainer(targs)
-    for _ in range(args.steps):
-        tr.step()
+    tr = bench_training.trained(args.steps)
     filler = [bench_training.fill_gpu(tr, args.free * 1e9)]  # kept alive (args.release() lets it go)
 
     def release() -> None:

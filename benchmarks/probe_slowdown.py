@@ -38,7 +38,6 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_gpu  # noqa: E402
 import bench_training  # noqa: E402
 
 BLOCK = 16 << 20
@@ -122,10 +121,7 @@ def main() -> int:
     os.makedirs(args.workdir, exist_ok=True)
     import nvckpt
 
-    targs = argparse.Namespace(vocab=32000, d_model=1280, layers=24, seq=512, batch=8, lr=6e-4, warmup=30)
-    tr = bench_gpu.Trainer(targs)
-    for _ in range(args.steps):
-        tr.step()
+    tr = bench_training.trained(args.steps)
     filler = bench_training.fill_gpu(tr, args.free * 1e9)  # noqa: F841 (kept alive)
     path = os.path.join(args.workdir, "probe")
     nvckpt.reserve_pinned_memory(6 << 30)
