@@ -7,7 +7,6 @@ from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Any
 
-
 from ..errors import FormatError, LimitError, brief
 from .constants import EXT_TENSOR, EXT_TUPLE, FEATURE_TYPED_TREE, MAX_CODECS, MAX_TENSORS, MAX_TREE_DEPTH, VERSION_MAJOR
 from .bulk import LazyEntries, decode_index

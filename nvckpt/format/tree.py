@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 
 import msgpack
 
-from ..errors import FormatError, LimitError, UnsupportedObjectError, brief
+from ..errors import FormatError, LimitError, NvckptError, UnsupportedObjectError, brief
 from .constants import (
     EXT_BIGINT,
     EXT_COMPLEX,
@@ -304,8 +304,6 @@ def msgpack_errors(what: str, memory: str, *, where: str = "", offset: int | Non
     nvckpt's errors: LimitError for nesting past msgpack's 1024 levels and for input whose decoding does
     not fit in memory (``memory`` says what did not fit), FormatError for the rest; ``where`` narrows it
     down (" (tensor 3)"); nvckpt's own errors pass, located at ``offset`` when given."""
-    from ..errors import NvckptError
-
     try:
         yield
     except NvckptError as exc:

@@ -20,6 +20,11 @@ def packed_offsets(lengths: Iterable[int], align: int) -> tuple[list[int], int]:
     return offsets, at
 
 
+def is_flat_bytes(t: torch.Tensor) -> bool:
+    """Is ``t`` a tensor's flat bytes (1-D, uint8, contiguous), which a byte range slices directly?"""
+    return t.dtype == torch.uint8 and t.dim() == 1 and t.is_contiguous()
+
+
 def byte_range_views(t: torch.Tensor, start: int, length: int) -> list[torch.Tensor]:
     """Views of ``t`` (any strides) that hold, one after the other in C order, bytes [start, start + length)
     of its C-contiguous layout (``start`` and ``length`` whole elements): a chunk of a non-contiguous tensor
@@ -60,7 +65,7 @@ def stage_parts(parts: Sequence[tuple[Any, int, int]], which: Sequence[int], ali
     out = []
     for i, o in zip(which, offsets):
         base, start, n = parts[i]
-        if base.dtype == torch.uint8 and base.dim() == 1 and base.is_contiguous():
+        if is_flat_bytes(base):
             stage[o: o + n].copy_(base[start: start + n])
         else:
             at = o
@@ -72,4 +77,4 @@ def stage_parts(parts: Sequence[tuple[Any, int, int]], which: Sequence[int], ali
     return out
 
 
-__all__ = ["align_up", "byte_range_views", "packed_offsets", "stage_parts"]
+__all__ = ["align_up", "byte_range_views", "is_flat_bytes", "packed_offsets", "stage_parts"]

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import xxhash
 
-from ...codecs.nvcomp.staging import stage_parts
+from ...codecs.nvcomp.staging import is_flat_bytes, stage_parts
 
 
 def device_digest(backend: Any, flat: torch.Tensor, stream: Any, pieces: list[torch.Tensor], piece_bytes: int,
@@ -18,7 +18,7 @@ def device_digest(backend: Any, flat: torch.Tensor, stream: Any, pieces: list[to
     each piece staged on the device from views of it: no contiguous copy of the whole tensor); ``pieces``: a
     list the caller keeps per thread (filled here with two host buffers of ``piece_bytes`` on first use).
     ``stop`` (an Event) ends the hashing early."""
-    strided = not (flat.dtype == torch.uint8 and flat.dim() == 1 and flat.is_contiguous())
+    strided = not is_flat_bytes(flat)
     if flat.device.type == "cpu" and not strided:
         return xxhash.xxh3_64_intdigest(memoryview(flat.numpy()))
     if not pieces:
