@@ -404,9 +404,9 @@ class _Heads:
         for k in keys:  # members are in group order: each group's heads are one slice
             n = len(self._members[k])
             part = counts[at: at + n].tolist()
-            self._groups[k] = (data[begin: begin + sum(part)], part)
-            at += n
-            begin += sum(part)
+            end = begin + sum(part)
+            self._groups[k] = (data[begin: end], part)
+            at, begin = at + n, end
 
 
 def _rows(data: np.ndarray, counts: list[int], width: int | None) -> list[bytes]:
