@@ -353,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=150, help="training steps before the measured runs")
     ap.add_argument("--levels", default="1,3,plenty", help="GB left free (comma separated; 'plenty' = no filler)")
     ap.add_argument("--k", type=int, default=100, help="steps between checkpoints (the save finishes between them)")
-    ap.add_argument("--k-short", type=int, default=2, help="steps between checkpoints where it does not")
+    ap.add_argument("--k-short", type=int, default=2, help="steps between checkpoints where it does not (0: not run)")
     ap.add_argument("--checkpoints", type=int, default=2)
     ap.add_argument("--methods", default="none,torch.save,dcp.async_save,nvckpt.save,nvckpt.async_save,nvckpt.async_save(fence=opt)")
     ap.add_argument("--smoke", action="store_true")
@@ -396,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in methods:
             if level == "1" and name in ("torch.save", "dcp.async_save"):
                 continue  # their blocked time does not depend on free GPU memory; measured at 3 GB and plenty
-            ks = [args.k] + ([args.k_short] if name.startswith("nvckpt.async") else [])
+            ks = [args.k] + ([args.k_short] if args.k_short and name.startswith("nvckpt.async") else [])
             for k in ks:
                 try:
                     r, check = run(tr, name, level, k, args.checkpoints, base_step, args.workdir, check=k == args.k)

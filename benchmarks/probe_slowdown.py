@@ -8,8 +8,8 @@ them alike), each followed by as many steps with nothing running (its paired bas
 - ``idle``: nothing (the baseline's baseline);
 - ``async``: a plain ``nvckpt.async_save`` to a file (steps while its writer runs, after the caller is released);
 - ``lazy``: ``nvckpt.async_save(fence=optimizer)``;
-- ``async_copy``: the plain save with the sink copying every chunk into its staging blocks (what it did before
-  it wrote chunks from the engine's pinned slots: a copy, and a GIL handoff, per chunk);
+- ``X_sampled``: variant X with bench_training's memory Sampler running beside it (a thread asking for the
+  device's free memory and reading this process's RSS every 5 ms), as it runs in bench_training;
 - ``async_h1`` / ``async_8m``: the plain save with one chunk-checksum worker (``GpuSaveOptions(hash_workers=1)``)
   / with 8 MiB chunks (half as many frames);
 - ``null``: the same save into a stream that drops what it is given (no sink copy, no disk): the engine's and
@@ -134,10 +134,6 @@ def main() -> int:
     pinned = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
     pinned.fill_(7)
     variants = [v for v in args.variants.split(",") if v]
-    from nvckpt.io import sink as sink_mod
-
-    borrow_min = sink_mod._BORROW_MIN
-    switch = sys.getswitchinterval()
     rows: dict[str, list] = {v: [] for v in variants}
 
     def retries() -> int:
@@ -150,14 +146,9 @@ def main() -> int:
             stop = threading.Event()
             fut = thread = None
             t0 = time.perf_counter()
-            base_v = v[:-3] if v.endswith("_si") else v
-            if base_v != v:  # the interpreter's GIL switch interval at 0.5 ms (default 5 ms) while it runs
-                sys.setswitchinterval(0.0005)
-            v, v_name = base_v, v
+            v_name, v = v, v.removesuffix("_sampled")
+            sampler = bench_training.Sampler().__enter__() if v != v_name else None
             if v == "async":
-                fut = nvckpt.async_save(tr.checkpoint(), path)
-            elif v == "async_copy":  # every chunk copied into the sink's blocks, as before borrowed writes
-                sink_mod._BORROW_MIN = 1 << 62
                 fut = nvckpt.async_save(tr.checkpoint(), path)
             elif v == "async_h1":
                 fut = nvckpt.async_save(tr.checkpoint(), path, gpu=nvckpt.GpuSaveOptions(hash_workers=1))
@@ -193,8 +184,8 @@ def main() -> int:
             stop.set()
             if fut is not None:
                 fut.result()
-            sink_mod._BORROW_MIN = borrow_min
-            sys.setswitchinterval(switch)
+            if sampler is not None:
+                sampler.__exit__()
             v = v_name
             if thread is not None:
                 thread.join()

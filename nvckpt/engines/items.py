@@ -21,8 +21,7 @@ class EncodedChunk(NamedTuple):
     payload: Any  # bytes-like (buffer protocol)
     raw_length: int
     checksum: int | None = None  # XXH3-64 of payload; computed by the writer when None
-    release: Callable[[], None] | None = None  # called once the payload is written (by the sink, maybe later)
-    flush: bool = False  # the engine waits for this chunk's release before it hands over more of its buffer
+    release: Callable[[], None] | None = None  # called once the payload is written
 
 
 __all__ = ["TensorReady", "EncodedChunk"]

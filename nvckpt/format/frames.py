@@ -12,7 +12,7 @@ length) -> bytes``, ``size`` and ``name`` (nvckpt.io.source.Source).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable, Iterator, Protocol, Sequence
+from typing import Any, Hashable, Iterator, Protocol, Sequence
 
 import msgpack
 
@@ -84,34 +84,20 @@ class FrameWriter:
         # The lowest version that describes the file (SPEC 19): 1.1 only when it uses a 1.1 feature.
         self.version = (VERSION_MAJOR, TYPED_TREE_MINOR if required_features & FEATURE_TYPED_TREE else VERSION_MINOR)
         self.required_features = required_features
-        self._handed = False  # chunk(): its release belongs to the stream's write now
         self._packer = msgpack.Packer()  # one per writer (not thread-safe): a TENSOR frame per tensor, thousands per save
         self._write(Preamble(self.version[0], self.version[1], required_features).pack())
 
-    def _write(self, data: Any, nbytes: int | None = None, release: Callable[[], None] | None = None,
-               flush: bool = False) -> None:
-        if release is None:
-            self.stream.write(data)
-        else:
-            self._handed = True  # from here on the release is the write's (chunk() must not call it again)
-            borrow = getattr(self.stream, "write_borrowed", None)
-            if borrow is not None:
-                borrow(data, release, flush=flush)  # the stream releases the payload once it is written
-            else:
-                try:
-                    self.stream.write(data)
-                finally:
-                    release()
+    def _write(self, data: Any, nbytes: int | None = None) -> None:
+        self.stream.write(data)
         self.position += memoryview(data).nbytes if nbytes is None else nbytes
 
-    def _frame(self, header: FrameHeader, payload: Any, release: Callable[[], None] | None = None,
-               flush: bool = False) -> int:
-        """Write one frame; returns the payload's offset.  ``release``: see ``chunk``."""
+    def _frame(self, header: FrameHeader, payload: Any) -> int:
+        """Write one frame; returns the payload's offset."""
         # Header and padding in one write: a save writes thousands of frames, each write costs host time.
         head = header.pack() + _ZEROS[: header.padding_length] if header.padding_length else header.pack()
         self._write(head, len(head))
         offset = self.position
-        self._write(payload, header.stored_length, release, flush)
+        self._write(payload, header.stored_length)
         return offset
 
     def _meta_frame(self, ftype: int, payload: bytes, **ids: int) -> int:
@@ -148,22 +134,8 @@ class FrameWriter:
         self.announced[tensor_id] = True
 
     def chunk(self, tensor_id: int, index: int, pipeline: PipelineLike, payload: Any, raw_length: int,
-              checksum: int | None = None, *, release: Callable[[], None] | None = None, flush: bool = False) -> None:
-        """One CHUNK frame; ``checksum`` is XXH3-64 of ``payload``, computed here when None.
-
-        ``release``: called exactly once (also when this raises) when nothing will read ``payload`` any more: a
-        stream with ``write_borrowed`` (FileSink) may write it from where it is, after this returns; ``flush``:
-        tell such a stream that the caller will wait for this release (no more chunks come from its buffer)."""
-        try:
-            self._chunk(tensor_id, index, pipeline, payload, raw_length, checksum, release, flush)
-        except BaseException:
-            if release is not None and not self._handed:
-                release()
-            raise
-
-    def _chunk(self, tensor_id: int, index: int, pipeline: PipelineLike, payload: Any, raw_length: int,
-               checksum: int | None, release: Callable[[], None] | None, flush: bool) -> None:
-        self._handed = False
+              checksum: int | None = None) -> None:
+        """One CHUNK frame; ``checksum`` is XXH3-64 of ``payload``, computed here when None."""
         if not self.announced[tensor_id]:
             raise RuntimeError(f"chunk {index} of tensor {tensor_id} came before its TENSOR frame")
         if self.chunks[tensor_id][index] is not None:
@@ -181,7 +153,7 @@ class FrameWriter:
             padding = -(self.position + FRAME_HEADER_SIZE) % self.alignment
         header = FrameHeader(FRAME_CHUNK, stored, raw_length, checksum, codec_id=cid,
                              tensor_id=tensor_id, chunk_index=index, padding_length=padding)
-        offset = self._frame(header, payload, release, flush)
+        offset = self._frame(header, payload)
         self.chunks[tensor_id][index] = [offset, stored, raw_length, cid, checksum]
 
     def finish(self, tree: Any, metadata: dict[str, Any], writer_info: dict[str, Any], *,

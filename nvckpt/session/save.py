@@ -70,17 +70,15 @@ def write_items(stream: Any, items: Iterable[TensorReady | EncodedChunk], plan: 
             if isinstance(item, TensorReady):
                 writer.tensor(item.tensor_id, item.checksum)
                 continue
-            # The chunk's release goes with it: a FileSink calls it once the payload is written (no copy).
-            writer.chunk(item.tensor_id, item.chunk_index, item.pipeline, item.payload, item.raw_length, item.checksum,
-                         release=item.release, flush=item.flush)
+            try:
+                writer.chunk(item.tensor_id, item.chunk_index, item.pipeline, item.payload, item.raw_length, item.checksum)
+            finally:
+                if item.release is not None:
+                    item.release()
             if progress is not None:
                 progress(item.raw_length)
         return writer.finish(plan.tree, plan.metadata, info, packed_tree=packed_tree)
     finally:
-        # On an error, the stream lets go of the engine's buffers it still holds before the engine stops.
-        settle = getattr(stream, "settle", None)
-        if settle is not None:
-            settle()
         # Stop the engine now, also on an error: its threads and buffers must not live on in the traceback.
         close = getattr(items, "close", None)
         if close is not None:

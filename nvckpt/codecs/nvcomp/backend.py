@@ -359,14 +359,11 @@ class GpuCodec:
         self._check_chunks(chunks, "chunk")
         return self.encode_parts([(c, 0, c.numel()) for c in chunks])
 
-    def encode_parts(self, parts: Sequence[tuple[torch.Tensor, int, int]], *, native_api: bool = True,
-                     capacity: int | None = None) -> EncodedBatch:
+    def encode_parts(self, parts: Sequence[tuple[torch.Tensor, int, int]], *, native_api: bool = True) -> EncodedBatch:
         """``encode`` of chunks given as (tensor, start, length): bytes [start, start + length) of a contiguous
         1-D uint8 CUDA tensor.  The engine's form: no tensor view per chunk (each costs microseconds of
         host time, thousands per save), and each tensor is checked once, not once per chunk.  ANS goes
-        through nvCOMP's C API where it gives this codec's streams (``native_api=False``: never).
-        ``capacity``: the output bytes per chunk (default nvCOMP's bound for the largest chunk; more is
-        allowed, a multiple of ``comp_alignment``)."""
+        through nvCOMP's C API where it gives this codec's streams (``native_api=False``: never)."""
         if not parts:
             raise ValueError("nothing to encode")
         nv = load_nvcomp()
@@ -391,10 +388,6 @@ class GpuCodec:
             raise ValueError(f"nvCOMP ANS compresses at most {MAX_ANS_CHUNK} bytes per chunk, got {biggest}")
         a = self.comp_alignment
         cap = align_up(self.max_compressed_size(biggest), a)
-        if capacity is not None:
-            if capacity < cap or capacity % a:
-                raise ValueError(f"capacity {capacity} is below nvCOMP's bound {cap} or not a multiple of {a}")
-            cap = capacity
         offsets = [i * cap for i in range(len(parts))]
         with torch.cuda.stream(s):
             # Zeroed: nvCOMP ANS leaves a few bytes inside each reported stream length

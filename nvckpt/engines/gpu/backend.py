@@ -21,7 +21,7 @@ import torch
 from ...codecs.base import DecodeRejected, DeviceOp, Pipeline
 from ...codecs.nvcomp.staging import align_up, stage_parts
 from ...plan.walk import flat_bytes
-from .batching import SLOT_ALIGN, Batch, SlotRun, aligned_host_buffer
+from .batching import Batch, SlotRun, aligned_host_buffer
 
 
 @dataclass
@@ -89,29 +89,8 @@ def _pieces(run: SlotRun, raw: list[int]) -> list[tuple[int, int, int, int, int]
 
 
 def _packable(pieces: list[tuple[int, int, int, int, int]]) -> bool:
-    """More than one piece, in order in the slot with gaps of less than SLOT_ALIGN (where a piece's start was
-    aligned up): one packed device buffer, one copy to the host."""
-    return len(pieces) > 1 and all(0 <= q[3] - (p[3] + p[4]) < SLOT_ALIGN for p, q in zip(pieces, pieces[1:]))
-
-
-_FILLERS: dict[Any, torch.Tensor] = {}
-
-
-def _packed_parts(enc: Encoded, pieces: list[tuple[int, int, int, int, int]]) -> tuple[list[torch.Tensor], int]:
-    """The pieces' device bytes with filler between them where their slot offsets leave a gap: one contiguous
-    image of the slot's range (the gaps are never written to the file), and its length."""
-    device = enc.buffer.device
-    filler = _FILLERS.get(device)
-    if filler is None:
-        filler = _FILLERS[device] = torch.zeros(SLOT_ALIGN, dtype=torch.uint8, device=device)
-    parts: list[torch.Tensor] = []
-    end = pieces[0][3]
-    for _, _, d, at, n in pieces:
-        if at > end:
-            parts.append(filler[: at - end])
-        parts.append(enc.buffer[d: d + n])
-        end = at + n
-    return parts, end - pieces[0][3]
+    """More than one piece, back to back in the slot: one packed device buffer, one copy to the host."""
+    return len(pieces) > 1 and all(p[3] + p[4] == q[3] for p, q in zip(pieces, pieces[1:]))
 
 
 def _copy_raw(enc: Encoded, run: SlotRun, raw: list[int], slot: torch.Tensor, *, non_blocking: bool) -> None:
@@ -129,9 +108,9 @@ def _copy_run(enc: Encoded, run: SlotRun, raw: list[int], slot: torch.Tensor, *,
     then move them with one device-to-host copy: a copy per chunk costs more of the link's time."""
     pieces = _pieces(run, raw)
     if gather and _packable(pieces):
-        parts, n = _packed_parts(enc, pieces)
+        packed = torch.cat([enc.buffer[d: d + n] for _, _, d, _, n in pieces])
         at = pieces[0][3]
-        slot[at: at + n].copy_(torch.cat(parts), non_blocking=non_blocking)
+        slot[at: at + packed.numel()].copy_(packed, non_blocking=non_blocking)
     else:
         for _, _, device_at, slot_at, n in pieces:
             slot[slot_at: slot_at + n].copy_(enc.buffer[device_at: device_at + n], non_blocking=non_blocking)
@@ -270,7 +249,7 @@ class CudaBackend:
         parts = self._parts(batch, sources)
         with torch.cuda.stream(self.stream):
             start = self._timed()
-            result = codec.encode_parts(parts, capacity=batch.capacity)  # the plan's (aligned) stride
+            result = codec.encode_parts(parts)
             end = self._timed()
         if result.capacity != batch.capacity:
             raise RuntimeError(f"planned capacity {batch.capacity} != nvCOMP's {result.capacity}")
@@ -314,12 +293,12 @@ class CudaBackend:
             entry = self._packing.pop(0)
         self._packing.append(entry)
         buf, last = entry
+        n = sum(p[4] for p in pieces)
         with torch.cuda.stream(self.gather_stream):
-            parts, n = _packed_parts(enc, pieces)
             self.gather_stream.wait_event(enc.event)
             if last is not None:
                 self.gather_stream.wait_event(last)
-            torch.cat(parts, out=buf[:n])
+            torch.cat([enc.buffer[d: d + m] for _, _, d, _, m in pieces], out=buf[:n])
             packed = torch.cuda.Event()
             packed.record(self.gather_stream)
         with torch.cuda.stream(copy):

@@ -109,7 +109,6 @@ def first_use_order(batches: Sequence[Batch]) -> list[int]:
 
 
 COPY_GAP = 256 << 10  # unused output bytes after a chunk that one copy may carry rather than start another
-SLOT_ALIGN = 4096  # a copy's start in its pinned slot: O_DIRECT's alignment, so the sink writes chunks from there
 
 
 @dataclass(frozen=True)
@@ -134,7 +133,7 @@ class SlotRun:
 
 
 def copy_groups(capacity: int, lengths: Sequence[int], slot_bytes: int, *, start: int | None = None,
-                max_gap: int | None = None, align: int = 1) -> list[SlotRun]:
+                max_gap: int | None = None) -> list[SlotRun]:
     """How a batch's chunks go into pinned slots: runs of chunks, each run in one slot, packed.
 
     Chunk i sits at i * capacity in device memory with ``lengths[i]`` bytes used.
@@ -144,17 +143,11 @@ def copy_groups(capacity: int, lengths: Sequence[int], slot_bytes: int, *, start
     (default ``COPY_GAP``) share one copy (many small chunks cost one copy, not
     many).  ``start``: the bytes already used in the slot the previous batch
     ended in: the first run continues there when its first chunk fits
-    (``shares``), so small batches do not take a slot each.  ``align``: where
-    a copy starts in its slot, a multiple of it (``SLOT_ALIGN``: the sink
-    writes chunks with O_DIRECT from where they are).
+    (``shares``), so small batches do not take a slot each.
     """
     max_gap = COPY_GAP if max_gap is None else max_gap
-
-    def up(n: int) -> int:
-        return -(-n // align) * align
-
     runs: list[SlotRun] = []
-    shares = bool(lengths) and start is not None and up(start) + lengths[0] <= slot_bytes
+    shares = bool(lengths) and start is not None and start + lengths[0] <= slot_bytes
     first, pos = 0, start if shares else 0
     offsets: list[int] = []
     copies: list[list[int]] = []  # [first chunk, stop chunk, device offset, slot offset, bytes]
@@ -166,10 +159,10 @@ def copy_groups(capacity: int, lengths: Sequence[int], slot_bytes: int, *, start
         if joins:
             at = copies[-1][3] + (i - copies[-1][0]) * capacity
         else:
-            if i > first and up(pos) + n > slot_bytes:  # this slot is full: the run ends before chunk i
+            if i > first and pos + n > slot_bytes:  # this slot is full: the run ends before chunk i
                 runs.append(SlotRun(first, i, tuple(offsets), tuple(map(tuple, copies)), shares and not runs))
                 first, pos, offsets, copies = i, 0, [], []
-            at = up(pos)
+            at = pos
             copies.append([i, i, i * capacity, at, 0])
         offsets.append(at)
         copies[-1][1] = i + 1
@@ -251,17 +244,7 @@ class SlotPool:
             if slot in self._free:
                 raise RuntimeError(f"slot {slot} returned twice")
             self._free.append(slot)
-            self._cond.notify_all()
-
-    def wait_free(self, timeout: float | None = None) -> bool:
-        """Until a slot is free (or may be allocated), at most ``timeout`` seconds; whether one is."""
-        with self._cond:
-            return bool(self._cond.wait_for(lambda: self._free or len(self.slots) < self.count, timeout))
-
-    def wait_all_free(self) -> None:
-        """Until every slot handed out is back."""
-        with self._cond:
-            self._cond.wait_for(lambda: len(self._free) == len(self.slots))
+            self._cond.notify()
 
 
 def aligned_host_buffer(size: int, *, pin: bool, align: int = 4096) -> torch.Tensor:

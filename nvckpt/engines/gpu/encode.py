@@ -62,14 +62,9 @@ from ...options import GpuSaveOptions, default_memory_budget, default_pinned_lim
 from ...plan.walk import PlannedTensor, SavePlan
 from ..items import EncodedChunk, TensorReady
 from .backend import GATHER_BUFFERS, Backend, Encoded
-from .batching import SLOT_ALIGN, Batch, ChunkJob, SlotPool, SlotRun, copy_groups, first_use_order, plan_batches
+from .batching import Batch, ChunkJob, SlotPool, SlotRun, copy_groups, first_use_order, plan_batches
 from .hashing import device_digest
 from .pinned import PINNED, cached_allocator
-
-
-# A writer releases a chunk once it is written (FileSink: later, from its I/O threads); none released for this long
-# is a writer that holds chunks and asks for more, an engine invariant broken.
-SLOT_WAIT_SECONDS = 600.0
 
 
 # -- tensor checksums ------------------------------------------------------------------------
@@ -371,9 +366,7 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
         k = (id(key), length)
         cap = memo.get(k)
         if cap is None:
-            # A multiple of SLOT_ALIGN: chunks copied out together keep their device spacing in the slot, and
-            # stay aligned there for the sink's O_DIRECT writes from the slot.
-            cap = memo[k] = -(-dev.capacity(key, length) // SLOT_ALIGN) * SLOT_ALIGN
+            cap = memo[k] = dev.capacity(key, length)
         return cap
 
     def plan_some(tensors: list[PlannedTensor]) -> list[Batch]:
@@ -507,7 +500,7 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
                     waits["encode"] += time.perf_counter() - t0
                     raws = [i for i, (n, j) in enumerate(zip(sizes, enc.batch.jobs)) if n >= j.length]
                     lengths = [j.length if n >= j.length else n for n, j in zip(sizes, enc.batch.jobs)]
-                    runs = copy_groups(enc.capacity, lengths, slot_bytes, start=slots.start(), align=SLOT_ALIGN)
+                    runs = copy_groups(enc.capacity, lengths, slot_bytes, start=slots.start())
                     cursor[:] = [(runs, lengths, set(raws)), 0]
                 groups, lengths, raws = cursor[0]
                 run = groups[cursor[1]]
@@ -529,12 +522,8 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
             if not copied:
                 if not encoded and not todo and not later:
                     break
-                if not pool.free:  # every slot is being written by the sink (borrowed): wait for one
-                    t0 = time.perf_counter()
-                    if not pool.wait_free(SLOT_WAIT_SECONDS):
-                        raise RuntimeError(f"every pinned slot is held and none came back in {SLOT_WAIT_SECONDS} s "
-                                           "(a writer that never releases its chunks)")
-                    waits["writer"] += time.perf_counter() - t0
+                if not pool.free:
+                    raise RuntimeError("every pinned slot is held but none is being written")
                 continue
             for g in copied:
                 if g.enc is not None and dev.ready(g.event):
@@ -558,7 +547,6 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
             group.detach(dev)
             if copied and dev.ready(copied[0].event):
                 start_hashing(copied[0])  # overlap the next group's checksums with this group's writes
-            last = group.stop - 1
             for k, i in enumerate(range(group.first, group.stop)):
                 job = group.jobs[i]
                 if job.tensor_id not in announced:
@@ -573,14 +561,9 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
                 checksum = group.hashes.get(k)
                 t1 = time.perf_counter()
                 waits["chunk_xxh3"] += t1 - t0
-                # The sink may write the payload from the slot (no copy) and release it later; ``flush`` on
-                # the group's last chunk: nothing of the slot waits in the sink for more chunks.
                 yield EncodedChunk(job.tensor_id, job.chunk_index, RAW if is_raw else group.pipeline, payload,
-                                   job.length, checksum, group.release_one, i == last)
+                                   job.length, checksum, group.release_one)
                 waits["writer"] += time.perf_counter() - t1  # the writer copying it out (and waiting for the disk)
-        t0 = time.perf_counter()
-        pool.wait_all_free()  # the sink writes the last chunks from their slots: they go back to the cache after
-        waits["writer"] += time.perf_counter() - t0
         stats.update(batches=counts["batches"], chunks=counts["chunks"], raw_chunks=nraw, raw_bytes=raw_bytes,
                      stored_bytes=stored)
     finally:
