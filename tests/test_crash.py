@@ -51,12 +51,18 @@ def make_state(version):
 """
 
 WRITER = r"""
-import os, sys, time
+import os, sys, threading, time
 sys.path.insert(0, {root!r})
 import nvckpt
 {state_code}
 path, version = sys.argv[1], int(sys.argv[2])
 state = make_state(version)
+real_pwrite, disk = os.pwrite, threading.Lock()
+def slow_pwrite(fd, data, offset):  # a slow disk, one write at a time: kills land between writes on any machine
+    with disk:
+        time.sleep(0.1)
+        return real_pwrite(fd, data, offset)
+os.pwrite = slow_pwrite
 warm = os.path.join(os.path.dirname(path), "warmup", "w.nvckpt")
 os.makedirs(os.path.dirname(warm), exist_ok=True)
 times = []
