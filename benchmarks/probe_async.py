@@ -13,13 +13,15 @@ chunks to the host, how long kernels ran, and where neither did (host-bound gaps
 ``switch=SECONDS`` (sys.setswitchinterval during the save), ``derive=0|1``, ``inflight=N``, ``native=0|1``
 (nvCOMP's C API for ANS, nvckpt.codecs.nvcomp.native.ENABLED), ``halves=N`` (device memory the engine
 reserves per batch alive, in halves of the batch's output: nvckpt.engines.gpu.encode._halves without scratch;
-3 counts nvCOMP temporary memory of half a batch, 2 none); join several with ``+`` (``chunk=8+derive=0``).
+3 counts nvCOMP temporary memory of half a batch, 2 none), ``gc=0`` (Python's garbage collector off for the
+whole save: what its pauses cost); join several with ``+`` (``chunk=8+derive=0``).
 Each row also has the save's peak extra GPU memory (torch's allocator, above what was allocated at the call).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -72,13 +74,13 @@ def timeline(trace: dict, t0_us: float, t1_us: float, bins: int = 20) -> dict:
             "kernels_ms": {k: round(v / 1e3, 2) for k, v in top}, "bins": rows}
 
 
-def _variant(spec: str, base: dict) -> tuple[dict, float | None, bool, int | None]:
-    """(async_save keywords, switch interval, native ANS, halves) of one --ab variant."""
+def _variant(spec: str, base: dict) -> tuple[dict, float | None, bool, int | None, bool]:
+    """(async_save keywords, switch interval, native ANS, halves, garbage collection on) of one --ab variant."""
     from nvckpt.options import GpuSaveOptions
 
     kw: dict = {}
     gpu = dict(base)
-    switch, native, halves = None, True, None
+    switch, native, halves, collect = None, True, None, True
     for part in filter(None, spec.split("+")):
         if part == "base":
             continue
@@ -95,10 +97,27 @@ def _variant(spec: str, base: dict) -> tuple[dict, float | None, bool, int | Non
             native = value not in ("0", "false", "no")
         elif key == "halves":
             halves = int(value)
+        elif key == "gc":
+            collect = value not in ("0", "false", "no")
         else:
             raise SystemExit(f"unknown --ab variant {part!r}")
     kw["gpu"] = GpuSaveOptions(**gpu)
-    return kw, switch, native, halves
+    return kw, switch, native, halves, collect
+
+
+class _GcClock:
+    """Time the garbage collector ran (all generations) and its gen-2 collections, from gc.callbacks."""
+
+    def __init__(self) -> None:
+        self.seconds, self.full, self._t = 0.0, 0, 0.0
+        gc.callbacks.append(self._on)
+
+    def _on(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._t
+            self.full += info.get("generation") == 2
 
 
 def ab(args: argparse.Namespace, save, base: dict) -> dict:
@@ -112,10 +131,11 @@ def ab(args: argparse.Namespace, save, base: dict) -> dict:
 
     for _ in range(args.warm):
         save()
+    clock = _GcClock()
     rows: dict[str, list] = {v: [] for v in variants}
     for rep in range(args.reps):
         for v in (variants if rep % 2 == 0 else variants[::-1]):
-            kw, switch, use_native, halves = parsed[v]
+            kw, switch, use_native, halves, collect = parsed[v]
             old = sys.getswitchinterval()
             old_halves = encode._halves
             if halves is not None:
@@ -124,9 +144,13 @@ def ab(args: argparse.Namespace, save, base: dict) -> dict:
                 sys.setswitchinterval(switch)
             if native is not None:
                 native.ENABLED = use_native
+            if not collect:
+                gc.disable()
+            g0, f0 = clock.seconds, clock.full
             try:
                 row, _, blocked = save(**kw)
             finally:
+                gc.enable()
                 sys.setswitchinterval(old)
                 encode._halves = old_halves
                 if native is not None:
@@ -135,7 +159,8 @@ def ab(args: argparse.Namespace, save, base: dict) -> dict:
                             "batches": row["batches"], "tensors_read_s": row["tensors_read_s"],
                             "setup_s": row["setup_s"], "stored_bytes": row["stored_bytes"],
                             "raw_chunks": row["stats"].get("raw_chunks"), "extra_gpu_GB": row["extra_gpu_GB"],
-                            "batch_bytes": row["batch_bytes"]})
+                            "batch_bytes": row["batch_bytes"], "gc_s": round(clock.seconds - g0, 4),
+                            "gc_full": clock.full - f0})
     loads: dict[str, list] = {}
     if args.load:  # each variant's file read back to the GPU from the page cache: what its chunking costs a load
         import nvckpt
