@@ -117,6 +117,20 @@ def _copy_run(enc: Encoded, run: SlotRun, raw: list[int], slot: torch.Tensor, *,
     _copy_raw(enc, run, raw, slot, non_blocking=non_blocking)
 
 
+def _batch_parts(batch: Batch, sources: dict[int, torch.Tensor], device: Any,
+                 staged: Callable[[torch.Tensor], bool]) -> list[tuple[torch.Tensor, int, int]]:
+    """(tensor, start, length) of each chunk of ``batch``; the chunks of the tensors ``staged`` picks (on
+    another device, not contiguous) copied into one buffer on ``device``, on the current stream."""
+    parts = [(sources[j.tensor_id], j.start, j.length) for j in batch.jobs]
+    distinct = {id(p[0]): p[0] for p in parts}
+    picked = {k for k, x in distinct.items() if staged(x)}
+    if picked:
+        idx = [i for i, p in enumerate(parts) if id(p[0]) in picked]
+        for i, part in zip(idx, stage_parts(parts, idx, 512, device)):
+            parts[i] = part
+    return parts
+
+
 GATHER_BUFFERS = 2  # device buffers of a slot each that pack runs before their copy out (double buffering)
 
 
@@ -260,15 +274,9 @@ class CudaBackend:
     def _parts(self, batch: Batch, sources: dict[int, torch.Tensor]) -> list[tuple[torch.Tensor, int, int]]:
         """(tensor, start, length) of each chunk of ``batch`` on this device: chunks of tensors elsewhere (an
         optimizer's step counts on the CPU, another GPU) or not contiguous are staged on the engine's stream."""
-        parts = [(sources[j.tensor_id], j.start, j.length) for j in batch.jobs]
-        distinct = {id(p[0]): p[0] for p in parts}
-        away = {k for k, x in distinct.items() if x.device != self.device or not x.is_contiguous()}
-        if away:
-            idx = [i for i, p in enumerate(parts) if id(p[0]) in away]
-            with torch.cuda.stream(self.stream):
-                for i, staged in zip(idx, stage_parts(parts, idx, 512, self.device)):
-                    parts[i] = staged
-        return parts
+        with torch.cuda.stream(self.stream):
+            return _batch_parts(batch, sources, self.device,
+                                lambda x: x.device != self.device or not x.is_contiguous())
 
     def copy_out(self, enc: Encoded, run: SlotRun, raw: list[int], slot: torch.Tensor, gather: bool = False) -> Any:
         """Issue the copies of ``run``'s chunks into ``slot``; returns an event to wait for.
@@ -430,10 +438,7 @@ class HostBackend:
     def encode(self, batch: Batch, sources: dict[int, torch.Tensor]) -> Encoded:
         cap = batch.capacity
         out = torch.zeros(cap * len(batch.jobs), dtype=torch.uint8)
-        parts = [(sources[j.tensor_id], j.start, j.length) for j in batch.jobs]
-        strided = [i for i, p in enumerate(parts) if not p[0].is_contiguous()]
-        for i, staged in zip(strided, stage_parts(parts, strided, 512, self.device) if strided else []):
-            parts[i] = staged
+        parts = _batch_parts(batch, sources, self.device, lambda x: not x.is_contiguous())  # as CudaBackend._parts
         sizes = []
         view = out.numpy()
         for i, j in enumerate(batch.jobs):
