@@ -14,16 +14,22 @@ chunks to the host, how long kernels ran, and where neither did (host-bound gaps
 (nvCOMP's C API for ANS, nvckpt.codecs.nvcomp.native.ENABLED), ``halves=N`` (device memory the engine
 reserves per batch alive, in halves of the batch's output: nvckpt.engines.gpu.encode._halves without scratch;
 3 counts nvCOMP temporary memory of half a batch, 2 none), ``gc=0`` (Python's garbage collector off for the
-whole save: what its pauses cost); join several with ``+`` (``chunk=8+derive=0``).
+whole save: what its pauses cost), ``heads=torch`` (the derived-tensor candidates' heads rounded by a torch CPU
+op, as before 2026-12-02, instead of numpy); join several with ``+`` (``chunk=8+derive=0``).
 Each row also has the save's peak extra GPU memory (torch's allocator, above what was allocated at the call).
+``--trace`` (with ``--ab``): each row also has where the planning's host time went (the walk, the derived-tensor
+candidates and their sub-steps, wall and the caller thread's CPU seconds, its page faults and context switches)
+and the CUDA allocator's retries and device allocations/frees during the save: what the bimodal stall is.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
+import resource
 import sys
 import time
 
@@ -74,13 +80,23 @@ def timeline(trace: dict, t0_us: float, t1_us: float, bins: int = 20) -> dict:
             "kernels_ms": {k: round(v / 1e3, 2) for k, v in top}, "bins": rows}
 
 
-def _variant(spec: str, base: dict) -> tuple[dict, float | None, bool, int | None, bool]:
-    """(async_save keywords, switch interval, native ANS, halves, garbage collection on) of one --ab variant."""
+def _torch_heads(u):
+    """The heads' rounding through torch's CPU ops (the code before numpy): for ``heads=torch``."""
+    import numpy as np
+
+    from nvckpt.plan.derived import bf16_rne
+
+    return bf16_rne(torch.from_numpy(u.view(np.float32))).view(torch.int16).numpy().view("<u2")
+
+
+def _variant(spec: str, base: dict) -> tuple[dict, float | None, bool, int | None, bool, bool]:
+    """(async_save keywords, switch interval, native ANS, halves, garbage collection on, torch heads) of one
+    --ab variant."""
     from nvckpt.options import GpuSaveOptions
 
     kw: dict = {}
     gpu = dict(base)
-    switch, native, halves, collect = None, True, None, True
+    switch, native, halves, collect, torch_heads = None, True, None, True, False
     for part in filter(None, spec.split("+")):
         if part == "base":
             continue
@@ -99,10 +115,12 @@ def _variant(spec: str, base: dict) -> tuple[dict, float | None, bool, int | Non
             halves = int(value)
         elif key == "gc":
             collect = value not in ("0", "false", "no")
+        elif key == "heads":
+            torch_heads = value == "torch"
         else:
             raise SystemExit(f"unknown --ab variant {part!r}")
     kw["gpu"] = GpuSaveOptions(**gpu)
-    return kw, switch, native, halves, collect
+    return kw, switch, native, halves, collect, torch_heads
 
 
 class _GcClock:
@@ -120,6 +138,73 @@ class _GcClock:
             self.full += info.get("generation") == 2
 
 
+def _thread_usage() -> tuple[float, float, int, int, int]:
+    """(wall, this thread's CPU seconds, minor faults, voluntary and involuntary context switches)."""
+    u = resource.getrusage(resource.RUSAGE_THREAD)
+    return time.perf_counter(), u.ru_utime + u.ru_stime, u.ru_minflt, u.ru_nvcsw, u.ru_nivcsw
+
+
+class _Trace:
+    """Wall, thread CPU, faults and switches of the planning's steps in the caller's thread, per save."""
+
+    STEPS = [("nvckpt", "async_save"), ("nvckpt.session.save", "SaveSession.__init__"),
+             ("nvckpt.session.save", "SaveSession.prepare_async"), ("nvckpt.plan.walk", "SavePlan.decide"),
+             ("nvckpt.session.save", "plan_save"), ("nvckpt.plan.derived", "DerivedSearch.__init__"),
+             ("nvckpt.plan.derived", "_head_addresses"), ("nvckpt.plan.derived", "_gather_heads"),
+             ("nvckpt.plan.derived", "_Heads._make"), ("nvckpt.plan.derived", "_rows"),
+             ("nvckpt.plan.walk", "_dedupe"), ("nvckpt.engines.gpu.snapshot", "clone_host_tensors")]
+    MEMORY = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
+
+    def __init__(self) -> None:
+        import importlib
+        import threading
+
+        self.main = threading.get_ident()
+        self.steps: dict[str, list[float]] = {}
+        for module, name in self.STEPS:
+            m = importlib.import_module(module)
+            owner, attr = (getattr(m, name.split(".")[0]), name.split(".")[1]) if "." in name else (m, name)
+            if hasattr(owner, attr):
+                setattr(owner, attr, self._wrap(name, getattr(owner, attr)))
+
+    def _wrap(self, name: str, fn):
+        @functools.wraps(fn)
+        def timed(*a, **k):
+            if threading_ident() != self.main:
+                return fn(*a, **k)
+            u0 = _thread_usage()
+            try:
+                return fn(*a, **k)
+            finally:
+                u1 = _thread_usage()
+                acc = self.steps.setdefault(name, [0.0] * 5)
+                for i in range(5):
+                    acc[i] += u1[i] - u0[i]
+        return timed
+
+    def begin(self) -> None:
+        self.steps = {}
+        self._mem = torch.cuda.memory_stats()
+        self._u = _thread_usage()
+
+    def row(self) -> dict:
+        mem = torch.cuda.memory_stats()
+        u = _thread_usage()
+        out = {name: {"wall_ms": round(a[0] * 1e3, 2), "cpu_ms": round(a[1] * 1e3, 2), "faults": int(a[2]),
+                      "vol_switches": int(a[3]), "invol_switches": int(a[4])} for name, a in self.steps.items()}
+        out["caller_whole_save"] = {"wall_ms": round((u[0] - self._u[0]) * 1e3, 1), "cpu_ms": round((u[1] - self._u[1]) * 1e3, 1),
+                                    "faults": u[2] - self._u[2], "vol_switches": u[3] - self._u[3],
+                                    "invol_switches": u[4] - self._u[4]}
+        out["cuda_allocator"] = {k: mem.get(k, 0) - self._mem.get(k, 0) for k in self.MEMORY}
+        return out
+
+
+def threading_ident() -> int:
+    import threading
+
+    return threading.get_ident()
+
+
 def ab(args: argparse.Namespace, save, base: dict) -> dict:
     variants = [v.strip() for v in args.ab.split(",") if v.strip()]
     parsed = {v: _variant(v, base) for v in variants}
@@ -128,14 +213,16 @@ def ab(args: argparse.Namespace, save, base: dict) -> dict:
     except ImportError:
         native = None
     from nvckpt.engines.gpu import encode
+    from nvckpt.plan import derived
 
     for _ in range(args.warm):
         save()
     clock = _GcClock()
+    trace = _Trace() if args.trace else None
     rows: dict[str, list] = {v: [] for v in variants}
     for rep in range(args.reps):
         for v in (variants if rep % 2 == 0 else variants[::-1]):
-            kw, switch, use_native, halves, collect = parsed[v]
+            kw, switch, use_native, halves, collect, torch_heads = parsed[v]
             old = sys.getswitchinterval()
             old_halves = encode._halves
             if halves is not None:
@@ -146,13 +233,20 @@ def ab(args: argparse.Namespace, save, base: dict) -> dict:
                 native.ENABLED = use_native
             if not collect:
                 gc.disable()
+            numpy_heads = getattr(derived, "_rne_bits_numpy", None)
+            if torch_heads and numpy_heads is not None:
+                derived._rne_bits_numpy = _torch_heads
             g0, f0 = clock.seconds, clock.full
+            if trace is not None:
+                trace.begin()
             try:
                 row, _, blocked = save(**kw)
             finally:
                 gc.enable()
                 sys.setswitchinterval(old)
                 encode._halves = old_halves
+                if numpy_heads is not None:
+                    derived._rne_bits_numpy = numpy_heads
                 if native is not None:
                     native.ENABLED = True
             rows[v].append({"blocked_s": round(blocked, 4), "phases": row["phases"], "chunks": row["chunks"],
@@ -161,6 +255,12 @@ def ab(args: argparse.Namespace, save, base: dict) -> dict:
                             "raw_chunks": row["stats"].get("raw_chunks"), "extra_gpu_GB": row["extra_gpu_GB"],
                             "batch_bytes": row["batch_bytes"], "gc_s": round(clock.seconds - g0, 4),
                             "gc_full": clock.full - f0})
+            if trace is not None:
+                rows[v][-1]["trace"] = trace.row()
+                t = rows[v][-1]["trace"]
+                print(v, rows[v][-1]["blocked_s"], {k: (x["wall_ms"], x["cpu_ms"], x["faults"], x["vol_switches"],
+                                                        x["invol_switches"]) if "wall_ms" in x else x
+                                                    for k, x in t.items()}, flush=True)
     loads: dict[str, list] = {}
     if args.load:  # each variant's file read back to the GPU from the page cache: what its chunking costs a load
         import nvckpt
@@ -201,6 +301,7 @@ def main() -> int:
     ap.add_argument("--inflight", type=int, default=None, help="GpuSaveOptions.inflight for every save (default: its default)")
     ap.add_argument("--ab", default=None, help="comma-separated variants to compare (see the module's docstring)")
     ap.add_argument("--reps", type=int, default=5, help="saves per variant with --ab")
+    ap.add_argument("--trace", action="store_true", help="with --ab: the planning's steps per save (see the docstring)")
     ap.add_argument("--load", action="store_true", help="with --ab: also time a load of each variant's file to the GPU")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)

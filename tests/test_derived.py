@@ -228,6 +228,9 @@ def test_bf16_rne_is_the_spec_rounding_for_any_bits(words, upper):
     with pytest.MonkeyPatch.context() as mp:  # integer arithmetic only
         mp.setattr(derived, "_cast_is_rne", lambda device: False)
         assert torch.equal(bf16_rne(m).view(torch.int16), expected)
+    # the candidates' heads are rounded on the host in numpy (uint32 arithmetic)
+    heads = derived._rne_bits_numpy(m.view(torch.int32).numpy().view("<u4"))
+    assert np.array_equal(heads.view(np.int16), expected.numpy())
 
 
 def test_copies_among_tensors_whose_first_bytes_agree():
