@@ -10,6 +10,8 @@ them alike), each followed by as many steps with nothing running (its paired bas
 - ``lazy``: ``nvckpt.async_save(fence=optimizer)``;
 - ``X_sampled``: variant X with bench_training's memory Sampler running beside it (a thread asking for the
   device's free memory and reading this process's RSS every 5 ms), as it runs in bench_training;
+- ``async_threads``: the plain save with its chunk checksums hashed in threads of this process
+  (``GpuSaveOptions(hash_process=False)``, as before the hashing helper process);
 - ``async_h1`` / ``async_8m``: the plain save with one chunk-checksum worker (``GpuSaveOptions(hash_workers=1)``)
   / with 8 MiB chunks (half as many frames);
 - ``null``: the same save into a stream that drops what it is given (no sink copy, no disk): the engine's and
@@ -17,6 +19,11 @@ them alike), each followed by as many steps with nothing running (its paired bas
 - ``disk``: the disk alone: the same number of bytes written from pinned host memory with O_DIRECT by two
   threads, 16 MiB per pwrite (no Python between writes beyond the loop);
 - ``copy``: host memory bandwidth alone: the same bytes copied by numpy between pinned memory and 16 MiB blocks;
+- ``hash``: the save's chunk checksums alone: as many XXH3 calls on as many bytes as the save's chunks, in
+  tasks of one batch's chunks on four threads (as the GPU engine hashes), a batch handed over at the pace the
+  save's writer takes them (the disk's);
+- ``hash_proc``: the same hashing in a child process (its own GIL) over shared memory, one message per batch
+  each way: what the training thread would keep if the save's host work ran outside its process;
 - ``gil``: a thread that holds the GIL for ~``--gil-us`` µs at a time and then sleeps 0.5 ms: the step's
   sensitivity to GIL handoffs.
 
@@ -99,6 +106,72 @@ def _copy(total: int, pinned: torch.Tensor, stop: threading.Event) -> None:
         done += BLOCK
 
 
+_HASH_CHILD = r"""
+import mmap, os, struct, sys, xxhash
+fd, size = int(sys.argv[1]), int(sys.argv[2])
+mem = memoryview(mmap.mmap(fd, size))
+rd, wr = sys.stdin.buffer, sys.stdout.buffer
+while True:
+    head = rd.read(8)
+    if len(head) < 8:
+        break
+    n, length = struct.unpack("<II", head)
+    offsets = struct.unpack(f"<{n}Q", rd.read(8 * n))
+    out = [xxhash.xxh3_64_intdigest(mem[o: o + length]) for o in offsets]
+    wr.write(struct.pack(f"<{n}Q", *out))
+    wr.flush()
+"""
+
+
+def _hash_runs(total: int, chunks: int, batches: int, seconds: float, pinned: torch.Tensor,
+               stop: threading.Event, in_child: bool) -> None:
+    """``chunks`` XXH3 digests of ``total / chunks`` bytes each, in ``batches`` runs paced over ``seconds``."""
+    import subprocess
+    import xxhash
+    from concurrent.futures import ThreadPoolExecutor
+
+    length = max(total // chunks, 1)
+    per = max(chunks // batches, 1)
+    span = pinned.numel() - length
+    offsets = [(i * length) % span // 64 * 64 for i in range(chunks)]
+    view = memoryview(pinned.numpy()).cast("B")
+    if in_child:
+        import struct
+
+        fd = os.memfd_create("probe-hash")
+        os.ftruncate(fd, pinned.numel())
+        child = subprocess.Popen([sys.executable, "-c", _HASH_CHILD, str(fd), str(pinned.numel())],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(fd,))
+    else:
+        pool = ThreadPoolExecutor(4)
+    start = time.perf_counter()
+    try:
+        for b, at in enumerate(range(0, chunks, per)):
+            if stop.is_set():
+                break
+            run = offsets[at: at + per]
+            if in_child:
+                child.stdin.write(struct.pack("<II", len(run), length) + struct.pack(f"<{len(run)}Q", *run))
+                child.stdin.flush()
+                child.stdout.read(8 * len(run))
+            else:
+                quarter = max(len(run) // 4, 1)
+                futures = [pool.submit(lambda part: [xxhash.xxh3_64_intdigest(view[o: o + length]) for o in part],
+                                       run[i: i + quarter]) for i in range(0, len(run), quarter)]
+                for f in futures:
+                    f.result()
+            wait = start + seconds * (b + 1) * per / chunks - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
+    finally:
+        if in_child:
+            child.stdin.close()
+            child.wait()
+            os.close(fd)
+        else:
+            pool.shutdown()
+
+
 def _gil(seconds: float, hold_us: float, stop: threading.Event) -> None:
     end = time.perf_counter() + seconds
     while time.perf_counter() < end and not stop.is_set():
@@ -131,6 +204,8 @@ def main() -> int:
     tr.step()
     total = first.file_bytes
     seconds = first.seconds
+    n_chunks = int(first.stats.get("chunks") or 2000)
+    n_batches = int(first.stats.get("batches") or 27)
     pinned = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
     pinned.fill_(7)
     variants = [v for v in args.variants.split(",") if v]
@@ -150,6 +225,8 @@ def main() -> int:
             t0 = time.perf_counter()
             if v == "async":
                 fut = nvckpt.async_save(tr.checkpoint(), path)
+            elif v == "async_threads":
+                fut = nvckpt.async_save(tr.checkpoint(), path, gpu=nvckpt.GpuSaveOptions(hash_process=False))
             elif v == "async_h1":
                 fut = nvckpt.async_save(tr.checkpoint(), path, gpu=nvckpt.GpuSaveOptions(hash_workers=1))
             elif v == "async_8m":
@@ -158,9 +235,11 @@ def main() -> int:
                 fut = nvckpt.async_save(tr.checkpoint(), path, fence=tr.opt)
             elif v == "null":
                 fut = nvckpt.async_save(tr.checkpoint(), NullStream())
-            elif v in ("disk", "copy", "gil"):
+            elif v in ("disk", "copy", "gil", "hash", "hash_proc"):
                 target = {"disk": lambda: _disk(path + ".disk", total, pinned, stop),
                           "copy": lambda: _copy(total, pinned, stop),
+                          "hash": lambda: _hash_runs(total, n_chunks, n_batches, seconds, pinned, stop, False),
+                          "hash_proc": lambda: _hash_runs(total, n_chunks, n_batches, seconds, pinned, stop, True),
                           "gil": lambda: _gil(seconds, args.gil_us, stop)}[v]
                 thread = threading.Thread(target=target)
                 thread.start()
