@@ -10,8 +10,6 @@ them alike), each followed by as many steps with nothing running (its paired bas
 - ``lazy``: ``nvckpt.async_save(fence=optimizer)``;
 - ``X_sampled``: variant X with bench_training's memory Sampler running beside it (a thread asking for the
   device's free memory and reading this process's RSS every 5 ms), as it runs in bench_training;
-- ``async_threads``: the plain save with its chunk checksums hashed in threads of this process
-  (``GpuSaveOptions(hash_process=False)``, as before the hashing helper process);
 - ``async_h1`` / ``async_8m``: the plain save with one chunk-checksum worker (``GpuSaveOptions(hash_workers=1)``)
   / with 8 MiB chunks (half as many frames);
 - ``null``: the same save into a stream that drops what it is given (no sink copy, no disk): the engine's and
@@ -225,8 +223,6 @@ def main() -> int:
             t0 = time.perf_counter()
             if v == "async":
                 fut = nvckpt.async_save(tr.checkpoint(), path)
-            elif v == "async_threads":
-                fut = nvckpt.async_save(tr.checkpoint(), path, gpu=nvckpt.GpuSaveOptions(hash_process=False))
             elif v == "async_h1":
                 fut = nvckpt.async_save(tr.checkpoint(), path, gpu=nvckpt.GpuSaveOptions(hash_workers=1))
             elif v == "async_8m":

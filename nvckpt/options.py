@@ -51,10 +51,7 @@ class GpuSaveOptions:
     pinned_slots: int = 4  # ~0.1 s of a 2.3 GB/s disk ahead of the writer is plenty; pinning costs ~0.4 s/GB once
     piece_bytes: int = 16 * MiB  # tensor-checksum staging (two pieces per worker)
     checksum_workers: int = 4  # threads hashing whole tensors (one XXH3 stream runs ~6 GB/s on the H200 host)
-    hash_workers: int = 4  # threads hashing chunks (where the helper process below is not used)
-    # Chunk checksums in a helper process that maps the pinned slots (nvckpt.io.digests; Linux): hashing in
-    # threads of this process takes the GIL from a training loop's thread after every chunk.
-    hash_process: bool = True
+    hash_workers: int = 4  # threads hashing chunks
     timing: bool = False  # CUDA events around every nvCOMP call, reported in SaveResult.stats
 
     def __post_init__(self) -> None:

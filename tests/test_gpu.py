@@ -6,8 +6,6 @@ The scheduling they share with the CPU is tested in test_pipeline.py, in CI.
 
 from __future__ import annotations
 
-import dataclasses
-
 import os
 
 import pytest
@@ -262,29 +260,6 @@ def test_read_ahead_pins_the_compressed_bytes_and_takes_reserved_slots(tmp_path)
     assert PINNED.cached == reserved  # every slot came from the reserve and went back to it
     assert_tree_equal(nvckpt.load(tmp_path / "p.nvckpt", device="cuda"), state)
     assert nvckpt.release_pinned_memory() >= 256 << 20
-
-
-def test_read_ahead_slots_are_pinned_shared_memory_hashed_by_the_helper(tmp_path):
-    """On CUDA the slots are memfd memory registered with cudaHostRegister (pinned for torch's copies) and the
-    chunk checksums come from the hashing helper: the file is the one hashing in threads writes."""
-    from nvckpt.engines.gpu.pinned import PINNED, shared_buffer_id
-    from nvckpt.io.digests import HASHER
-
-    nvckpt.release_pinned_memory()
-    state = big_gpu_state()
-    opts = GpuSaveOptions(memory_budget=64 << 20, slot_bytes=16 << 20)
-    before = HASHER._next_request
-    nvckpt.async_save(state, tmp_path / "h.nvckpt", gpu=opts, codec="auto").result(timeout=120)
-    assert HASHER._next_request > before
-    kept = [b for bufs in PINNED._free.values() for b in bufs]
-    assert kept and all(shared_buffer_id(b) is not None and b.is_pinned() for b in kept)
-    threads = dataclasses.replace(opts, hash_process=False)
-    nvckpt.async_save(state, tmp_path / "t.nvckpt", gpu=threads, codec="auto").result(timeout=120)
-    assert (tmp_path / "h.nvckpt").read_bytes() == (tmp_path / "t.nvckpt").read_bytes()
-    for codec in ("zstd", "portable"):  # zstd chunks: the helper checks their window first
-        nvckpt.async_save(state, tmp_path / f"{codec}.nvckpt", gpu=opts, codec=codec).result(timeout=120)
-        assert_tree_equal(nvckpt.load(tmp_path / f"{codec}.nvckpt", device="cuda"), state)
-    nvckpt.release_pinned_memory()
 
 
 def test_cancelled_gpu_async_save_keeps_old_file(tmp_path):

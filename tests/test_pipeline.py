@@ -360,9 +360,9 @@ def test_gpu_pipeline_bounds_its_host_slots():
     made = []
 
     class Counting(HostBackend):
-        def slot_buffer(self, size):
+        def host_buffer(self, size):
             made.append(size)
-            return super().slot_buffer(size)
+            return super().host_buffer(size)
 
     from nvckpt.engines.gpu.pinned import PINNED
 
@@ -734,7 +734,7 @@ def test_reserve_pinned_memory_tops_up_the_cache_the_engine_takes_from(monkeypat
     from nvckpt.engines.gpu import pinned
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(pinned, "slot_buffer", lambda size, pin: torch.empty(size, dtype=torch.uint8))
+    monkeypatch.setattr(batching, "aligned_host_buffer", lambda size, pin: torch.empty(size, dtype=torch.uint8))
     PINNED.release()
     slot = SMALL.slot_bytes
     assert nvckpt.reserve_pinned_memory(3 * slot - 1, slot_bytes=slot) == 3 * slot  # whole slots
@@ -743,9 +743,9 @@ def test_reserve_pinned_memory_tops_up_the_cache_the_engine_takes_from(monkeypat
     made = []
 
     class Counting(HostBackend):
-        def slot_buffer(self, size):
+        def host_buffer(self, size):
             made.append(size)
-            return super().slot_buffer(size)
+            return super().host_buffer(size)
 
     plan = plan_save(mixed_state(), chunk_size=64 * KiB)  # its slots come from the reserve: it pins nothing
     write_items(io.BytesIO(), encode_batches(plan, chooser("auto", 1), Counting(), SMALL), plan, alignment=4096,

@@ -22,7 +22,6 @@ from ...codecs.base import DecodeRejected, DeviceOp, Pipeline
 from ...codecs.nvcomp.staging import align_up, stage_parts
 from ...plan.walk import flat_bytes
 from .batching import Batch, SlotRun, aligned_host_buffer
-from .pinned import slot_buffer
 
 
 @dataclass
@@ -58,7 +57,6 @@ class Backend(Protocol):
     # -- both directions --
     def memory_total(self) -> int | None: ...
     def host_buffer(self, size: int) -> torch.Tensor: ...
-    def slot_buffer(self, size: int) -> torch.Tensor: ...
     def to_host(self, src: torch.Tensor, dst: torch.Tensor, stream: Any) -> Any: ...
     def side_stream(self, after: Any) -> Any: ...
     def flat(self, tensor: torch.Tensor) -> torch.Tensor: ...
@@ -181,9 +179,6 @@ class CudaBackend:
 
     def host_buffer(self, size: int) -> torch.Tensor:
         return aligned_host_buffer(size, pin=True)
-
-    def slot_buffer(self, size: int) -> torch.Tensor:
-        return slot_buffer(size, pin=True)
 
     def to_host(self, src: torch.Tensor, dst: torch.Tensor, stream: Any) -> Any:
         with torch.cuda.stream(stream):
@@ -397,9 +392,6 @@ class HostBackend:
 
     def host_buffer(self, size: int) -> torch.Tensor:
         return aligned_host_buffer(size, pin=False)
-
-    def slot_buffer(self, size: int) -> torch.Tensor:
-        return slot_buffer(size, pin=False)  # shared with the hashing helper, as on a GPU
 
     def to_host(self, src: torch.Tensor, dst: torch.Tensor, stream: Any) -> Any:
         dst[: src.numel()].copy_(src)

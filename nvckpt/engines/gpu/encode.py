@@ -64,7 +64,7 @@ from ..items import EncodedChunk, TensorReady
 from .backend import GATHER_BUFFERS, Backend, Encoded
 from .batching import Batch, ChunkJob, SlotPool, SlotRun, copy_groups, first_use_order, plan_batches
 from .hashing import device_digest
-from .pinned import PINNED, cached_allocator, shared_buffer_id
+from .pinned import PINNED, cached_allocator
 
 
 # -- tensor checksums ------------------------------------------------------------------------
@@ -159,7 +159,7 @@ class _Group:
     view: Any  # numpy view of the slot
     raw: set[int]
     event: Any
-    hashes: "_Digests | _HelperDigests | None" = None
+    hashes: "_Digests | None" = None
     slots: "_Slots | None" = field(default=None, repr=False)
     lengths: list[int] = field(default_factory=list)
     jobs: list[ChunkJob] = field(default_factory=list)
@@ -262,40 +262,6 @@ class _Digests:
         """The checksum of the group's k-th chunk (waits for its task)."""
         while k >= len(self._done):
             self._done.extend(self._futures.popleft().result())
-        return self._done[k]
-
-
-class _HelperDigests:
-    """The XXH3-64 of a group's chunks from the hashing helper process (nvckpt.io.digests): one message each
-    way per group, no GIL hand-off per chunk with the training loop's thread.  Should the helper be gone,
-    the chunks are hashed here, in the writer's thread."""
-
-    def __init__(self, rid: int, work: list[tuple[Callable[[memoryview], int], memoryview]]) -> None:
-        self._rid = rid
-        self._work = work
-        self._done: list[int] | None = None
-
-    @classmethod
-    def submit(cls, buffer_id: int, g: "_Group", zstd: bool,
-               work: list[tuple[Callable[[memoryview], int], memoryview]]) -> "_HelperDigests | None":
-        from ...io.digests import HASHER, HasherUnavailable
-
-        records = [(buffer_id, g.run.offsets[i - g.first], g.lengths[i], zstd and i not in g.raw)
-                   for i in range(g.first, g.stop)]
-        try:
-            return cls(HASHER.submit(records), work)
-        except HasherUnavailable:
-            return None
-
-    def get(self, k: int) -> int:
-        if self._done is None:
-            from ...io.digests import HASHER, HasherUnavailable
-
-            try:
-                self._done = HASHER.result(self._rid)
-            except HasherUnavailable:
-                self._done = _digest_all(self._work)
-            self._work = []
         return self._done[k]
 
 
@@ -484,9 +450,9 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
         stats["setup_seconds"] = time.perf_counter() - started
         if read_ahead is not None:  # room for the whole compressed state, as far as the limit allows
             count = max(options.pinned_slots, (options.pinned_limit or default_pinned_limit()) // slot_bytes)
-            pool = SlotPool(count, slot_bytes, cached_allocator(dev.slot_buffer), lazy=True)
+            pool = SlotPool(count, slot_bytes, cached_allocator(dev.host_buffer), lazy=True)
         else:
-            pool = SlotPool(options.pinned_slots, slot_bytes, cached_allocator(dev.slot_buffer))
+            pool = SlotPool(options.pinned_slots, slot_bytes, cached_allocator(dev.host_buffer))
         slots = _Slots(pool)
         encoded: deque[Encoded] = deque()
         cursor: list[Any] = [None, None]  # [groups of encoded[0], index of the next group]
@@ -513,13 +479,9 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
                 t0 = time.perf_counter()
                 dev.wait(g.event)
                 waits["copy_out"] += time.perf_counter() - t0
-                zstd = g.pipeline.coder.name == "zstd"
-                work = [(_checked_xxh3 if zstd and i not in g.raw else xxh3, g.payload(i)) for i in range(g.first, g.stop)]
-                buffer_id = shared_buffer_id(pool.slots[g.slot]) if options.hash_process else None
-                if buffer_id is not None:
-                    g.hashes = _HelperDigests.submit(buffer_id, g, zstd, work)
-                if g.hashes is None:
-                    g.hashes = _Digests(hasher, work, options.hash_workers)
+                digest = _checked_xxh3 if g.pipeline.coder.name == "zstd" else xxh3
+                g.hashes = _Digests(hasher, [(digest if i not in g.raw else xxh3, g.payload(i))
+                                             for i in range(g.first, g.stop)], options.hash_workers)
 
         while True:
             if later and not todo:

@@ -8,7 +8,6 @@ it and give them back when a save or load ends; ``release()``
 from __future__ import annotations
 
 import threading
-import weakref
 from typing import Any, Callable
 
 import torch
@@ -87,6 +86,7 @@ def reserve_pinned_memory(nbytes: int, *, slot_bytes: int | None = None) -> int:
     ``slot_bytes``: that of the GpuSaveOptions the saves use, when not the default.
     ``nvckpt.release_pinned_memory()`` frees them."""
     from ...options import GpuSaveOptions
+    from .batching import aligned_host_buffer
 
     size = GpuSaveOptions.slot_bytes if slot_bytes is None else int(slot_bytes)
     if size <= 0 or nbytes < 0:
@@ -96,54 +96,12 @@ def reserve_pinned_memory(nbytes: int, *, slot_bytes: int | None = None) -> int:
     if missing > 0:
         if not torch.cuda.is_available():
             raise RuntimeError("reserve_pinned_memory needs CUDA: page-locked memory is for copies from a GPU")
-        PINNED.keep([slot_buffer(size, pin=True) for _ in range(missing)])
+        PINNED.keep([aligned_host_buffer(size, pin=True) for _ in range(missing)])
     return PINNED.cached_of(size) * size
-
-
-def shared_host_buffer(size: int, *, pin: bool) -> torch.Tensor | None:
-    """A 1-D uint8 host tensor of ``size`` bytes in memory that the chunk-hashing helper process maps too
-    (nvckpt.io.digests), page-locked with ``pin`` (cudaHostRegister); None where that cannot be made (no
-    memfd, no helper, registration refused): the caller then allocates as usual and hashes in threads."""
-    from ...io.digests import HASHER, HasherUnavailable, SharedBuffer
-
-    if not HASHER.usable:
-        return None
-    try:
-        shared = SharedBuffer(size)
-    except (OSError, HasherUnavailable):
-        return None
-    t = torch.frombuffer(shared.memory, dtype=torch.uint8)
-    if pin:
-        try:
-            cudart = torch.cuda.cudart()
-            registered = int(cudart.cudaHostRegister(t.data_ptr(), size, 0)) == 0
-        except (RuntimeError, AttributeError, AssertionError):  # no CUDA runtime in this torch
-            registered = False
-        if not registered:
-            return None  # (shared goes with t: the helper unmaps it)
-        # Unpinned when the buffer goes (its mapping is still there while the finalizers run).
-        weakref.finalize(shared, cudart.cudaHostUnregister, t.data_ptr())
-    t._nvckpt_shared = shared  # the tensor owns the mapping; slot pools keep the tensor
-    return t
-
-
-def shared_buffer_id(t: torch.Tensor) -> int | None:
-    """The helper's id of a buffer from shared_host_buffer, else None."""
-    shared = getattr(t, "_nvckpt_shared", None)
-    return None if shared is None else shared.buffer_id
-
-
-def slot_buffer(size: int, *, pin: bool) -> torch.Tensor:
-    """A buffer for an encode's slot pool: shared with the hashing helper where possible."""
-    from .batching import aligned_host_buffer
-
-    buf = shared_host_buffer(size, pin=pin)
-    return buf if buf is not None else aligned_host_buffer(size, pin=pin)
 
 
 def cached_allocator(allocate: Callable[[int], Any]) -> Callable[[int], Any]:
     return lambda size: PINNED.take(size, allocate)
 
 
-__all__ = ["PINNED", "PinnedCache", "release_pinned_memory", "reserve_pinned_memory", "cached_allocator",
-           "shared_host_buffer", "shared_buffer_id", "slot_buffer"]
+__all__ = ["PINNED", "PinnedCache", "release_pinned_memory", "reserve_pinned_memory", "cached_allocator"]
