@@ -237,3 +237,59 @@ def test_lazy_async_save_on_cpu_holds_the_values_at_the_call_and_the_step_waits(
 def test_a_fence_must_be_an_optimizer(tmp_path):
     with pytest.raises(TypeError, match="fence must be a torch.optim.Optimizer"):
         nvckpt.async_save({"w": torch.ones(2)}, tmp_path / "x.nvckpt", fence=object())
+
+
+def test_saves_to_one_path_publish_in_the_order_they_were_called(tmp_path):
+    """A periodic async_save still writing, then a final save: the file ends with the final state (the
+    older save waits for nothing; the later one waits before its rename for the earlier one to end)."""
+    path = tmp_path / "o.nvckpt"
+    slow = nvckpt.async_save({"step": 1, "w": torch.arange(1 << 22, dtype=torch.float32)}, path, chunk_size=4096,
+                             codec="zstd", zstd_level=10, workers=1)
+    nvckpt.save({"step": 2}, path)
+    assert slow.done() and nvckpt.load(path)["step"] == 2
+    futures = [nvckpt.async_save({"step": i, "w": torch.full((300, 300), float(i))}, path) for i in range(5)]
+    for f in futures:
+        f.result(timeout=60)
+    assert nvckpt.load(path)["step"] == 4
+
+
+def test_a_cancelled_or_failed_earlier_save_does_not_hold_up_later_ones(tmp_path):
+    path = tmp_path / "c.nvckpt"
+    first = nvckpt.async_save({"w": torch.arange(1 << 22, dtype=torch.float32)}, path, chunk_size=4096, codec="zstd",
+                              zstd_level=10, workers=1)
+    assert first.cancel()
+    with pytest.raises(nvckpt.UnsupportedObjectError):
+        nvckpt.save({"bad": object()}, path)
+    nvckpt.save({"step": 3}, path)
+    assert first.cancelled() and nvckpt.load(path) == {"step": 3}
+
+
+def test_a_save_that_just_created_its_temporary_file_is_not_a_leftover(tmp_path):
+    """The temporary file exists a moment before its writer locks it: an empty, new, unlocked one is asked
+    about again before it is reported; one still unlocked then (a crash right after creating it) is."""
+    import fcntl
+    import threading
+
+    from nvckpt.io import atomic
+
+    target = str(tmp_path / "s.nvckpt")
+    starting = atomic.temporary_name(os.path.realpath(target))
+    open(starting, "wb").close()
+    fd = os.open(starting, os.O_RDONLY)
+    timer = threading.Timer(0.06, lambda: fcntl.flock(fd, fcntl.LOCK_EX))  # its writer locks it late
+    timer.start()
+    try:
+        assert atomic.leftover_temporaries(target) == []
+    finally:
+        timer.join()
+        os.close(fd)
+    assert atomic.leftover_temporaries(target) == [starting]  # nobody locks it: a leftover after all
+    # The writer's lock waits out another save's momentary shared lock instead of going without.
+    probe = os.open(starting, os.O_RDONLY)
+    fcntl.flock(probe, fcntl.LOCK_SH)
+    threading.Timer(0.05, os.close, (probe,)).start()
+    held = atomic._lock(starting)
+    try:
+        assert atomic.leftover_temporaries(target) == []
+    finally:
+        os.close(held)

@@ -6,6 +6,10 @@ one; what it leaves beside it is a ``.NAME.XXXXXXXX.nvckpt-tmp`` file that
 ``nvckpt recover`` can salvage.  A writer holds an flock on its temporary file,
 so a later save can tell a crashed save's leftover from a save in progress.
 
+Saves to one path publish in the order they were started (``TURNS``): a save that
+finishes before an earlier one to the same path still running waits for it before
+its rename, so an older state never replaces a newer one.
+
 As ``torch.save`` does: a target that is a symlink is written through (the
 link stays a link, the file it names is replaced); a replaced file keeps its
 mode (and owner, where the process may set it); a new file gets 0o666 less
@@ -20,6 +24,10 @@ import fcntl
 import glob
 import os
 import secrets
+import threading
+import time
+from collections import deque
+from concurrent.futures import CancelledError
 from typing import Any, Callable, Iterator
 
 from ..errors import NvckptError
@@ -49,18 +57,36 @@ def leftover_temporaries(final: str) -> list[str]:
     pattern = os.path.join(glob.escape(os.path.dirname(real)), glob.escape(prefix) + "?" * _TOKEN + TMP_SUFFIX)
     found = []
     for path in sorted(glob.glob(pattern)):
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        state = _unlocked(path)
+        # Empty and new: maybe a save that has just created it and is about to lock it; ask again shortly.
+        for _ in range(_RECHECKS):
+            if state != "starting":
+                break
+            time.sleep(_RECHECK_SECONDS)
+            state = _unlocked(path)
+        if state is not None:
             found.append(path)
-        except OSError:
-            pass  # a save in progress holds it
-        finally:
-            os.close(fd)
     return found
+
+
+_FRESH = 10.0  # seconds an empty, unlocked temporary file may be a save that is starting
+_RECHECKS, _RECHECK_SECONDS = 5, 0.05
+
+
+def _unlocked(path: str) -> str | None:
+    """None: gone, or locked by a save in progress; "starting": unlocked but empty and new; else "left"."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        st = os.fstat(fd)
+    except OSError:
+        return None  # a save in progress holds it
+    finally:
+        os.close(fd)
+    return "starting" if st.st_size == 0 and time.time() - st.st_mtime < _FRESH else "left"
 
 
 def _named(exc: OSError, given: str) -> OSError:
@@ -89,11 +115,71 @@ def _lock(tmp: str) -> int | None:
         fd = os.open(tmp, os.O_RDONLY)
     except OSError:
         return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        pass
+    for _ in range(200):  # another save's check for leftovers holds a shared lock for a moment
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            time.sleep(0.01)
+        except OSError:
+            break  # a filesystem without flock: the file is then told from a leftover by nothing
     return fd
+
+
+class Turn:
+    """One save's place among the saves to its path (TURNS.take): ``wait()`` before publishing, ``leave()``
+    when done (published, failed or cancelled; idempotent)."""
+
+    def __init__(self, turns: "Turns", key: str, cancel: threading.Event | None) -> None:
+        self._turns, self.key, self._cancel = turns, key, cancel
+        self._left = False
+
+    def wait(self) -> None:
+        """Until every save to this path started before this one has ended; CancelledError if this save is
+        cancelled meanwhile."""
+        self._turns._wait(self)
+
+    def leave(self) -> None:
+        self._turns._leave(self)
+
+
+class Turns:
+    """Saves to one path in the order they started (a periodic async_save, then a final save: the final
+    file must not be replaced by the older one finishing later)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._queues: dict[str, deque[Turn]] = {}
+
+    def take(self, path: str | os.PathLike, cancel: threading.Event | None = None) -> Turn:
+        key = os.path.realpath(os.path.abspath(os.fspath(path)))
+        turn = Turn(self, key, cancel)
+        with self._cond:
+            self._queues.setdefault(key, deque()).append(turn)
+        return turn
+
+    def _wait(self, turn: Turn) -> None:
+        with self._cond:
+            while not turn._left and self._queues.get(turn.key, deque([turn]))[0] is not turn:
+                if turn._cancel is not None and turn._cancel.is_set():
+                    raise CancelledError("the save was cancelled; the file at the target path was not changed")
+                self._cond.wait(0.05)
+
+    def _leave(self, turn: Turn) -> None:
+        with self._cond:
+            if turn._left:
+                return
+            turn._left = True
+            queue = self._queues.get(turn.key)
+            if queue is not None:
+                with contextlib.suppress(ValueError):
+                    queue.remove(turn)
+                if not queue:
+                    del self._queues[turn.key]
+            self._cond.notify_all()
+
+
+TURNS = Turns()
 
 
 def about_target(exc: BaseException, path: str, tmp: str) -> BaseException:
@@ -115,8 +201,10 @@ class AtomicReplace:
     the writer opens ``tmp`` itself.  Use as a context manager to commit on
     success and abort on any exception."""
 
-    def __init__(self, path: str | os.PathLike, create: Callable[[str], Any] = _create) -> None:
+    def __init__(self, path: str | os.PathLike, create: Callable[[str], Any] = _create, *,
+                 turn: Turn | None = None) -> None:
         self.given = os.fspath(path)
+        self.turn = turn  # publish only after the saves to this path started before this one
         # Through a symlink to the file it names, as open(path, "wb") would write.
         self.path = os.path.realpath(os.path.abspath(self.given))
         if os.path.isdir(self.path):
@@ -164,6 +252,10 @@ class AtomicReplace:
                 close(sync=True)
             else:
                 fsync_path(self.tmp)
+            if self.turn is not None:
+                self.turn.wait()
+                with contextlib.suppress(FileNotFoundError):  # an earlier save may have replaced it meanwhile
+                    self._old = os.stat(self.path)
             self._keep_attributes()
             os.replace(self.tmp, self.path)
         except OSError as exc:
@@ -214,4 +306,5 @@ def atomic_output(path: str | os.PathLike) -> Iterator[str]:
         yield out.tmp
 
 
-__all__ = ["AtomicReplace", "atomic_output", "fsync_path", "temporary_name", "leftover_temporaries", "TMP_SUFFIX"]
+__all__ = ["AtomicReplace", "atomic_output", "fsync_path", "temporary_name", "leftover_temporaries", "TMP_SUFFIX",
+           "TURNS", "Turn", "Turns"]

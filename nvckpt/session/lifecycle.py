@@ -42,6 +42,7 @@ class Running:
     grace: float
     future: Any = None  # the SaveFuture of an async_save
     done: threading.Event = field(default_factory=threading.Event)
+    turn: Any = None  # its place among the saves to its path (nvckpt.io.atomic.TURNS), left when it ends
 
 
 def prepare(async_save: bool) -> None:
@@ -50,8 +51,8 @@ def prepare(async_save: bool) -> None:
     _install(async_save)
 
 
-def begin(path: str, cancel: threading.Event, grace: float, future: Any = None) -> Running:
-    run = Running(path, cancel, grace, future)
+def begin(path: str, cancel: threading.Event, grace: float, future: Any = None, turn: Any = None) -> Running:
+    run = Running(path, cancel, grace, future, turn=turn)
     with _lock:
         _active[id(run)] = run
     return run
@@ -60,6 +61,8 @@ def begin(path: str, cancel: threading.Event, grace: float, future: Any = None) 
 def end(run: Running) -> None:
     with _lock:
         _active.pop(id(run), None)
+    if run.turn is not None:
+        run.turn.leave()
     run.done.set()
 
 

@@ -23,7 +23,7 @@ from ..codecs.base import Pipeline
 from ..codecs.presets import GPU_PRESETS, chooser
 from ..errors import LeftoverTemporaryWarning, UnsupportedCodecError
 from ..format.frames import FrameWriter, check_index_floor
-from ..io.atomic import AtomicReplace, leftover_temporaries
+from ..io.atomic import TURNS, AtomicReplace, leftover_temporaries
 from ..io.sink import FileSink
 from ..options import SaveOptions
 from ..plan.chunking import CPU_CHUNK_SIZE, GPU_CHUNK_SIZE
@@ -222,7 +222,7 @@ class SaveSession:
         cancel = cancel or (running.cancel if running is not None else threading.Event())
         running = running or self.register(cancel)
         try:
-            return self._run(cancel)
+            return self._run(cancel, running.turn)
         except CancelledError:
             lifecycle.end(running)
             lifecycle.cancelled_by_sigterm(running)
@@ -230,7 +230,7 @@ class SaveSession:
         finally:
             lifecycle.end(running)
 
-    def _run(self, cancel: threading.Event) -> SaveResult:
+    def _run(self, cancel: threading.Event, turn: Any = None) -> SaveResult:
         begun = time.perf_counter()
         if not self.caller_decides:
             self.plan.decide()
@@ -257,7 +257,7 @@ class SaveSession:
             size = write_items(self.target, items, self.plan, alignment=alignment, info=info, progress=self.progress)
             return self._result(None, raw_bytes, size)
         direct = self.options.direct_io
-        out = AtomicReplace(os.fspath(self.target), lambda tmp: FileSink(tmp, direct=direct))
+        out = AtomicReplace(os.fspath(self.target), lambda tmp: FileSink(tmp, direct=direct), turn=turn)
         with out:  # commits on success; on an error removes the temporary file, naming the target in OSErrors
             size = write_items(out.writer, items, self.plan, alignment=alignment, info=info, progress=self.progress)
             if cancel.is_set():
@@ -354,8 +354,11 @@ class SaveFuture(Future):
 
 
 def _register(target: Any, options: SaveOptions, cancel: threading.Event, future: Any = None) -> lifecycle.Running:
-    name = getattr(target, "name", "<stream>") if hasattr(target, "write") else os.fspath(target)
-    return lifecycle.begin(str(name), cancel, float(options.preemption_grace), future)
+    """This save as one in progress, and its turn among the saves to its path (taken at the call)."""
+    if hasattr(target, "write"):
+        return lifecycle.begin(str(getattr(target, "name", "<stream>")), cancel, float(options.preemption_grace), future)
+    return lifecycle.begin(os.fspath(target), cancel, float(options.preemption_grace), future,
+                           turn=TURNS.take(target, cancel))
 
 
 def _containers(node: Any) -> Any:
