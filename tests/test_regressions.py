@@ -165,3 +165,22 @@ def test_a_sink_that_cannot_start_leaves_no_fd_and_no_temporary_file(tmp_path, m
         nvckpt.save({"a": torch.zeros(3)}, path)
     assert len(os.listdir("/proc/self/fd")) == fds
     assert sorted(os.listdir(tmp_path)) == ["ck.nvckpt"] and path.read_bytes() == before
+
+
+def test_bool_tensor_with_bytes_other_than_0_and_1_is_stored_as_torch_reads_it(tmp_path):
+    """A uint8 tensor viewed as bool (or torch.empty) may hold 2..255: stored as True (1), so the file is one
+    its reader and `nvckpt verify` accept (SPEC 10), and the values torch showed are the values loaded."""
+    raw = torch.tensor([0, 1, 2, 255, 0, 7], dtype=torch.uint8)
+    mask = raw.view(torch.bool)
+    state = {"mask": mask, "strided": mask[::2], "fine": torch.tensor([True, False]), "empty": torch.empty(0, dtype=torch.bool)}
+    path = tmp_path / "b.nvckpt"
+    nvckpt.save(state, path)
+    back = nvckpt.load(path)
+    assert back["mask"].tolist() == [False, True, True, True, False, True]
+    assert back["mask"].view(torch.uint8).tolist() == [0, 1, 1, 1, 0, 1]
+    assert back["strided"].tolist() == [False, True, False] and back["fine"].tolist() == [True, False]
+    assert raw.tolist() == [0, 1, 2, 255, 0, 7]  # the caller's tensor is not changed
+    from nvckpt.tools.verify import verify
+
+    report = verify(path)
+    assert report.ok, report.problems

@@ -178,6 +178,23 @@ def _set_item(item: Any, path: str) -> Any:
     return item  # refused by the caller, naming its type
 
 
+def _normalize_bools(leaves: list[tuple[str, torch.Tensor, tuple[str, int]]]) -> None:
+    """Bool tensors holding bytes other than 0 and 1 (a uint8 tensor viewed as bool, torch.empty) stored as
+    what torch reads them as: any nonzero byte is True, stored as 1 (SPEC 10: a file with another byte is
+    invalid).  One check per device for all bool tensors; a copy only of a tensor that needs it."""
+    by_device: dict[torch.device, list[int]] = {}
+    for k, (_, t, facts) in enumerate(leaves):
+        if facts[0] == "bool" and t.numel():
+            by_device.setdefault(t.device, []).append(k)
+    for ks in by_device.values():
+        with torch.no_grad():
+            odd = torch.stack([(leaves[k][1].view(torch.uint8) > 1).any() for k in ks]).cpu().tolist()
+            for k, bad in zip(ks, odd):
+                if bad:
+                    path, t, facts = leaves[k]
+                    leaves[k] = (path, t.view(torch.uint8).ne(0), facts)
+
+
 def _check_tensor(t: torch.Tensor, path: str) -> tuple[str, int]:
     """Refuses what the format cannot store; returns the tensor's dtype name and element size (asked once
     here: a state has thousands of tensors, and every attribute of one costs host time)."""
@@ -269,6 +286,7 @@ def plan_save(
     skeleton = walk(obj, (), 1)  # the root container is level 1, as in check_tree
     if metadata is not None:
         _check_metadata(metadata)
+    _normalize_bools(leaves)
 
     plan_tensors, leaf_ids = _dedupe(leaves)
     size = check_chunk_size(chunk_size(plan_tensors)) if callable(chunk_size) else chunk_size
