@@ -347,6 +347,21 @@ def test_convert_keep_tree_is_lossless(capsys, ckpt, tmp_path, state):
         assert ck.metadata() == {"run": "x", "epoch": 3, "tags": ["a", "b"]}
 
 
+def test_convert_keep_tree_keeps_dtype_and_device_leaves(capsys, tmp_path):
+    """torch.dtype / torch.device values (SPEC 9.2's typed leaves) through safetensors --keep-tree and back,
+    and on to a torch file: the same objects (not "cannot store an object of type dtype")."""
+    state = {"w": torch.ones(3), "config": {"dtype": torch.bfloat16, "device": torch.device("cuda", 1),
+                                            "pair": (torch.float8_e4m3fn, torch.device("cpu")), "n": 3}}
+    src, st, back, pt = (str(tmp_path / n) for n in ("a.nvckpt", "a.safetensors", "b.nvckpt", "b.pt"))
+    nvckpt.save(state, src)
+    assert run(capsys, "convert", "--keep-tree", src, st)[0] == EXIT_OK
+    assert run(capsys, "convert", st, back)[0] == EXIT_OK
+    assert run(capsys, "convert", st, pt)[0] == EXIT_OK
+    for loaded in (nvckpt.load(back), torch.load(pt, weights_only=True)):
+        assert loaded["config"] == state["config"]
+        assert_tree_equal(loaded["w"], state["w"])
+
+
 def test_convert_torch_roundtrip(capsys, ckpt, tmp_path, state):
     pt, back = str(tmp_path / "state.pt"), str(tmp_path / "back.nvckpt")
     code, _, err = run(capsys, "convert", ckpt, pt)

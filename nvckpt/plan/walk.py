@@ -120,7 +120,7 @@ def _check_int(value: int, path: str) -> int:
     return value
 
 
-def _typed_value(node: Any, path: str) -> Any:
+def typed_leaf(node: Any, path: str) -> Any:
     """A leaf that SPEC 9.2's typed extensions store (dtype, device, complex, big int, NumPy scalar), as the
     tree holds it; None when ``node`` is none of them."""
     if isinstance(node, torch.dtype):
@@ -166,7 +166,7 @@ def _nesting(value: Any) -> int:
 
 
 def _set_item(item: Any, path: str) -> Any:
-    typed = _typed_value(item, path)
+    typed = typed_leaf(item, path)
     if typed is not None:
         return typed
     if isinstance(item, tuple):
@@ -273,7 +273,7 @@ def plan_save(
             if depth + _nesting(value) - 1 > MAX_TREE_DEPTH:
                 raise LimitError(f"object nesting at {path} exceeds the limit of {MAX_TREE_DEPTH}")
             return _Scalar(value)
-        typed = _typed_value(node, path)
+        typed = typed_leaf(node, path)
         if typed is not None:
             return _Scalar(typed)
         hint = " (convert it with torch.from_numpy)" if isinstance(node, np.ndarray) else ""

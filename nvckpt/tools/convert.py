@@ -41,7 +41,8 @@ from ..errors import FormatError, NvckptError, UnsupportedFeatureError, Unsuppor
 from ..format.tree import TensorRef, check_tree, escape, pack_tree, resolve_refs, unpack_tree
 from ..io.atomic import atomic_output
 from ..options import LoadOptions, SaveOptions
-from ..session.load import Checkpoint
+from ..session.load import Checkpoint, torch_value
+from ..plan.walk import typed_leaf
 from ..session.save import SaveSession
 from ._util import ProgressFactory, UsageError, check_output_folder, nest_by_name, null_bar, on_device, sniff_format
 
@@ -201,7 +202,7 @@ def _tree_from_metadata(meta: dict[str, str], tensors: dict[str, torch.Tensor], 
     if not isinstance(names, list) or any(n not in tensors for n in names):
         raise FormatError(f"metadata {META_TREE_NAMES!r} names tensors the file does not hold", path=path)
     check_tree(tree, len(names))
-    return resolve_refs(tree, lambda i: tensors[names[i]])
+    return resolve_refs(tree, lambda i: tensors[names[i]], torch_value)  # dtype and device leaves as torch's
 
 
 def _weights_only_reason(exc: Exception) -> str:
@@ -326,7 +327,8 @@ def flatten(tree: Any) -> tuple[dict[str, torch.Tensor], Any, list[str], list[st
             items = [walk(v, parts + (str(i),)) for i, v in enumerate(node)]
             return tuple(items) if isinstance(node, tuple) else items
         dropped.append(path)
-        return node
+        typed = typed_leaf(node, path)  # a torch.dtype or torch.device as the tree stores it (SPEC 9.2)
+        return node if typed is None else typed
 
     refs = walk(tree, ())
     return tensors, refs, names, dropped
