@@ -94,6 +94,21 @@ def test_what_the_tree_cannot_hold_is_refused_by_name_or_dropped(tmp_path):
         assert ck.load("hyper_parameters") == {"lr": 0.05}
 
 
+def test_dropped_list_elements_leave_the_others_in_place(tmp_path):
+    """A dropped element of a list or tuple becomes None: layers[1] is still 64, and the recorded path still
+    names what is missing."""
+    path = tmp_path / "d.ckpt"
+    ckpt = {"state_dict": {"w": torch.ones(2)},
+            "hyper_parameters": {"layers": [pathlib.Path("/data/train"), 64, 128], "pair": (1, print), "fn": print}}
+    with pytest.warns(UserWarning):
+        NvckptCheckpointIO(unsupported="drop").save_checkpoint(ckpt, path)
+    back = NvckptCheckpointIO().load_checkpoint(path)
+    assert back["hyper_parameters"] == {"layers": [None, 64, 128], "pair": (1, None)}
+    with nvckpt.open(path) as ck:
+        assert sorted(ck.metadata()[DROPPED]) == ["hyper_parameters/fn", "hyper_parameters/layers/0",
+                                                  "hyper_parameters/pair/1"]
+
+
 def test_old_torch_checkpoints_still_load_and_remove_works(tmp_path):
     io = NvckptCheckpointIO()
     old = tmp_path / "old.ckpt"

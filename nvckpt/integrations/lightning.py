@@ -10,7 +10,8 @@ scaler state, and ``hyper_parameters`` (what ``save_hyperparameters()`` captured
 plain data except what a user puts in the hyper-parameters: a ``pathlib.Path``, an ``nn.Module``, a function,
 a Namespace.  torch.save pickles those (and loading them runs code); nvckpt never pickles, so by default
 saving such a checkpoint fails, naming the path (``hyper_parameters/loss_fn``); ``unsupported="drop"`` saves
-the checkpoint without those values instead, warning once, and records their paths in the file's metadata
+the checkpoint without those values instead (a dict leaves the key out; a list or tuple holds None in its place,
+so the other elements keep their positions), warning once, and records their paths in the file's metadata
 (``lightning.dropped``).  A state_dict's ``_metadata`` (module versions) is not kept; Lightning and
 ``load_state_dict`` do not need it for current modules.
 """
@@ -129,8 +130,8 @@ def _storable(node: Any, parts: tuple[str, ...] = ()) -> tuple[Any, list[str]]:
                     out[k] = kept
             return out
         if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-            items = [keep(v, where + (str(i),)) for i, v in enumerate(value)]
-            items = [v for v in items if v is not _DROP]
+            # A dropped element becomes None: the others keep their positions (and the paths recorded).
+            items = [None if v is _DROP else v for v in (keep(v, where + (str(i),)) for i, v in enumerate(value))]
             return items if isinstance(value, list) else tuple(items)
         if isinstance(value, torch.Tensor):
             return value
