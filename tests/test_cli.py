@@ -606,3 +606,12 @@ def test_untrusted_open_never_hands_chunks_to_the_gpu_decoder(tmp_path, monkeypa
     with pytest.raises(nvckpt.UnsupportedCodecError, match="untrusted=True"):
         nvckpt.load(path, untrusted=True)
     assert GpuDecoder.used == 1
+
+
+@pytest.mark.parametrize("args", [("convert", "{missing}", "{out}.safetensors"), ("bench", "{missing}"),
+                                  ("split", "{missing}", "{out}")])
+def test_a_missing_source_is_an_io_error_naming_it(capsys, tmp_path, args):
+    """Not "cannot tell the format from its extension" (usage, 2): the file is not there (I/O, 4)."""
+    missing, out = str(tmp_path / "does_not_exist"), str(tmp_path / "out")
+    code, _, err = run(capsys, *(a.format(missing=missing, out=out) for a in args))
+    assert code == EXIT_IO and "No such file" in err and "does_not_exist" in err, err

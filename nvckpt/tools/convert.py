@@ -67,6 +67,8 @@ def format_of(path: str | os.PathLike, explicit: str | None = None, *, sniff: bo
 
     if is_dcp_directory(path):
         return "dcp"
+    if sniff and not os.path.exists(path):  # a source that is not there: say so, not "cannot tell the format"
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", os.fspath(path))
     found = sniff_format(path) if sniff else None
     if found is not None:
         return found
