@@ -71,7 +71,8 @@ def open(target: str | os.PathLike | Any, **options: Any) -> Checkpoint:  # noqa
     """Open a checkpoint for random access (use as a context manager); a read-only Mapping of tensor names
     to tensors, like safetensors' ``safe_open``.
 
-    ``target``: a path or a seekable binary file object.
+    ``target``: a path or a seekable binary file object (read from its position, where save wrote it; a
+    stream left at its end from its start).
     ``device``: where every tensor is materialized: "cpu", "cuda", "cuda:1", a torch.device or a CUDA
     index; the file does not record where a tensor was saved from, so any file loads on any device.
     ``workers``: CPU decode threads (default: all cores).

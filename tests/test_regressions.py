@@ -184,3 +184,23 @@ def test_bool_tensor_with_bytes_other_than_0_and_1_is_stored_as_torch_reads_it(t
 
     report = verify(path)
     assert report.ok, report.problems
+
+
+def test_a_checkpoint_in_a_stream_after_a_header_is_read_from_where_it_begins():
+    """save writes at the stream's position; load and open read from the position the stream has (as
+    torch.load does), and a stream left at its end is read from its start."""
+    buf = io.BytesIO()
+    buf.write(b"MYHEADER\n")
+    start = buf.tell()
+    nvckpt.save({"w": torch.arange(5.0)}, buf)
+    buf.seek(start)
+    assert nvckpt.load(buf)["w"].tolist() == [0.0, 1, 2, 3, 4]
+    buf.seek(start)
+    with nvckpt.open(buf) as ck:
+        assert ck.keys() == ["w"]
+    plain = io.BytesIO()
+    nvckpt.save({"x": 1}, plain)
+    assert nvckpt.load(plain) == {"x": 1}  # written, not rewound
+    buf.seek(0)
+    with pytest.raises(nvckpt.FormatError, match="not an nvckpt file"):
+        nvckpt.load(buf)  # the header is not a checkpoint

@@ -31,6 +31,7 @@ class Source:
         self._closing = False
         self._fd: int | None = None
         self._file = None
+        self._base = 0  # where the checkpoint begins in a caller's stream
         if isinstance(target, (str, os.PathLike)):
             self.name = os.fspath(target)
             self._fd = os.open(self.name, os.O_RDONLY | getattr(os, "O_BINARY", 0))
@@ -49,7 +50,17 @@ class Source:
                                 "give a path or a seekable binary file object")
             self.name = getattr(target, "name", "<stream>")
             self._file = target
-            self.size = target.seek(0, os.SEEK_END)
+            # From where the stream stands, as save wrote it there (a checkpoint after a header of the
+            # caller's): offsets are the file's own, from its preamble.
+            # A stream left at its end (written, not rewound) is read from its start, as before.
+            try:
+                self._base = target.tell()
+            except (OSError, AttributeError, ValueError):
+                self._base = 0
+            end = target.seek(0, os.SEEK_END)
+            if self._base >= end:
+                self._base = 0
+            self.size = end - self._base
         self.bytes_read = 0
 
     @property
@@ -101,7 +112,7 @@ class Source:
             with self._lock:
                 if self._file is None:
                     raise NvckptError("read from a closed checkpoint", path=self.name)
-                self._file.seek(offset)
+                self._file.seek(self._base + offset)
                 data = self._file.read(length)
             if len(data) != length:
                 raise TruncatedError(f"file ended while reading {length} bytes", path=self.name, offset=offset)
