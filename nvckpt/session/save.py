@@ -458,7 +458,11 @@ def start_async(obj: Any, target: Any, options: SaveOptions, fence: Any = None) 
 
         running = _register(target, options, future._stop, future)  # before the thread starts: an exit now waits for it
         launched = time.perf_counter()
-        threading.Thread(target=work, name="nvckpt-async-save", daemon=False).start()
+        try:
+            threading.Thread(target=work, name="nvckpt-async-save", daemon=False).start()
+        except BaseException:
+            lifecycle.end(running)  # no thread: its turn at the path must not hold up later saves
+            raise
         if not fences and prepared.caller_decides:
             try:  # verify the derived-tensor candidates here while the save's thread reads every other tensor
                 prepared.plan.decide()
