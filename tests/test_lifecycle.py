@@ -59,11 +59,13 @@ def test_async_save_at_exit_after_an_exception_and_sys_exit(tmp_path):
         os.unlink(path)
 
 
-def test_failed_async_save_at_exit_is_one_line_and_a_non_zero_exit(tmp_path):
+@pytest.mark.parametrize("after", ["", "time.sleep(1)  # it has failed by the exit: still not lost silently"])
+def test_failed_async_save_at_exit_is_one_line_and_a_non_zero_exit(tmp_path, after):
     path = str(tmp_path / "missing-dir" / "c.nvckpt")
     done = child(f"""
-        import torch, nvckpt
+        import time, torch, nvckpt
         f = nvckpt.async_save({{'w': torch.ones(3)}}, {path!r})
+        {after}
     """)
     assert done.returncode == 1
     lines = [line for line in done.stderr.splitlines() if line.startswith("nvckpt: error:")]
@@ -293,3 +295,56 @@ def test_a_save_that_just_created_its_temporary_file_is_not_a_leftover(tmp_path)
         assert atomic.leftover_temporaries(target) == []
     finally:
         os.close(held)
+
+
+def test_a_fifo_target_is_written_through_not_replaced(tmp_path):
+    """As torch.save: a FIFO (or a device such as /dev/null) at the target is written into; a rename would
+    replace the node itself (as root, /dev/null with a regular file)."""
+    import threading
+
+    fifo = str(tmp_path / "pipe")
+    os.mkfifo(fifo)
+    got = []
+    def read() -> None:
+        with open(fifo, "rb") as f:
+            got.append(f.read())
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    nvckpt.save({"w": torch.arange(10.0)}, fifo)
+    reader.join(timeout=60)
+    import io
+    import stat
+
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    assert nvckpt.load(io.BytesIO(got[0]))["w"].tolist() == list(range(10))
+    from nvckpt.io.atomic import AtomicReplace
+
+    with pytest.raises(OSError, match="not a regular file"):
+        AtomicReplace(fifo)  # convert, recover: never replace it either
+
+
+def test_cancel_is_true_only_while_it_can_still_stop_the_save(tmp_path, monkeypatch):
+    """cancel() before the final rename stops the save (the old file stays); at the rename it is too late:
+    it returns False and the save completes (before, it returned True and the file was replaced anyway)."""
+    import threading
+
+    from nvckpt.io import atomic
+
+    path = tmp_path / "k.nvckpt"
+    nvckpt.save({"old": 1}, path)
+    at_rename, go_on = threading.Event(), threading.Event()
+    real = atomic.os.replace
+
+    def slow_replace(src, dst):
+        at_rename.set()
+        go_on.wait(30)
+        real(src, dst)
+
+    monkeypatch.setattr(atomic.os, "replace", slow_replace)
+    late = nvckpt.async_save({"new": 2}, path)
+    assert at_rename.wait(30)
+    assert not late.cancel()  # at the rename
+    go_on.set()
+    assert late.result(timeout=30).path and not late.cancelled() and nvckpt.load(path) == {"new": 2}
+    # (a cancel in time, before the rename: test_cancelled_async_save_reports_cancelled)

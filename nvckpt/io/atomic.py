@@ -202,13 +202,16 @@ class AtomicReplace:
     success and abort on any exception."""
 
     def __init__(self, path: str | os.PathLike, create: Callable[[str], Any] = _create, *,
-                 turn: Turn | None = None) -> None:
+                 turn: Turn | None = None, before_publish: Callable[[], None] | None = None) -> None:
         self.given = os.fspath(path)
         self.turn = turn  # publish only after the saves to this path started before this one
+        self.before_publish = before_publish  # the last word before the rename (a cancel check); may raise
         # Through a symlink to the file it names, as open(path, "wb") would write.
         self.path = os.path.realpath(os.path.abspath(self.given))
         if os.path.isdir(self.path):
             raise IsADirectoryError(errno.EISDIR, "Is a directory", self.given)
+        if os.path.exists(self.path) and not os.path.isfile(self.path):  # a device, FIFO or socket
+            raise OSError(errno.EINVAL, "not a regular file (a device, FIFO or socket): it is not replaced", self.given)
         folder = os.path.dirname(self.path)
         if not os.path.isdir(folder):
             raise FileNotFoundError(errno.ENOENT, "No such directory", self.given)
@@ -257,6 +260,8 @@ class AtomicReplace:
                 with contextlib.suppress(FileNotFoundError):  # an earlier save may have replaced it meanwhile
                     self._old = os.stat(self.path)
             self._keep_attributes()
+            if self.before_publish is not None:
+                self.before_publish()
             os.replace(self.tmp, self.path)
         except OSError as exc:
             self.abort()  # the old file stays; nothing half-written stays beside it

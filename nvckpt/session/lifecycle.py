@@ -95,6 +95,15 @@ def cancelled_by_sigterm(run: Running) -> None:
             _die(signal.SIGTERM)
 
 
+_failed: dict[int, Running] = {}  # async saves that failed: reported at exit unless the caller looked
+
+
+def failed(run: Running) -> None:
+    """An async save ended with an error: exit reports it unless its future's result was asked for."""
+    with _lock:
+        _failed[id(run)] = run
+
+
 def pending_async() -> list[Running]:
     with _lock:
         return [r for r in _active.values() if r.future is not None]
@@ -105,11 +114,13 @@ def _finish_at_exit() -> None:
     if waiting and not _terminating.is_set():
         paths = ", ".join(r.path for r in waiting)
         print(f"nvckpt: finishing {len(waiting)} async save(s) before exit: {paths}", file=sys.stderr, flush=True)
+    with _lock:  # failed before the exit, and nobody asked: as lost as one that fails now
+        unseen = [r for r in _failed.values() if not getattr(r.future, "observed", True)]
     failed = []
-    for run in waiting:
+    for run in unseen + waiting:
         run.done.wait()
         exc = run.future.exception() if not run.future.cancelled() else None
-        if exc is not None:
+        if exc is not None and (run.path, exc) not in failed:
             failed.append((run.path, exc))
     for path, exc in failed:
         print(f"nvckpt: error: the async save to {path} failed: {' '.join(str(exc).split()) or type(exc).__name__}",

@@ -8,6 +8,7 @@ import dataclasses
 import gc
 import os
 import platform
+import stat
 import threading
 import time
 import warnings
@@ -131,6 +132,7 @@ class SaveSession:
         self.phases: dict[str, float] = {}
         self.ready: Any = None  # what the engine's streams wait for (the caller's work, a snapshot's copies)
         self.tensors_read: threading.Event | None = None  # set once the engine reads the caller's tensors no more
+        self.publishing: Callable[[], None] | None = None  # an async_save's future: too late to cancel from now
         self.stats: dict[str, Any] = {}
         lifecycle.prepare(async_save=False)
 
@@ -241,7 +243,8 @@ class SaveSession:
             # Read ahead: the caller waits until every tensor is read, so read before anything else
             # (the file, the index bound, the leftover check come after it is released).
             items = _ReadFirst(items, self.tensors_read)
-        if not hasattr(self.target, "write"):
+        special = not hasattr(self.target, "write") and _special_file(os.fspath(self.target))
+        if not hasattr(self.target, "write") and not special:
             left = leftover_temporaries(os.fspath(self.target))
             if left:
                 warnings.warn(LeftoverTemporaryWarning(
@@ -256,8 +259,21 @@ class SaveSession:
         if hasattr(self.target, "write"):
             size = write_items(self.target, items, self.plan, alignment=alignment, info=info, progress=self.progress)
             return self._result(None, raw_bytes, size)
+        if special:  # a device or FIFO (/dev/null, a pipe): written through, as torch.save does, never replaced
+            with open(os.fspath(self.target), "wb") as f:
+                size = write_items(f, items, self.plan, alignment=alignment, info=info, progress=self.progress)
+            return self._result(os.fspath(self.target), raw_bytes, size)
         direct = self.options.direct_io
-        out = AtomicReplace(os.fspath(self.target), lambda tmp: FileSink(tmp, direct=direct), turn=turn)
+
+        def last_call() -> None:
+            """Right before the rename: a cancel from now on is too late (SaveFuture.cancel returns False)."""
+            if self.publishing is not None:
+                self.publishing()
+            elif cancel.is_set():
+                raise CancelledError("the save was cancelled; the file at the target path was not changed")
+
+        out = AtomicReplace(os.fspath(self.target), lambda tmp: FileSink(tmp, direct=direct), turn=turn,
+                            before_publish=last_call)
         with out:  # commits on success; on an error removes the temporary file, naming the target in OSErrors
             size = write_items(out.writer, items, self.plan, alignment=alignment, info=info, progress=self.progress)
             if cancel.is_set():
@@ -321,6 +337,22 @@ class SaveFuture(Future):
         self.snapshot: dict[str, str] = {}
         self._stop = threading.Event()
         self._read: threading.Event | None = None
+        self._publish_lock = threading.Lock()
+        self._published = False
+        self._observed = False
+
+    @property
+    def observed(self) -> bool:
+        """Whether the caller asked for the result (or the error): an unasked failure is reported at exit."""
+        return self._observed
+
+    def result(self, timeout: float | None = None) -> Any:
+        self._observed = True
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._observed = True
+        return super().exception(timeout)
 
     def wait_read(self, timeout: float | None = None) -> bool:
         """Block until the save reads the caller's tensors no more (they may then be changed); True if so.
@@ -338,10 +370,18 @@ class SaveFuture(Future):
         return True
 
     def cancel(self) -> bool:
-        if self.done():
-            return False
-        self._stop.set()
-        return True
+        with self._publish_lock:
+            if self.done() or self._published:
+                return False  # done, or at its final rename: the new file is (being) published
+            self._stop.set()
+            return True
+
+    def _publish(self) -> None:
+        """The save's last step before its rename: honour a cancel that came in time, refuse later ones."""
+        with self._publish_lock:
+            if self._stop.is_set():
+                raise CancelledError("the save was cancelled; the file at the target path was not changed")
+            self._published = True
 
     def _set_cancelled(self) -> None:
         """The running save stopped because of cancel(): cancelled() is True and result() raises CancelledError."""
@@ -351,6 +391,15 @@ class SaveFuture(Future):
             self._state = CANCELLED_AND_NOTIFIED
             self._condition.notify_all()
         self._invoke_callbacks()
+
+
+def _special_file(path: str) -> bool:
+    """A device, FIFO or socket (through symlinks): not a file a rename may replace."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
 
 
 def _register(target: Any, options: SaveOptions, cancel: threading.Event, future: Any = None) -> lifecycle.Running:
@@ -440,6 +489,7 @@ def start_async(obj: Any, target: Any, options: SaveOptions, fence: Any = None) 
             started_after = time.perf_counter() - launched
             try:
                 session = begin()
+                session.publishing = future._publish
                 session.phases["thread_start"] = started_after
                 result = session.run(future._stop, running)
             except CancelledError as exc:
@@ -448,6 +498,7 @@ def start_async(obj: Any, target: Any, options: SaveOptions, fence: Any = None) 
                 else:
                     future.set_exception(exc)
             except BaseException as exc:
+                lifecycle.failed(running)
                 future.set_exception(exc)
             else:
                 future.set_result(result)
