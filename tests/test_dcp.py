@@ -398,6 +398,19 @@ def test_merge_and_split(saved, tmp_path, capsys):
     assert torch.equal(load_file(st)["model/0.weight"], want["model"]["0.weight"])
 
 
+def test_split_into_a_folder_it_must_not_replace_is_one_line(tmp_path, capsys):
+    """An error inside dcp.save (DCP wraps it in a CheckpointException with every rank's traceback) is
+    nvckpt's own one-line error and exit code."""
+    src = str(tmp_path / "s.nvckpt")
+    nvckpt.save({"x": torch.ones(2)}, src)
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    code, out = _cli(capsys, "split", src, str(other))
+    assert code == 4 and "holding other files" in out and "Traceback" not in out, out
+    assert (other / "notes.txt").read_text() == "mine"
+
+
 def test_files_several_ranks_read_are_read_through_the_page_cache(saved, monkeypatch):
     """A reshard (every rank reads a box of every stored shard) reads those rank files buffered, so one
     read from the disk serves every rank on the host; a file one rank alone reads keeps O_DIRECT."""

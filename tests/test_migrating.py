@@ -170,3 +170,10 @@ def test_map_location_onto_a_gpu(ckpt, where):
     assert back["model"]["weight"].device == torch.device("cuda", 0)
     assert torch.equal(back["model"]["weight"].cpu(), state["model"]["weight"])
     assert torch.equal(nvckpt.load(path, device=0, keys="model/bias").cpu(), state["model"]["bias"])
+
+
+def test_a_load_onto_the_meta_device_is_refused_naming_the_option(ckpt):
+    path, _ = ckpt
+    for kwargs in ({"device": "meta"}, {"map_location": "meta"}, {"map_location": torch.device("meta")}):
+        with pytest.raises(ValueError, match="device='meta'.*nvckpt.open"):
+            nvckpt.load(path, **kwargs)

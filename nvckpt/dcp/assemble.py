@@ -113,10 +113,20 @@ def write_directory(state: Any, path: str | os.PathLike, **options: Any) -> Any:
 
     if not isinstance(state, dict):
         raise TypeError(f"a DCP checkpoint holds a dict (a state dict), not a {type(state).__qualname__}")
+    from torch.distributed.checkpoint.api import CheckpointException
+
     writer = Writer(path, **options)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        dcp.save(state, storage_writer=writer, no_dist=True)
+        try:
+            dcp.save(state, storage_writer=writer, no_dist=True)
+        except CheckpointException as exc:
+            # One process: its own error, as nvckpt raises it (one line in the CLI), not DCP's wrapper
+            # of every rank's traceback.
+            failures = [f[0] for f in exc.failures.values() if isinstance(f, tuple) and f and isinstance(f[0], BaseException)]
+            if failures:
+                raise failures[0] from None
+            raise
     return writer.last_result
 
 

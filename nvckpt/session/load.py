@@ -3,6 +3,7 @@ materialized from raw bytes (dtype, shape, bools, views on their base, derived t
 
 from __future__ import annotations
 
+import operator
 import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
@@ -120,10 +121,15 @@ def target_device(options: LoadOptions) -> tuple[torch.device, Callable[[Any, st
             raise ValueError("map_location as a dict needs all its values to be one device: nvckpt does not record "
                              "which device a tensor was saved from, and loads every tensor onto one device "
                              "(give device= instead)")
-        return torch.device(targets.pop()), None
-    if callable(where) and not isinstance(where, (str, torch.device)):
+        device = torch.device(targets.pop())
+    elif callable(where) and not isinstance(where, (str, torch.device)):
         return torch.device("cpu"), where
-    return torch_device(where), None
+    else:
+        device = torch_device(where)
+    if device.type == "meta":
+        raise ValueError("device='meta' holds no data, and a load reads every byte it returns: to see shapes and "
+                         "dtypes without loading, use nvckpt.open(path) (or `nvckpt ls`)")
+    return device, None
 
 
 def torch_value(node: DtypeName | DeviceName) -> Any:
@@ -149,10 +155,17 @@ def _check_box(entry: TensorEntry, offsets: Sequence[int], lengths: Sequence[int
     if len(offsets) != len(shape) or len(lengths) != len(shape):
         raise ValueError(f"{path}, tensor {entry.name!r}: a box of {len(offsets)} offsets and {len(lengths)} "
                          f"lengths for a tensor of {len(shape)} dims {list(shape)}")
+    try:  # any integer (numpy, a 0-d tensor), as indexing takes them; not bools or floats
+        if any(isinstance(v, bool) for v in offsets + lengths):
+            raise TypeError
+        offsets, lengths = tuple(operator.index(v) for v in offsets), tuple(operator.index(v) for v in lengths)
+    except TypeError:
+        raise ValueError(f"{path}, tensor {entry.name!r}: box offsets and lengths must be integers, got "
+                        f"{list(offsets)} and {list(lengths)}") from None
     for d, (o, n, size) in enumerate(zip(offsets, lengths, shape)):
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (o, n)) or o < 0 or n < 0 or o + n > size:
+        if o < 0 or n < 0 or o + n > size:
             raise ValueError(f"{path}, tensor {entry.name!r}: box [{o}, {o}+{n}) is outside dim {d} of size {size}")
-    return tuple(map(int, offsets)), tuple(map(int, lengths))
+    return offsets, lengths
 
 
 class Checkpoint(Mapping):
