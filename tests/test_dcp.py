@@ -398,6 +398,48 @@ def test_merge_and_split(saved, tmp_path, capsys):
     assert torch.equal(load_file(st)["model/0.weight"], want["model"]["0.weight"])
 
 
+def test_overlapping_saves_to_one_directory_the_newest_wins(tmp_path):
+    """A dcp save still writing when the next one to the same directory starts: the later one neither deletes
+    the running one's staging directory nor is replaced by it when it finishes later (it is refused)."""
+    import glob
+    import threading
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    target = str(tmp_path / "ck")
+    big = {f"w{i}": torch.randn(256, 1024) for i in range(24)}
+    out = {}
+
+    def first():
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                dcp.save(dict(big, step=torch.tensor(1)), storage_writer=nvckpt.dcp.Writer(target, codec="zstd", zstd_level=12,
+                                                                                chunk_size=64 << 10, workers=1),
+                         no_dist=True)
+            out["first"] = "ok"
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            out["first"] = str(exc)
+
+    t = threading.Thread(target=first)
+    t.start()
+    deadline = time.monotonic() + 60
+    while not glob.glob(str(tmp_path / ".ck.*.nvckpt-tmpdir" / ".__0*")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"step": torch.tensor(2)}, storage_writer=nvckpt.dcp.Writer(target), no_dist=True)
+    t.join(120)
+    assert "published there first" in out["first"], out
+    got = {"step": torch.tensor(0)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(got, storage_reader=nvckpt.dcp.Reader(target), no_dist=True)
+    assert int(got["step"]) == 2
+    assert not glob.glob(str(tmp_path / ".ck.*"))  # nothing of the older save stays
+
+
 def test_split_into_a_folder_it_must_not_replace_is_one_line(tmp_path, capsys):
     """An error inside dcp.save (DCP wraps it in a CheckpointException with every rank's traceback) is
     nvckpt's own one-line error and exit code."""

@@ -23,7 +23,9 @@ import io
 import json
 import os
 import pickle
+import shutil
 import uuid
+import weakref
 from typing import Any, NamedTuple
 
 import torch
@@ -33,7 +35,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ..io.atomic import atomic_output
-from ..io.publish import publish_directory, remove_stale, staging_name
+from ..io.publish import SAVES, live_staging, publish_directory, remove_stale, staging_name
 from ..options import SaveOptions, options_from
 from ..plan.dtypes import name_of
 from ..session.save import SaveSession
@@ -73,6 +75,7 @@ class Writer(StorageWriter):
         self.overwrite = overwrite
         self.options: SaveOptions = options_from(SaveOptions, "nvckpt.dcp.Writer", options)
         self.save_id = uuid.uuid4().hex
+        self.number = SAVES.number()  # started: an older save to this path finishing later does not replace it
         self.rank: int | None = None
         self.is_coordinator = False
         self.last_result: Any = None  # this rank's SaveResult (sizes, seconds, engine) after write_data
@@ -83,6 +86,8 @@ class Writer(StorageWriter):
         if checkpoint_id:
             self.path = os.path.abspath(os.fspath(checkpoint_id))
         self.save_id = uuid.uuid4().hex
+        if self._staging is not None:  # a Writer used again: a new save, started now
+            self.number, self._staging = SAVES.number(), None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
@@ -104,10 +109,12 @@ class Writer(StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """The coordinator checks the target, clears what failed saves left, and names the staging directory."""
         self._check_target()
-        remove_stale(self.path)
+        remove_stale(self.path)  # (not the staging directory of a save this process is still writing)
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         staging = self._staging = staging_name(self.path)
         os.mkdir(staging)
+        live_staging(staging, True)
+        weakref.finalize(self, live_staging, staging, False)  # a save that failed: its leftover is stale then
         return [dataclasses.replace(p, storage_data=RankPlan(staging, rank_file(i))) for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -134,7 +141,13 @@ class Writer(StorageWriter):
         with atomic_output(os.path.join(staging, MANIFEST)) as tmp:
             with open(tmp, "w") as f:
                 json.dump(manifest.to_json(), f, indent=1)
-        publish_directory(staging, self.path)
+        try:
+            publish_directory(staging, self.path, self.number)
+        except FileExistsError:
+            shutil.rmtree(staging, ignore_errors=True)  # older than what is there: nothing of it stays
+            raise
+        finally:
+            live_staging(staging, False)
 
     # -- the work ---------------------------------------------------------------------------------
     def _check_target(self) -> None:

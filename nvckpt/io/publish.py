@@ -16,7 +16,10 @@ publishes it over the target in one step:
 
 A save that fails or is killed leaves only a hidden ``.NAME.XXXXXXXX.nvckpt-tmpdir``
 beside the target, never a half-visible directory; ``remove_stale`` (the next
-save's coordinator) deletes those.
+save's coordinator) deletes those, but not the staging directory of a save this
+process is still writing.  Saves to one directory from one process: the newest
+started wins (``Sequence``); an older one that finishes after a newer one has
+published is refused instead of replacing it.
 """
 
 from __future__ import annotations
@@ -26,8 +29,10 @@ import ctypes
 import errno
 import glob
 import os
+import itertools
 import secrets
 import shutil
+import threading
 
 from .atomic import fsync_path
 
@@ -50,12 +55,25 @@ def stale_names(final: str | os.PathLike) -> list[str]:
     return sorted(glob.glob(pattern + TMPDIR_SUFFIX) + glob.glob(pattern + OLD_SUFFIX))
 
 
+_LIVE: set[str] = set()  # staging directories of saves in progress in this process
+_LIVE_LOCK = threading.Lock()
+
+
+def live_staging(staging: str, alive: bool) -> None:
+    """Mark a staging directory as one this process is writing (``remove_stale`` leaves it), or no more."""
+    with _LIVE_LOCK:
+        (_LIVE.add if alive else _LIVE.discard)(os.path.abspath(staging))
+
+
 def remove_stale(final: str | os.PathLike, keep: str | None = None) -> list[str]:
-    """Remove what ``stale_names`` lists (except ``keep``); returns what was removed."""
+    """Remove what ``stale_names`` lists (except ``keep`` and the saves in progress here); returns what was removed."""
     removed = []
     for path in stale_names(final):
         if keep is not None and os.path.abspath(path) == os.path.abspath(keep):
             continue
+        with _LIVE_LOCK:
+            if os.path.abspath(path) in _LIVE:
+                continue  # another save of this process is writing it
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     return removed
@@ -77,8 +95,42 @@ def _exchange(a: str, b: str) -> bool:
     raise OSError(err, os.strerror(err), a, None, b)
 
 
-def publish_directory(staging: str, final: str | os.PathLike) -> None:
-    """Make the complete ``staging`` directory the one at ``final`` (see the module docstring)."""
+class Sequence:
+    """The order saves to a directory were started in this process: ``number()`` at the start, ``publish``
+    refuses a number older than the one last published there."""
+
+    def __init__(self) -> None:
+        self._count = itertools.count()
+        self._published: dict[str, int] = {}
+        self.lock = threading.Lock()
+
+    def number(self) -> int:
+        return next(self._count)
+
+    def claim(self, final: str, number: int) -> None:
+        """Under ``lock``: may save ``number`` publish at ``final``?  (FileExistsError if a newer one did.)"""
+        key = os.path.realpath(os.path.abspath(final))
+        if self._published.get(key, -1) > number:
+            raise FileExistsError(errno.EEXIST, "a checkpoint saved after this one was published there first; "
+                                  "this older one is not published over it", final)
+        self._published[key] = number
+
+
+SAVES = Sequence()
+
+
+def publish_directory(staging: str, final: str | os.PathLike, number: int | None = None) -> None:
+    """Make the complete ``staging`` directory the one at ``final`` (see the module docstring); ``number``:
+    the save's ``SAVES.number()``, refused if a newer save to ``final`` has published."""
+    if number is not None:
+        with SAVES.lock:
+            SAVES.claim(os.path.abspath(os.fspath(final)), number)
+            _publish(staging, final)
+        return
+    _publish(staging, final)
+
+
+def _publish(staging: str, final: str | os.PathLike) -> None:
     final = os.path.abspath(os.fspath(final))
     parent = os.path.dirname(final)
     fsync_path(staging)
