@@ -440,6 +440,24 @@ def test_overlapping_saves_to_one_directory_the_newest_wins(tmp_path):
     assert not glob.glob(str(tmp_path / ".ck.*"))  # nothing of the older save stays
 
 
+def test_split_then_merge_keeps_an_optimizers_int_keys(tmp_path, capsys):
+    """DCP writes every dict key as str; split records which were ints, so merge gives back a state dict an
+    optimizer loads with its moments (before: keys '0', '1', and load_state_dict silently lost them)."""
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    src, split, back = str(tmp_path / "s.nvckpt"), str(tmp_path / "d"), str(tmp_path / "b.nvckpt")
+    nvckpt.save({"model": model.state_dict(), "optim": opt.state_dict(), "by_name": {"0": torch.ones(1)}}, src)
+    assert _cli(capsys, "split", src, split)[0] == 0
+    assert _cli(capsys, "merge", split, back)[0] == 0
+    got = nvckpt.load(back)
+    assert list(got["optim"]["state"]) == [0, 1] and list(got["by_name"]) == ["0"]
+    opt2 = torch.optim.Adam(torch.nn.Linear(8, 4).parameters())
+    opt2.load_state_dict(got["optim"])
+    assert all(torch.equal(opt2.state_dict()["state"][k]["exp_avg"], opt.state_dict()["state"][k]["exp_avg"]) for k in (0, 1))
+
+
 def test_split_into_a_folder_it_must_not_replace_is_one_line(tmp_path, capsys):
     """An error inside dcp.save (DCP wraps it in a CheckpointException with every rank's traceback) is
     nvckpt's own one-line error and exit code."""

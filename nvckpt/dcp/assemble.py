@@ -71,18 +71,23 @@ def assemble(path: str | os.PathLike, *, device: str = "cpu", progress: Any = No
     finally:
         for ck in opened.values():
             ck.close()
-    return nest(values, m.paths)
+    return nest(values, m.paths, m.int_keys)
 
 
-def nest(values: dict[str, Any], paths: dict[str, list[Any]]) -> dict[str, Any]:
+def nest(values: dict[str, Any], paths: dict[str, list[Any]], int_keys: dict[str, list[int]] | None = None) -> dict[str, Any]:
     """Flat ``{fqn: value}`` as the nested state dict ``paths`` (DCP's planner data) describes;
-    an integer key makes a list, as DCP's own unflattening does."""
+    an integer key makes a list, as DCP's own unflattening does, and the keys ``int_keys`` marks are
+    int keys of a dict (an optimizer's state, where the manifest's writer knew)."""
     root: dict[str, Any] = {}
     for fqn, value in values.items():
-        path = paths.get(fqn) or [fqn]
+        path = list(paths.get(fqn) or [fqn])
+        marked = set((int_keys or {}).get(fqn, ()))
+        for i in marked:
+            if i < len(path):
+                path[i] = int(path[i])
         node: Any = root
-        for key, nxt in zip(path[:-1], path[1:]):
-            node = _child(node, key, [] if isinstance(nxt, int) else {})
+        for i, (key, nxt) in enumerate(zip(path[:-1], path[1:])):
+            node = _child(node, key, [] if isinstance(nxt, int) and i + 1 not in marked else {})
         _put(node, path[-1], value)
     return root
 
@@ -116,6 +121,7 @@ def write_directory(state: Any, path: str | os.PathLike, **options: Any) -> Any:
     from torch.distributed.checkpoint.api import CheckpointException
 
     writer = Writer(path, **options)
+    writer.source = state  # the keys' own types in the manifest (DCP writes every dict key as str)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
         try:

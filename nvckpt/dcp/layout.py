@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import FormatError
@@ -93,6 +93,9 @@ class Manifest:
     tensors: dict[str, GlobalTensor]
     objects: dict[str, tuple[str, str]]  # fqn -> (file, stored name) of a non-tensor value
     paths: dict[str, list[Any]]  # fqn -> its path in the nested state dict (DCP's planner_data)
+    # fqn -> positions in its path of dict keys that were ints (DCP writes every dict key as str; an
+    # optimizer's state is keyed by int), where the writer had the state (nvckpt split).
+    int_keys: dict[str, list[int]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -104,6 +107,7 @@ class Manifest:
                         for fqn, t in self.tensors.items()},
             "objects": {fqn: {"file": f, "tensor": n} for fqn, (f, n) in self.objects.items()},
             "paths": self.paths,
+            **({"int_keys": self.int_keys} if self.int_keys else {}),
         }
 
 
@@ -137,8 +141,9 @@ def read_manifest(path: str | os.PathLike) -> Manifest:
                                  tuple(map(int, s["sizes"]))) for s in t["shards"])
             tensors[fqn] = GlobalTensor(fqn, str(t["dtype"]), tuple(map(int, t["shape"])), shards)
         objects = {fqn: (str(o["file"]), str(o["tensor"])) for fqn, o in doc["objects"].items()}
+        int_keys = {str(fqn): [int(i) for i in v] for fqn, v in (doc.get("int_keys") or {}).items()}
         manifest = Manifest(path, int(doc["world_size"]), doc.get("save_id"), files, tensors, objects,
-                            dict(doc.get("paths") or {}))
+                            dict(doc.get("paths") or {}), int_keys)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise FormatError(f"bad manifest: {exc}", path=where) from None
     for name in files:

@@ -80,6 +80,9 @@ class Writer(StorageWriter):
         self.is_coordinator = False
         self.last_result: Any = None  # this rank's SaveResult (sizes, seconds, engine) after write_data
         self._staging: str | None = None  # the coordinator's staging directory of the save in progress
+        # The state being saved, where the caller has it whole (nvckpt split): DCP's planner data turns dict
+        # keys into str, and the manifest's paths then get the keys' own types back (an optimizer's int keys).
+        self.source: Any = None
 
     # -- StorageWriter --------------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -207,12 +210,31 @@ class Writer(StorageWriter):
                 loc = located[MetadataIndex(fqn, chunk.offsets)]
                 shards.append(Shard(loc.file, loc.tensor, tuple(chunk.offsets), tuple(chunk.sizes)))
             tensors[fqn] = GlobalTensor(fqn, name_of(md.properties.dtype), tuple(md.size), tuple(shards))
-        paths = {}
+        paths, int_keys = {}, {}
         if isinstance(metadata.planner_data, dict):
             for fqn, path in metadata.planner_data.items():
                 if isinstance(path, (tuple, list)) and all(isinstance(p, (str, int)) for p in path):
                     paths[fqn] = list(path)
-        return Manifest(self.path, world_size, self.save_id, files, tensors, objects, paths)
+                    marked = _int_dict_keys(list(path), self.source) if self.source is not None else []
+                    if marked:
+                        int_keys[fqn] = marked
+        return Manifest(self.path, world_size, self.save_id, files, tensors, objects, paths, int_keys)
+
+
+def _int_dict_keys(path: list[Any], source: Any) -> list[int]:
+    """Positions in ``path`` (DCP's, dict keys as str) of dict keys that are ints in ``source``."""
+    out, node = [], source
+    for i, key in enumerate(path):
+        if isinstance(node, dict) and key not in node and isinstance(key, str):
+            match = next((k for k in node if type(k) is int and str(k) == key), None)
+            if match is not None:
+                out.append(i)
+                key = match
+        try:
+            node = node[key]
+        except (KeyError, IndexError, TypeError):
+            return out
+    return out
 
 
 __all__ = ["Writer", "Location", "RankPlan"]
