@@ -458,6 +458,19 @@ def test_split_then_merge_keeps_an_optimizers_int_keys(tmp_path, capsys):
     assert all(torch.equal(opt2.state_dict()["state"][k]["exp_avg"], opt.state_dict()["state"][k]["exp_avg"]) for k in (0, 1))
 
 
+def test_dcp_default_reader_on_an_nvckpt_directory_says_which_reader_to_use(tmp_path):
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    target = str(tmp_path / "ck")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.ones(3)}, storage_writer=nvckpt.dcp.Writer(target), no_dist=True)
+        with pytest.raises(BaseException, match="nvckpt.dcp.Reader"):  # DCP wraps it in a CheckpointException
+            dcp.load({"w": torch.zeros(3)}, checkpoint_id=target, no_dist=True)
+
+
 def test_split_into_a_folder_it_must_not_replace_is_one_line(tmp_path, capsys):
     """An error inside dcp.save (DCP wraps it in a CheckpointException with every rank's traceback) is
     nvckpt's own one-line error and exit code."""

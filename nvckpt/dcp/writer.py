@@ -51,6 +51,13 @@ class Location(NamedTuple):
     file: str
     tensor: str
 
+    @property
+    def relative_path(self) -> str:
+        # What DCP's FileSystemReader asks of its own storage data: say which reader this directory needs.
+        raise RuntimeError(f"this checkpoint directory was written by nvckpt.dcp.Writer (rank file {self.file!r}): "
+                           "load it with dcp.load(..., storage_reader=nvckpt.dcp.Reader(DIR)), or make one file "
+                           "with `nvckpt merge DIR out.nvckpt`")
+
 
 @dataclasses.dataclass(frozen=True)
 class RankPlan:
