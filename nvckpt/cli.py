@@ -170,8 +170,9 @@ def main_parser(prog: str = "nvckpt") -> argparse.ArgumentParser:
     p = command("recover", "rebuild a valid file from a truncated or damaged one",
                 "Walk the frames of SRC front to back without its index (e.g. the temporary file left by a "
                 "crashed save) and write every complete tensor to DST, reusing the stored chunks as they are. "
-                "Prints which tensors were recovered and which were lost. Exit 0 only when SRC was intact "
-                "and everything was recovered.")
+                "Prints which tensors were recovered and which were lost. Exit 0 only when everything SRC "
+                "held was recovered (its index intact, nothing lost; a cut or damaged footer alone loses "
+                "nothing and is reported).")
     p.add_argument("src")
     p.add_argument("dst")
     _add_json(p)
@@ -422,6 +423,8 @@ def _recover(args: argparse.Namespace) -> int:
         print(f"  LOST       {printable(name)}: {why}")
     for problem in report.problems:
         print(f"skipped: {problem}")
+    if report.footer_problem is not None:
+        print(f"note: {report.footer_problem}; nothing is lost")
     if report.tree_kept:
         print("the index was intact: the tree, non-tensor values and metadata are kept")
     elif report.index_found:

@@ -129,6 +129,7 @@ def test_recover_every_cut(original, tmp_path):
         check_recovered(out, original, complete)
         if cut >= index_end:  # only the footer is cut off: the index is intact, nothing is lost
             assert report.complete and report.tree_kept
+            assert "footer is missing or damaged" in (report.footer_problem or ""), cut  # but it is said
             assert_tree_equal(nvckpt.load(out), nvckpt.load(original))
             continue
         assert not report.complete and not report.index_found
@@ -145,6 +146,7 @@ def test_recover_intact_file_keeps_everything(original, tmp_path, capsys):
     assert "the index was intact: the tree, non-tensor values and metadata are kept" in capsys.readouterr().out
     report = recover(original, str(tmp_path / "again.nvckpt"))
     assert report.complete and report.tree_kept and report.lost == {} and report.problems == []
+    assert report.footer_problem is None
     assert_tree_equal(nvckpt.load(out), nvckpt.load(original))
     with nvckpt.open(out) as ck:
         assert ck.metadata() == dict(METADATA, **{RECOVERED_FROM: os.path.abspath(original), LOST: []})

@@ -29,6 +29,7 @@ from ..codecs.base import Pipeline
 from ..codecs.registry import pipeline_from_json
 from ..errors import ChecksumError, NvckptError, UnsupportedFeatureError
 from ..format.constants import (
+    FOOTER_SIZE,
     FRAME_CHUNK,
     FRAME_CODEC,
     FRAME_INDEX,
@@ -40,7 +41,7 @@ from ..format.constants import (
 from ..format.entry import TensorEntry, parse_entry, reference_problem
 from ..format.frames import FrameWriter, check_index_floor, iter_frames, read_meta_frame
 from ..format.index import Index, parse_index, unpack_index
-from ..format.structs import FrameHeader, Preamble, xxh3
+from ..format.structs import Footer, FrameHeader, Preamble, xxh3
 from ..format.tree import TensorRef, escape, resolve_refs, tree_features
 from ..io.atomic import atomic_output
 from ..io.source import Source
@@ -60,6 +61,7 @@ class RecoveryReport:
     lost: dict[str, str] = field(default_factory=dict)  # name -> why it could not be recovered
     problems: list[str] = field(default_factory=list)  # frames that were skipped, and why
     index_found: bool = False  # an intact INDEX frame was reached (the file was not truncated)
+    footer_problem: str | None = None  # the INDEX frame is intact but the footer after it is not (nothing lost)
     tree_kept: bool = False  # the original tree and non-tensor values were written
     stopped_at: int | None = None  # offset where the walk met a damaged or cut-off frame
     stop_reason: str | None = None
@@ -78,6 +80,7 @@ class RecoveryReport:
             "src": self.src, "dst": self.dst, "complete": self.complete, "recovered": self.recovered,
             "lost": self.lost, "problems": self.problems, "index_found": self.index_found,
             "tree_kept": self.tree_kept, "stopped_at": self.stopped_at, "stop_reason": self.stop_reason,
+            "footer_problem": self.footer_problem,
             "frames": self.frames, "src_bytes": self.src_bytes, "dst_bytes": self.dst_bytes,
             "raw_bytes": self.raw_bytes,
         }
@@ -108,9 +111,24 @@ class _Walk:
         self.bad_codecs: dict[int, str] = {}
         self.problems: list[str] = []
         self.index: Index | None = None
+        self.index_offset: int | None = None
         self.stopped_at: int | None = None
         self.stop_reason: str | None = None
         self.frames = 0
+
+
+def _footer_problem(source: Source, index_offset: int | None) -> str | None:
+    """Why the file's footer is not the one its INDEX frame needs, or None."""
+    if source.size < FOOTER_SIZE:
+        return "the file has no footer"
+    try:
+        footer = Footer.unpack(source.pread(source.size - FOOTER_SIZE, FOOTER_SIZE), source.size - FOOTER_SIZE)
+    except NvckptError:
+        return "the footer is missing or damaged (the file was cut or changed after its INDEX frame)"
+    if footer.index_offset != index_offset:
+        return (f"the footer points at offset {footer.index_offset}, not at the INDEX frame at {index_offset} "
+                "(the file was cut or changed after it)")
+    return None
 
 
 def _check_header(header: FrameHeader) -> str | None:
@@ -192,6 +210,7 @@ def _walk(source: Source, bar: Any) -> _Walk:
                 if xxh3(payload) != header.payload_checksum:
                     raise ChecksumError("payload checksum does not match")
                 walk.index = parse_index(unpack_index(payload), offset)
+                walk.index_offset = offset
             except NvckptError as exc:
                 walk.problems.append(f"offset {offset}: INDEX frame: {exc.reason}; the tree and metadata are lost")
         # Optional extension frames (types 128..255) are skipped.
@@ -326,6 +345,8 @@ def recover(src: str | os.PathLike, dst: str | os.PathLike, *, progress: Progres
         report.problems = walk.problems
         report.stopped_at, report.stop_reason = walk.stopped_at, walk.stop_reason
         report.index_found = walk.index is not None
+        if walk.index is not None:  # SRC was whole only with the footer that points at this INDEX frame
+            report.footer_problem = _footer_problem(source, walk.index_offset)
         # An internal base is not a name users know: its loss shows through its views.
         report.lost = {walk.tensors[tid].name: reason for tid, reason in sorted(why.items()) if not walk.tensors[tid].internal}
         new_id = {t.tensor_id: i for i, t in enumerate(kept)}
