@@ -348,3 +348,17 @@ def test_cancel_is_true_only_while_it_can_still_stop_the_save(tmp_path, monkeypa
     go_on.set()
     assert late.result(timeout=30).path and not late.cancelled() and nvckpt.load(path) == {"new": 2}
     # (a cancel in time, before the rename: test_cancelled_async_save_reports_cancelled)
+
+
+def test_a_failed_async_save_whose_error_was_seen_is_not_reported_at_exit(tmp_path):
+    path = str(tmp_path / "missing-dir" / "c.nvckpt")
+    done = child(f"""
+        import torch, nvckpt
+        f = nvckpt.async_save({{'w': torch.ones(3)}}, {path!r})
+        try:
+            f.result()
+        except OSError:
+            print("seen", flush=True)
+        del f  # looked at, then dropped
+    """)
+    assert done.returncode == 0 and done.stdout.strip() == "seen" and "nvckpt: error" not in done.stderr, done.stderr

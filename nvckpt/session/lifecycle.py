@@ -95,13 +95,25 @@ def cancelled_by_sigterm(run: Running) -> None:
             _die(signal.SIGTERM)
 
 
-_failed: dict[int, Running] = {}  # async saves that failed: reported at exit unless the caller looked
+@dataclass
+class Failure:
+    """An async save that failed: reported at exit unless its future's result (or error) was asked for.
+    Not the future itself: its traceback would keep the failed save's frames and engine threads alive."""
+
+    path: str
+    line: str
+    seen: bool = False
 
 
-def failed(run: Running) -> None:
-    """An async save ended with an error: exit reports it unless its future's result was asked for."""
+_failed: list[Failure] = []
+
+
+def failed(run: Running, exc: BaseException) -> Failure:
+    """An async save ended with ``exc``; its future sets ``seen`` when asked for its result."""
+    failure = Failure(run.path, " ".join(str(exc).split()) or type(exc).__name__)
     with _lock:
-        _failed[id(run)] = run
+        _failed.append(failure)
+    return failure
 
 
 def pending_async() -> list[Running]:
@@ -114,17 +126,12 @@ def _finish_at_exit() -> None:
     if waiting and not _terminating.is_set():
         paths = ", ".join(r.path for r in waiting)
         print(f"nvckpt: finishing {len(waiting)} async save(s) before exit: {paths}", file=sys.stderr, flush=True)
-    with _lock:  # failed before the exit, and nobody asked: as lost as one that fails now
-        unseen = [r for r in _failed.values() if not getattr(r.future, "observed", True)]
-    failed = []
-    for run in unseen + waiting:
+    for run in waiting:
         run.done.wait()
-        exc = run.future.exception() if not run.future.cancelled() else None
-        if exc is not None and (run.path, exc) not in failed:
-            failed.append((run.path, exc))
-    for path, exc in failed:
-        print(f"nvckpt: error: the async save to {path} failed: {' '.join(str(exc).split()) or type(exc).__name__}",
-              file=sys.stderr, flush=True)
+    with _lock:  # failed now, or before the exit and nobody asked: lost either way
+        failed = [(f.path, f.line) for f in _failed if not f.seen]
+    for path, line in failed:
+        print(f"nvckpt: error: the async save to {path} failed: {line}", file=sys.stderr, flush=True)
     if failed:
         sys.stdout.flush()
         os._exit(1)  # the checkpoint the script believed it wrote does not exist: never exit 0

@@ -238,6 +238,17 @@ class SaveSession:
             self.plan.decide()
         items, extra = self._items()
         items = _cancellable(items, cancel)
+        try:
+            return self._write(items, extra, cancel, turn, begun)
+        finally:
+            # Stop the engine on every way out (write_items does once it runs; an error before it, such as
+            # a missing folder, must not leave the engine's threads to the exception's traceback).
+            close = getattr(items, "close", None)
+            if close is not None:
+                close()
+
+    def _write(self, items: Any, extra: dict[str, Any], cancel: threading.Event, turn: Any,
+               begun: float) -> SaveResult:
         self.phases["start_engine"] = time.perf_counter() - begun
         if self.tensors_read is not None:
             # Read ahead: the caller waits until every tensor is read, so read before anything else
@@ -340,6 +351,7 @@ class SaveFuture(Future):
         self._publish_lock = threading.Lock()
         self._published = False
         self._observed = False
+        self._failure: lifecycle.Failure | None = None
 
     @property
     def observed(self) -> bool:
@@ -347,12 +359,22 @@ class SaveFuture(Future):
         return self._observed
 
     def result(self, timeout: float | None = None) -> Any:
-        self._observed = True
-        return super().result(timeout)
+        try:
+            return super().result(timeout)
+        finally:
+            self._seen()
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
-        self._observed = True
-        return super().exception(timeout)
+        try:
+            return super().exception(timeout)
+        finally:
+            self._seen()
+
+    def _seen(self) -> None:
+        if self.done():
+            self._observed = True
+            if self._failure is not None:
+                self._failure.seen = True  # the caller has the error: exit need not report it
 
     def wait_read(self, timeout: float | None = None) -> bool:
         """Block until the save reads the caller's tensors no more (they may then be changed); True if so.
@@ -498,7 +520,7 @@ def start_async(obj: Any, target: Any, options: SaveOptions, fence: Any = None) 
                 else:
                     future.set_exception(exc)
             except BaseException as exc:
-                lifecycle.failed(running)
+                future._failure = lifecycle.failed(running, exc)
                 future.set_exception(exc)
             else:
                 future.set_result(result)
