@@ -350,10 +350,11 @@ def _verify(args: argparse.Namespace) -> int:
     try:
         with _nvckpt_file(args.file):
             report = verify(args.file, progress=_bars(args), workers=args.workers)
-    except NvckptError as exc:
+    except (NvckptError, OSError) as exc:
         if args.json:  # a script reading stdout learns the verdict there too (the error line goes to stderr)
-            _print_json({"path": args.file, "ok": False, "error": type(exc).__name__, "message": str(exc),
-                         "exit_code": _exit_code(exc)})
+            message = _os_error_text(exc) if isinstance(exc, OSError) else str(exc)
+            _print_json({"path": args.file, "ok": False, "error": type(exc).__name__, "message": message,
+                         "exit_code": EXIT_IO if isinstance(exc, OSError) else _exit_code(exc)})
         raise
     code = EXIT_PROBLEMS if report.problems else EXIT_UNSUPPORTED if (args.strict and report.undecoded) else EXIT_OK
     if args.json:
@@ -473,7 +474,14 @@ def _bench(args: argparse.Namespace) -> int:
         from .tools.convert import format_of, read_nvckpt, read_safetensors, read_torch
         from .tools._util import null_bar
 
-        fmt = format_of(args.file, sniff=True)
+        if os.path.isdir(args.file):
+            raise UsageError(f"{args.file!r} is a directory: nvckpt bench times one file (nvckpt, safetensors or "
+                             "torch); `nvckpt merge DIR out.nvckpt` makes one of a DCP directory")
+        try:
+            fmt = format_of(args.file, sniff=True)
+        except UsageError:
+            raise UsageError(f"cannot tell what {args.file!r} holds: nvckpt bench reads nvckpt, safetensors and "
+                             "torch files (by their content, or the extension .nvckpt, .safetensors, .pt)") from None
         obj = (read_nvckpt(args.file, null_bar) if fmt == "nvckpt" else
                read_safetensors(args.file, null_bar) if fmt == "safetensors" else read_torch(args.file)).tree
         label = args.file

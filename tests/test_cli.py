@@ -615,3 +615,28 @@ def test_a_missing_source_is_an_io_error_naming_it(capsys, tmp_path, args):
     missing, out = str(tmp_path / "does_not_exist"), str(tmp_path / "out")
     code, _, err = run(capsys, *(a.format(missing=missing, out=out) for a in args))
     assert code == EXIT_IO and "No such file" in err and "does_not_exist" in err, err
+
+
+def test_tools_name_what_a_path_is_when_it_is_the_wrong_kind(capsys, tmp_path):
+    """verify --json prints its verdict for a missing path too; bench on a folder, merge on a file, a
+    dcp.Writer onto a symlink: each says what the path is."""
+    import json
+
+    missing = str(tmp_path / "nope.nvckpt")
+    code, out, _ = run(capsys, "verify", "--json", missing)
+    doc = json.loads(out)
+    assert code == EXIT_IO and doc["ok"] is False and doc["exit_code"] == EXIT_IO and "No such file" in doc["message"]
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    code, _, err = run(capsys, "bench", str(folder))
+    assert code == EXIT_USAGE and "is a directory" in err and "--from" not in err
+    f = str(tmp_path / "f.nvckpt")
+    nvckpt.save({"a": torch.ones(2)}, f)
+    code, _, err = run(capsys, "merge", f, str(tmp_path / "o.nvckpt"))
+    assert code == EXIT_IO and "is a file, not a checkpoint directory" in err
+    link = tmp_path / "link"
+    link.symlink_to(folder)
+    from nvckpt.dcp import Writer
+
+    with pytest.raises(FileExistsError, match="is a symlink"):
+        Writer(str(link))._check_target()

@@ -119,6 +119,8 @@ def read_manifest(path: str | os.PathLike) -> Manifest:
     """The manifest of the nvckpt DCP directory ``path`` (FormatError naming what is wrong)."""
     path = os.fspath(path)
     where = os.path.join(path, MANIFEST)
+    if os.path.isfile(path):  # a file given where a DCP directory belongs (nvckpt merge FILE)
+        raise NotADirectoryError(20, "is a file, not a checkpoint directory (nvckpt.dcp.Writer writes a directory)", path)
     if not os.path.isdir(path):
         raise FileNotFoundError(2, "no such checkpoint directory", path)
     if not os.path.isfile(where):

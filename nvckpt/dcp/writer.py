@@ -164,7 +164,11 @@ class Writer(StorageWriter):
         p = self.path
         if not os.path.lexists(p):
             return
-        if not os.path.isdir(p) or os.path.islink(p):
+        if os.path.islink(p):  # publishing renames over the path: it would replace the link, not what it names
+            raise FileExistsError(17, "is a symlink; nvckpt.dcp.Writer publishes a directory by renaming it into "
+                                      f"place, which would replace the link: give the directory it names "
+                                      f"({os.path.realpath(p)})", p)
+        if not os.path.isdir(p):
             raise FileExistsError(17, "exists and is not a directory; nvckpt.dcp.Writer writes a directory", p)
         entries = os.listdir(p)
         if METADATA in entries or MANIFEST in entries:
