@@ -24,6 +24,7 @@ import fcntl
 import glob
 import os
 import secrets
+import stat
 import threading
 import time
 from collections import deque
@@ -87,6 +88,15 @@ def _unlocked(path: str) -> str | None:
     finally:
         os.close(fd)
     return "starting" if st.st_size == 0 and time.time() - st.st_mtime < _FRESH else "left"
+
+
+def is_special_file(path: str) -> bool:
+    """A device, FIFO or socket (through symlinks): a file a rename must not replace."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
 
 
 def _named(exc: OSError, given: str) -> OSError:
@@ -210,7 +220,7 @@ class AtomicReplace:
         self.path = os.path.realpath(os.path.abspath(self.given))
         if os.path.isdir(self.path):
             raise IsADirectoryError(errno.EISDIR, "Is a directory", self.given)
-        if os.path.exists(self.path) and not os.path.isfile(self.path):  # a device, FIFO or socket
+        if is_special_file(self.path):
             raise OSError(errno.EINVAL, "not a regular file (a device, FIFO or socket): it is not replaced", self.given)
         folder = os.path.dirname(self.path)
         if not os.path.isdir(folder):
@@ -312,4 +322,4 @@ def atomic_output(path: str | os.PathLike) -> Iterator[str]:
 
 
 __all__ = ["AtomicReplace", "atomic_output", "fsync_path", "temporary_name", "leftover_temporaries", "TMP_SUFFIX",
-           "TURNS", "Turn", "Turns"]
+           "TURNS", "Turn", "Turns", "is_special_file"]

@@ -8,7 +8,6 @@ import dataclasses
 import gc
 import os
 import platform
-import stat
 import threading
 import time
 import warnings
@@ -24,7 +23,7 @@ from ..codecs.base import Pipeline
 from ..codecs.presets import GPU_PRESETS, chooser
 from ..errors import LeftoverTemporaryWarning, UnsupportedCodecError
 from ..format.frames import FrameWriter, check_index_floor
-from ..io.atomic import TURNS, AtomicReplace, leftover_temporaries
+from ..io.atomic import TURNS, AtomicReplace, is_special_file, leftover_temporaries
 from ..io.sink import FileSink
 from ..options import SaveOptions
 from ..plan.chunking import CPU_CHUNK_SIZE, GPU_CHUNK_SIZE
@@ -254,8 +253,9 @@ class SaveSession:
             # Read ahead: the caller waits until every tensor is read, so read before anything else
             # (the file, the index bound, the leftover check come after it is released).
             items = _ReadFirst(items, self.tensors_read)
-        special = not hasattr(self.target, "write") and _special_file(os.fspath(self.target))
-        if not hasattr(self.target, "write") and not special:
+        stream = hasattr(self.target, "write")
+        special = not stream and is_special_file(os.fspath(self.target))
+        if not stream and not special:
             left = leftover_temporaries(os.fspath(self.target))
             if left:
                 warnings.warn(LeftoverTemporaryWarning(
@@ -267,7 +267,7 @@ class SaveSession:
         alignment = self.options.alignment
         if alignment is None:  # O_DIRECT / GPUDirect reads of single chunks want 4 KiB; the CPU reader nothing
             alignment = 1 if self.device is None else 4096
-        if hasattr(self.target, "write"):
+        if stream:
             size = write_items(self.target, items, self.plan, alignment=alignment, info=info, progress=self.progress)
             return self._result(None, raw_bytes, size)
         if special:  # a device or FIFO (/dev/null, a pipe): written through, as torch.save does, never replaced
@@ -350,13 +350,7 @@ class SaveFuture(Future):
         self._read: threading.Event | None = None
         self._publish_lock = threading.Lock()
         self._published = False
-        self._observed = False
-        self._failure: lifecycle.Failure | None = None
-
-    @property
-    def observed(self) -> bool:
-        """Whether the caller asked for the result (or the error): an unasked failure is reported at exit."""
-        return self._observed
+        self._failure: lifecycle.Failure | None = None  # set when it fails: exit reports it unless it was seen
 
     def result(self, timeout: float | None = None) -> Any:
         try:
@@ -371,10 +365,8 @@ class SaveFuture(Future):
             self._seen()
 
     def _seen(self) -> None:
-        if self.done():
-            self._observed = True
-            if self._failure is not None:
-                self._failure.seen = True  # the caller has the error: exit need not report it
+        if self.done() and self._failure is not None:
+            self._failure.seen = True  # the caller has the error: exit need not report it
 
     def wait_read(self, timeout: float | None = None) -> bool:
         """Block until the save reads the caller's tensors no more (they may then be changed); True if so.
@@ -413,15 +405,6 @@ class SaveFuture(Future):
             self._state = CANCELLED_AND_NOTIFIED
             self._condition.notify_all()
         self._invoke_callbacks()
-
-
-def _special_file(path: str) -> bool:
-    """A device, FIFO or socket (through symlinks): not a file a rename may replace."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:
-        return False
-    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
 
 
 def _register(target: Any, options: SaveOptions, cancel: threading.Event, future: Any = None) -> lifecycle.Running:
