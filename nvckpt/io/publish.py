@@ -28,8 +28,8 @@ import contextlib
 import ctypes
 import errno
 import glob
-import os
 import itertools
+import os
 import secrets
 import shutil
 import threading
@@ -96,7 +96,7 @@ def _exchange(a: str, b: str) -> bool:
 
 
 class Sequence:
-    """The order saves to a directory were started in this process: ``number()`` at the start, ``publish``
+    """The order saves to a directory were started in this process: ``number()`` at the start; ``publish``
     refuses a number older than the one last published there."""
 
     def __init__(self) -> None:
@@ -107,13 +107,16 @@ class Sequence:
     def number(self) -> int:
         return next(self._count)
 
-    def claim(self, final: str, number: int) -> None:
-        """Under ``lock``: may save ``number`` publish at ``final``?  (FileExistsError if a newer one did.)"""
+    def publish(self, staging: str, final: str, number: int) -> None:
+        """``_publish`` for save ``number``, unless a newer save to ``final`` has published (FileExistsError);
+        the number counts as published only once the directory is."""
         key = os.path.realpath(os.path.abspath(final))
-        if self._published.get(key, -1) > number:
-            raise FileExistsError(errno.EEXIST, "a checkpoint saved after this one was published there first; "
-                                  "this older one is not published over it", final)
-        self._published[key] = number
+        with self.lock:
+            if self._published.get(key, -1) > number:
+                raise FileExistsError(errno.EEXIST, "a checkpoint saved after this one was published there first; "
+                                      "this older one is not published over it", final)
+            _publish(staging, final)
+            self._published[key] = number
 
 
 SAVES = Sequence()
@@ -122,12 +125,10 @@ SAVES = Sequence()
 def publish_directory(staging: str, final: str | os.PathLike, number: int | None = None) -> None:
     """Make the complete ``staging`` directory the one at ``final`` (see the module docstring); ``number``:
     the save's ``SAVES.number()``, refused if a newer save to ``final`` has published."""
-    if number is not None:
-        with SAVES.lock:
-            SAVES.claim(os.path.abspath(os.fspath(final)), number)
-            _publish(staging, final)
-        return
-    _publish(staging, final)
+    if number is None:
+        _publish(staging, final)
+    else:
+        SAVES.publish(staging, os.path.abspath(os.fspath(final)), number)
 
 
 def _publish(staging: str, final: str | os.PathLike) -> None:
