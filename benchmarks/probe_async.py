@@ -31,6 +31,7 @@ import json
 import os
 import resource
 import sys
+import threading
 import time
 
 import torch
@@ -157,7 +158,6 @@ class _Trace:
 
     def __init__(self) -> None:
         import importlib
-        import threading
 
         self.main = threading.get_ident()
         self.steps: dict[str, list[float]] = {}
@@ -170,7 +170,7 @@ class _Trace:
     def _wrap(self, name: str, fn):
         @functools.wraps(fn)
         def timed(*a, **k):
-            if threading_ident() != self.main:
+            if threading.get_ident() != self.main:
                 return fn(*a, **k)
             u0 = _thread_usage()
             try:
@@ -190,19 +190,14 @@ class _Trace:
     def row(self) -> dict:
         mem = torch.cuda.memory_stats()
         u = _thread_usage()
-        out = {name: {"wall_ms": round(a[0] * 1e3, 2), "cpu_ms": round(a[1] * 1e3, 2), "faults": int(a[2]),
-                      "vol_switches": int(a[3]), "invol_switches": int(a[4])} for name, a in self.steps.items()}
-        out["caller_whole_save"] = {"wall_ms": round((u[0] - self._u[0]) * 1e3, 1), "cpu_ms": round((u[1] - self._u[1]) * 1e3, 1),
-                                    "faults": u[2] - self._u[2], "vol_switches": u[3] - self._u[3],
-                                    "invol_switches": u[4] - self._u[4]}
+        def usage(a) -> dict:
+            return {"wall_ms": round(a[0] * 1e3, 2), "cpu_ms": round(a[1] * 1e3, 2), "faults": int(a[2]),
+                    "vol_switches": int(a[3]), "invol_switches": int(a[4])}
+
+        out = {name: usage(a) for name, a in self.steps.items()}
+        out["caller_whole_save"] = usage([x - y for x, y in zip(u, self._u)])
         out["cuda_allocator"] = {k: mem.get(k, 0) - self._mem.get(k, 0) for k in self.MEMORY}
         return out
-
-
-def threading_ident() -> int:
-    import threading
-
-    return threading.get_ident()
 
 
 def ab(args: argparse.Namespace, save, base: dict) -> dict:
