@@ -230,6 +230,8 @@ def test_async_save_holds_the_values_at_call_time(tmp_path, room):
     # A state larger than half the memory budget is not copied: the engine reads it ahead of the writer.
     opts = GpuSaveOptions(memory_budget=64 << 20) if room == "read-ahead" else GpuSaveOptions(memory_budget=16 << 30)
     state = big_gpu_state()
+    # Random bytes are stored raw, copied out of the caller's tensor itself (the release waits for that copy).
+    state["noise"] = {"r": torch.randint(0, 256, (24 << 20,), dtype=torch.uint8, device=DEV)}
     expected = {k: {n: t.clone() for n, t in v.items()} for k, v in state.items()}
     torch.cuda.synchronize()
     future = nvckpt.async_save(state, tmp_path / "a.nvckpt", gpu=opts)

@@ -686,6 +686,56 @@ def test_read_ahead_reads_every_tensor_before_the_writer_gets_a_chunk():
     assert_tree_equal(nvckpt.load(buf), expected)
 
 
+class _CopiesInFlight(HostBackend):
+    """A host backend whose copies out stay "running" until something waits for them, as a GPU's do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies: list[tuple[object, bool]] = []  # (event, does the run hold a chunk stored raw)
+        self.waited: set[int] = set()
+
+    def copy_out(self, enc, run, raw, slot, gather=False):
+        super().copy_out(enc, run, raw, slot, gather)
+        event = object()
+        self.copies.append((event, bool(raw)))
+        return event
+
+    def wait(self, event):
+        if event is not None:
+            self.waited.add(id(event))
+
+    def ready(self, event):
+        return event is None or id(event) in self.waited
+
+
+def test_read_ahead_releases_the_caller_before_the_copies_of_compressed_chunks_end():
+    """The caller's tensors are read by the encodes and by the copies of chunks stored raw (copied out of
+    them); copies of compressed chunks read the engine's own buffers, so the caller need not wait for them."""
+    torch.manual_seed(0)
+    state = {"w": torch.randn(64, 1024).to(torch.bfloat16),  # compresses
+             "noise": torch.randint(0, 256, (64 * KiB,), dtype=torch.uint8)}  # stored raw
+    plan = plan_save(state, chunk_size=16 * KiB)
+    dev = _CopiesInFlight()
+    seen: dict[str, list[bool]] = {}
+
+    class Read(threading.Event):
+        def set(self):
+            if not seen:
+                seen["raw"] = [id(e) in dev.waited for e, raw in dev.copies if raw]
+                seen["compressed"] = [id(e) in dev.waited for e, raw in dev.copies if not raw]
+            super().set()
+
+    read = Read()
+    opts = GpuSaveOptions(batch_bytes=64 * KiB, slot_bytes=64 * KiB)
+    items = encode_batches(plan, chooser("auto", 1), dev, opts, read_ahead=read, tensor_checksums=False)
+    buf = io.BytesIO()
+    write_items(buf, items, plan, alignment=64, info=writer_info())
+    assert seen["raw"] and all(seen["raw"])  # every copy out of the caller's tensors was done
+    assert seen["compressed"] and not all(seen["compressed"])  # the last compressed ones were still going
+    buf.seek(0)
+    assert_tree_equal(nvckpt.load(buf), state)
+
+
 def test_read_ahead_beyond_the_pinned_limit_waits_for_the_writer():
     state = {"w": torch.randn(400, 1000)}
     plan = plan_save(state, chunk_size=64 * KiB)

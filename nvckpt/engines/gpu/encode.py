@@ -533,8 +533,12 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
                     continue  # read every tensor before writing anything
                 if not todo and not encoded and not later:
                     t0 = time.perf_counter()
-                    for g in copied:  # raw chunks are copied out of the caller's tensors themselves
-                        dev.wait(g.event)
+                    # Every encode is done (it read the caller's tensors); copies of compressed chunks read
+                    # the engine's own buffers and may go on after the caller is released, but chunks stored
+                    # raw are copied out of the caller's tensors themselves: wait for those.
+                    for g in copied:
+                        if g.raw:
+                            dev.wait(g.event)
                     if checks is not None:
                         checks.wait_all()
                     stats["tensors_read_seconds"] = time.perf_counter() - started
