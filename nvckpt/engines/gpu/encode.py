@@ -159,6 +159,7 @@ class _Group:
     view: Any  # numpy view of the slot
     raw: set[int]
     event: Any
+    inputs: Any = None  # the event after which its copies read no input (chunks stored raw) any more
     hashes: "_Digests | None" = None
     slots: "_Slots | None" = field(default=None, repr=False)
     lengths: list[int] = field(default_factory=list)
@@ -508,8 +509,8 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
                 if slot is None:
                     break  # no free slot: the writer must release some first
                 raw_here = sorted(i for i in raws if run.first <= i < run.stop)
-                event = dev.copy_out(enc, run, raw_here, pool.slots[slot], gather)
-                copied.append(_Group(enc, run, slot, slots.views[slot], set(raw_here), event,
+                event, inputs = dev.copy_out(enc, run, raw_here, pool.slots[slot], gather)
+                copied.append(_Group(enc, run, slot, slots.views[slot], set(raw_here), event, inputs,
                                      slots=slots, lengths=lengths))
                 cursor[1] += 1
                 if cursor[1] == len(groups):
@@ -537,8 +538,8 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
                     # the engine's own buffers and may go on after the caller is released, but chunks stored
                     # raw are copied out of the caller's tensors themselves: wait for those.
                     for g in copied:
-                        if g.raw:
-                            dev.wait(g.event)
+                        if g.inputs is not None:
+                            dev.wait(g.inputs)
                     if checks is not None:
                         checks.wait_all()
                     stats["tensors_read_seconds"] = time.perf_counter() - started
