@@ -687,29 +687,22 @@ def test_read_ahead_reads_every_tensor_before_the_writer_gets_a_chunk():
 
 
 class _CopiesInFlight(HostBackend):
-    """A host backend whose copies out stay "running" until something waits for them, as a GPU's do (in
-    order: one stream for the copies of compressed chunks, one for those of chunks stored raw)."""
+    """A host backend whose copies out stay "running" until something waits for them, as a GPU's do."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.copies: list[object] = []  # events of the copies of compressed chunks
-        self.raw_copies: list[object] = []  # events of the copies out of the caller's tensors (chunks stored raw)
+        self.copies: list[tuple[object, bool]] = []  # (event, does the run hold a chunk stored raw)
         self.waited: set[int] = set()
 
     def copy_out(self, enc, run, raw, slot, gather=False):
         super().copy_out(enc, run, raw, slot, gather)
-        event, inputs = object(), (object() if raw else None)
-        self.copies.append(event)
-        if inputs is not None:
-            self.raw_copies.append(inputs)
-        return event, inputs
+        event = object()
+        self.copies.append((event, bool(raw)))
+        return event
 
     def wait(self, event):
-        # Each stream runs its copies in order: waiting for one is waiting for those queued before it too.
-        for queue in (self.copies, self.raw_copies):
-            if any(e is event for e in queue):
-                upto = next(k for k, e in enumerate(queue) if e is event)
-                self.waited.update(id(e) for e in queue[: upto + 1])
+        if event is not None:
+            self.waited.add(id(event))
 
     def ready(self, event):
         return event is None or id(event) in self.waited
@@ -717,8 +710,7 @@ class _CopiesInFlight(HostBackend):
 
 def test_read_ahead_releases_the_caller_before_the_copies_of_compressed_chunks_end():
     """The caller's tensors are read by the encodes and by the copies of chunks stored raw (copied out of
-    them, on a stream of their own); copies of compressed chunks read the engine's own buffers, so the
-    caller need not wait for them, even for those queued before a raw chunk's copy."""
+    them); copies of compressed chunks read the engine's own buffers, so the caller need not wait for them."""
     torch.manual_seed(0)
     state = {"w": torch.randn(64, 1024).to(torch.bfloat16),  # compresses
              "noise": torch.randint(0, 256, (64 * KiB,), dtype=torch.uint8)}  # stored raw
@@ -729,8 +721,8 @@ def test_read_ahead_releases_the_caller_before_the_copies_of_compressed_chunks_e
     class Read(threading.Event):
         def set(self):
             if not seen:
-                seen["raw"] = [id(e) in dev.waited for e in dev.raw_copies]
-                seen["compressed"] = [id(e) in dev.waited for e in dev.copies]
+                seen["raw"] = [id(e) in dev.waited for e, raw in dev.copies if raw]
+                seen["compressed"] = [id(e) in dev.waited for e, raw in dev.copies if not raw]
             super().set()
 
     read = Read()

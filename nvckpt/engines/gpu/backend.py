@@ -71,8 +71,7 @@ class Backend(Protocol):
     def ordered(self, fn: Callable[[], Any]) -> Any: ...
     def capacity(self, pipeline: Pipeline, length: int) -> int: ...
     def encode(self, batch: Batch, sources: dict[int, torch.Tensor]) -> Encoded: ...
-    def copy_out(self, enc: Encoded, run: SlotRun, raw: list[int], slot: torch.Tensor,
-                 gather: bool = False) -> tuple[Any, Any]: ...
+    def copy_out(self, enc: Encoded, run: SlotRun, raw: list[int], slot: torch.Tensor, gather: bool = False) -> Any: ...
     # -- decode --
     def route(self, pipeline: Pipeline) -> Any: ...
     def alloc(self, nbytes: int) -> torch.Tensor: ...
@@ -103,7 +102,7 @@ def _copy_raw(enc: Encoded, run: SlotRun, raw: list[int], slot: torch.Tensor, *,
 
 def _copy_run(enc: Encoded, run: SlotRun, raw: list[int], slot: torch.Tensor, *, non_blocking: bool,
               gather: bool) -> None:
-    """The run's copies from the batch's output (not those of its chunks stored raw: ``_copy_raw``).
+    """The run's copies from the batch's output, then the input bytes of its chunks stored raw.
 
     ``gather``: first pack the run's pieces on the device (one copy kernel at device-memory speed),
     then move them with one device-to-host copy: a copy per chunk costs more of the link's time."""
@@ -115,6 +114,7 @@ def _copy_run(enc: Encoded, run: SlotRun, raw: list[int], slot: torch.Tensor, *,
     else:
         for _, _, device_at, slot_at, n in pieces:
             slot[slot_at: slot_at + n].copy_(enc.buffer[device_at: device_at + n], non_blocking=non_blocking)
+    _copy_raw(enc, run, raw, slot, non_blocking=non_blocking)
 
 
 def _batch_parts(batch: Batch, sources: dict[int, torch.Tensor], device: Any,
@@ -139,14 +139,13 @@ _streams: dict[Any, tuple[Any, Any]] = {}
 _streams_lock = threading.Lock()
 
 
-def device_streams(device: torch.device) -> tuple[Any, Any, Any, Any]:
-    """The engines' (compute, copy, gather, raw-copy) streams of a device, made once: buffers that torch's
-    allocator caches on them are reused by the next save or load instead of staying reserved for a stream
-    nobody uses."""
+def device_streams(device: torch.device) -> tuple[Any, Any, Any]:
+    """The engines' (compute, copy, gather) streams of a device, made once: buffers that torch's allocator
+    caches on them are reused by the next save or load instead of staying reserved for a stream nobody uses."""
     with _streams_lock:
         streams = _streams.get(device)
         if streams is None:
-            streams = _streams[device] = tuple(torch.cuda.Stream(device) for _ in range(4))
+            streams = _streams[device] = tuple(torch.cuda.Stream(device) for _ in range(3))
         return streams
 
 
@@ -163,7 +162,7 @@ class CudaBackend:
 
         self._nb = nb
         self.device = cuda_device(device)
-        self.stream, self.copy_stream, self.gather_stream, self.raw_stream = device_streams(self.device)
+        self.stream, self.copy_stream, self.gather_stream = device_streams(self.device)
         self._packing: list[list[Any]] = []  # [device buffer, event of the copy that last read it]
         self.gpu_zstd = gpu_zstd
         self.timing = timing
@@ -221,7 +220,6 @@ class CudaBackend:
     def finish(self) -> None:
         self.stream.synchronize()
         self.gather_stream.synchronize()
-        self.raw_stream.synchronize()
         self.copy_stream.synchronize()
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
         self._packing.clear()
@@ -280,35 +278,22 @@ class CudaBackend:
             return _batch_parts(batch, sources, self.device,
                                 lambda x: x.device != self.device or not x.is_contiguous())
 
-    def copy_out(self, enc: Encoded, run: SlotRun, raw: list[int], slot: torch.Tensor,
-                 gather: bool = False) -> tuple[Any, Any]:
-        """Issue the copies of ``run``'s chunks into ``slot``; returns (an event for all of them, an event
-        after which they read none of the batch's inputs, or None: no chunk of the run is stored raw).
+    def copy_out(self, enc: Encoded, run: SlotRun, raw: list[int], slot: torch.Tensor, gather: bool = False) -> Any:
+        """Issue the copies of ``run``'s chunks into ``slot``; returns an event to wait for.
 
-        Chunks stored raw are copied out of their inputs (the caller's tensors) on a stream of their own,
-        so that a read-ahead async_save can release its caller without waiting for the copies of
-        compressed chunks queued before them.  With ``gather`` the pieces are packed on the gather stream
-        into one of two device buffers of a slot each (GATHER_BUFFERS, counted in the memory budget), then
-        moved by one copy on the copy stream: the next run is packed while this one crosses the link.  A
-        buffer is packed again only after the copy that read it."""
+        With ``gather`` the pieces are packed on the gather stream into one of two device buffers of a
+        slot each (GATHER_BUFFERS, counted in the memory budget), then moved by one copy on the copy
+        stream: the next run is packed while this one crosses the link.  A buffer is packed again only
+        after the copy that read it."""
         pieces = _pieces(run, raw)
         copy = self.copy_stream
-        inputs = None
-        if raw:
-            with torch.cuda.stream(self.raw_stream):
-                self.raw_stream.wait_event(enc.event)
-                _copy_raw(enc, run, raw, slot, non_blocking=True)
-                inputs = torch.cuda.Event()
-                inputs.record(self.raw_stream)
         if not (gather and _packable(pieces)):
             with torch.cuda.stream(copy):
                 copy.wait_event(enc.event)
                 _copy_run(enc, run, raw, slot, non_blocking=True, gather=False)
-                if inputs is not None:
-                    copy.wait_event(inputs)
                 done = torch.cuda.Event()
                 done.record(copy)
-            return done, inputs
+            return done
         if len(self._packing) < GATHER_BUFFERS:  # a new buffer while there are fewer than two
             with torch.cuda.stream(self.gather_stream):
                 entry = [torch.empty(slot.numel(), dtype=torch.uint8, device=self.device), None]
@@ -329,12 +314,11 @@ class CudaBackend:
             copy.wait_event(enc.event)
             at = pieces[0][3]
             slot[at: at + n].copy_(buf[:n], non_blocking=True)
-            if inputs is not None:
-                copy.wait_event(inputs)
+            _copy_raw(enc, run, raw, slot, non_blocking=True)
             done = torch.cuda.Event()
             done.record(copy)
         entry[1] = done
-        return done, inputs
+        return done
 
     # -- decode --
     def route(self, pipeline: Pipeline) -> Any:
@@ -467,11 +451,9 @@ class HostBackend:
             sizes.append(n)
         return Encoded(batch, parts, cap, out, None, sizes)
 
-    def copy_out(self, enc: Encoded, run: SlotRun, raw: list[int], slot: torch.Tensor,
-                 gather: bool = False) -> tuple[Any, Any]:
+    def copy_out(self, enc: Encoded, run: SlotRun, raw: list[int], slot: torch.Tensor, gather: bool = False) -> Any:
         _copy_run(enc, run, raw, slot, non_blocking=False, gather=gather)
-        _copy_raw(enc, run, raw, slot, non_blocking=False)
-        return None, None
+        return None
 
     # -- decode --
     def route(self, pipeline: Pipeline) -> Any:

@@ -159,7 +159,6 @@ class _Group:
     view: Any  # numpy view of the slot
     raw: set[int]
     event: Any
-    inputs: Any = None  # the event after which its copies read no input (chunks stored raw) any more
     hashes: "_Digests | None" = None
     slots: "_Slots | None" = field(default=None, repr=False)
     lengths: list[int] = field(default_factory=list)
@@ -509,8 +508,8 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
                 if slot is None:
                     break  # no free slot: the writer must release some first
                 raw_here = sorted(i for i in raws if run.first <= i < run.stop)
-                event, inputs = dev.copy_out(enc, run, raw_here, pool.slots[slot], gather)
-                copied.append(_Group(enc, run, slot, slots.views[slot], set(raw_here), event, inputs,
+                event = dev.copy_out(enc, run, raw_here, pool.slots[slot], gather)
+                copied.append(_Group(enc, run, slot, slots.views[slot], set(raw_here), event,
                                      slots=slots, lengths=lengths))
                 cursor[1] += 1
                 if cursor[1] == len(groups):
@@ -538,8 +537,8 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
                     # the engine's own buffers and may go on after the caller is released, but chunks stored
                     # raw are copied out of the caller's tensors themselves: wait for those.
                     for g in copied:
-                        if g.inputs is not None:
-                            dev.wait(g.inputs)
+                        if g.raw:
+                            dev.wait(g.event)
                     if checks is not None:
                         checks.wait_all()
                     stats["tensors_read_seconds"] = time.perf_counter() - started
