@@ -247,6 +247,28 @@ def test_async_save_holds_the_values_at_call_time(tmp_path, room):
         assert future.blocked_seconds < 1.0, future.blocked_seconds
 
 
+@pytest.mark.parametrize("order", ["compressible first", "incompressible first"])
+@pytest.mark.parametrize("checksums", [True, False])
+def test_chunks_stored_raw_beside_compressed_ones_of_one_copy(tmp_path, order, checksums):
+    """Small chunks of one batch share one device-to-host copy; a chunk that ANS does not shrink is stored
+    raw, its bytes copied from its input over that copy's: every byte must be the tensor's (a review found
+    them wrong when the two copies ran on different streams)."""
+    torch.manual_seed(0)
+    noise = {"b16": torch.randint(0, 256, (2 * 4662,), dtype=torch.uint8, device=DEV).view(torch.float16),
+             "b32": torch.randint(0, 256, (4 * 40000,), dtype=torch.uint8, device=DEV).view(torch.float32)}
+    smooth = {"a16": torch.randn(8, 256, device=DEV).to(torch.bfloat16), "a32": torch.randn(64, 256, device=DEV)}
+    state = {**smooth, **noise} if order == "compressible first" else {**noise, **smooth}
+    for name in ("plain", "async"):
+        path = tmp_path / f"{name}.nvckpt"
+        if name == "plain":
+            nvckpt.save(state, path, tensor_checksums=checksums)
+        else:
+            opt = torch.optim.SGD([torch.zeros(1, device=DEV, requires_grad=True)])  # lazy: read ahead
+            nvckpt.async_save(state, path, tensor_checksums=checksums, fence=opt).result(timeout=120)
+        assert_tree_equal(nvckpt.load(path, device="cuda"), state)
+        assert_tree_equal(nvckpt.load(path, device="cpu"), {k: v.cpu() for k, v in state.items()})
+
+
 def test_read_ahead_pins_the_compressed_bytes_and_takes_reserved_slots(tmp_path):
     """Pinned slots hold the chunks packed (compressed sizes, not nvCOMP's worst-case bound), and a reserve
     made beforehand is what the save uses: it pins nothing new."""

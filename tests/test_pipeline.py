@@ -687,7 +687,8 @@ def test_read_ahead_reads_every_tensor_before_the_writer_gets_a_chunk():
 
 
 class _CopiesInFlight(HostBackend):
-    """A host backend whose copies out stay "running" until something waits for them, as a GPU's do."""
+    """A host backend whose copies out stay "running" until something waits for them, as a GPU's do (in
+    order, on one stream)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -701,8 +702,10 @@ class _CopiesInFlight(HostBackend):
         return event
 
     def wait(self, event):
-        if event is not None:
-            self.waited.add(id(event))
+        # One copy stream runs the copies in order: waiting for one is waiting for those queued before it too.
+        upto = next((k for k, (e, _) in enumerate(self.copies) if e is event), None)
+        if upto is not None:
+            self.waited.update(id(e) for e, _ in self.copies[: upto + 1])
 
     def ready(self, event):
         return event is None or id(event) in self.waited
@@ -712,8 +715,8 @@ def test_read_ahead_releases_the_caller_before_the_copies_of_compressed_chunks_e
     """The caller's tensors are read by the encodes and by the copies of chunks stored raw (copied out of
     them); copies of compressed chunks read the engine's own buffers, so the caller need not wait for them."""
     torch.manual_seed(0)
-    state = {"w": torch.randn(64, 1024).to(torch.bfloat16),  # compresses
-             "noise": torch.randint(0, 256, (64 * KiB,), dtype=torch.uint8)}  # stored raw
+    state = {"noise": torch.randint(0, 256, (64 * KiB,), dtype=torch.uint8),  # stored raw, read first
+             "w": torch.randn(64, 1024).to(torch.bfloat16)}  # compresses
     plan = plan_save(state, chunk_size=16 * KiB)
     dev = _CopiesInFlight()
     seen: dict[str, list[bool]] = {}
