@@ -362,3 +362,44 @@ def test_a_failed_async_save_whose_error_was_seen_is_not_reported_at_exit(tmp_pa
         del f  # looked at, then dropped
     """)
     assert done.returncode == 0 and done.stdout.strip() == "seen" and "nvckpt: error" not in done.stderr, done.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_a_forked_child_does_not_inherit_the_parents_saves(tmp_path):
+    """A DataLoader worker forked while an async_save runs has none of its parent's save threads: it must
+    neither wait for the parent's save at its exit nor for its turn at the same path, and an open
+    checkpoint's reads work in it (its decode threads stayed in the parent)."""
+    path, other = str(tmp_path / "a.nvckpt"), str(tmp_path / "b.nvckpt")
+    done = child(f"""
+        import multiprocessing as mp, sys, time, torch, nvckpt
+        nvckpt.save({{"v": torch.arange(1 << 18, dtype=torch.float32)}}, {other!r}, chunk_size=16 << 10)
+        f = nvckpt.open({other!r})
+        f.get_tensor("v")  # the parent's decode threads exist now
+        future = {SLOW_SAVE.format(fn='async_save', path=path, extra='')}
+
+        def idle():
+            pass
+
+        def same_path():
+            nvckpt.save({{"child": 1}}, {path!r})
+
+        def read():
+            torch.set_num_threads(1)  # as a DataLoader worker does (OpenMP's threads do not survive a fork)
+            assert torch.equal(f.get_tensor("v"), torch.arange(1 << 18, dtype=torch.float32))
+
+        ctx = mp.get_context("fork")
+        for target in (idle, same_path, read):
+            p = ctx.Process(target=target)
+            t = time.monotonic()
+            p.start()
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                sys.exit(f"{{target.__name__}}: the child hung")
+            assert p.exitcode == 0, (target.__name__, p.exitcode)
+            assert not future.done(), "the parent's save ended before the children were tested"
+        future.result()
+    """)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "finishing" not in done.stderr.split("finishing 1 async save(s) before exit")[0]  # only the parent's
+    assert torch.equal(nvckpt.load(path)["w"], torch.arange(1 << 24, dtype=torch.float32))

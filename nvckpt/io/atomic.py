@@ -189,7 +189,15 @@ class Turns:
             self._cond.notify_all()
 
 
+    def _after_fork_in_child(self) -> None:
+        # The parent's saves and their threads are not in a forked child: none of their turns is its to wait for.
+        self._cond = threading.Condition()
+        self._queues = {}
+
+
 TURNS = Turns()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=TURNS._after_fork_in_child)
 
 
 def about_target(exc: BaseException, path: str, tmp: str) -> BaseException:

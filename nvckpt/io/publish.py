@@ -119,7 +119,13 @@ class Sequence:
             self._published[key] = number
 
 
+    def _after_fork_in_child(self) -> None:
+        self.lock = threading.Lock()  # it may have been held by a thread of the parent, which the child lacks
+
+
 SAVES = Sequence()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=SAVES._after_fork_in_child)
 
 
 def publish_directory(staging: str, final: str | os.PathLike, number: int | None = None) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from operator import add, eq
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
@@ -56,6 +57,13 @@ class CheckpointFile:
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self._closed = False
+        _OPEN.add(self)
+
+    def _after_fork_in_child(self) -> None:
+        # A forked child (a DataLoader worker reading through its dataset's open checkpoint) has none of the
+        # parent's decode threads: work given to that pool would never run.  Reads (pread) need no reset.
+        self._pool_lock = threading.Lock()
+        self._pool = None
 
     # -- lifecycle ---------------------------------------------------------
     def close(self) -> None:
@@ -71,12 +79,17 @@ class CheckpointFile:
         if len(items) <= 1 or self._workers == 1:
             return [fn(x) for x in items]
         with self._pool_lock:
-            if self._closed:
-                raise NvckptError("read from a closed checkpoint", path=self.path)
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="nvckpt-decode")
-            futures = [self._pool.submit(fn, x) for x in items]
+            pool = self._threads()
+            futures = [pool.submit(fn, x) for x in items]
         return [f.result() for f in futures]
+
+    def _threads(self) -> ThreadPoolExecutor:
+        """The decode threads, started at first use (with ``_pool_lock`` held)."""
+        if self._closed:
+            raise NvckptError("read from a closed checkpoint", path=self.path)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="nvckpt-decode")
+        return self._pool
 
     # -- names -------------------------------------------------------------
     def entry(self, name: str) -> TensorEntry:
@@ -245,14 +258,20 @@ class CheckpointFile:
     def submit(self, fn: Callable, *args: Any) -> Any:
         """``fn(*args)`` on the decode threads; returns its Future."""
         with self._pool_lock:
-            if self._closed:
-                raise NvckptError("read from a closed checkpoint", path=self.path)
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="nvckpt-decode")
-            return self._pool.submit(fn, *args)
+            return self._threads().submit(fn, *args)
 
 
 _tls = threading.local()
+_OPEN: "weakref.WeakSet[CheckpointFile]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for f in list(_OPEN):
+        f._after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 #: Small chunks are read together (one pread, one task): neighbours in the file, at most _GROUP_GAP apart

@@ -172,4 +172,19 @@ def _die(signum: int) -> None:
     os.kill(os.getpid(), signum)
 
 
+def _after_fork_in_child() -> None:
+    """A forked child (a DataLoader worker, a multiprocessing.Process) has none of its parent's saves: their
+    threads stayed in the parent, so the child must neither wait for them at its exit nor report them."""
+    global _lock
+    _lock = threading.Lock()  # another thread may have held it at the fork: it would stay locked here
+    _active.clear()
+    _failed.clear()
+    _terminating.clear()
+    _force.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 __all__ = ["prepare", "begin", "end", "pending_async", "Running"]
