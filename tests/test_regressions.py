@@ -204,3 +204,51 @@ def test_a_checkpoint_in_a_stream_after_a_header_is_read_from_where_it_begins():
     buf.seek(0)
     with pytest.raises(nvckpt.FormatError, match="not an nvckpt file"):
         nvckpt.load(buf)  # the header is not a checkpoint
+
+
+class _Precision(str, enum.Enum):  # as Lightning's precision names: a str that is also an enum member
+    BF16 = "bf16-mixed"
+
+
+class _Level(enum.IntEnum):
+    HIGH = 3
+
+
+def test_enum_members_are_stored_as_the_str_or_int_they_are():
+    # str() of a (str, Enum) member is "Cls.MEMBER" on Python 3.11+: saved as that, it changed the value.
+    state = {"hparams": {"precision": _Precision.BF16, "level": _Level.HIGH},
+             _Precision.BF16: torch.ones(1), "names": {_Precision.BF16}}
+    buf = io.BytesIO()
+    nvckpt.save(state, buf)
+    buf.seek(0)
+    got = nvckpt.load(buf)
+    assert got["hparams"] == {"precision": "bf16-mixed", "level": 3}
+    assert type(got["hparams"]["precision"]) is str and type(got["hparams"]["level"]) is int
+    assert set(got) == {"hparams", "bf16-mixed", "names"} and got["names"] == {"bf16-mixed"}
+
+
+def test_an_int_too_large_for_a_reader_is_refused_at_save():
+    # SPEC 16: a reader refuses big integers over 1024 bytes; save wrote them, and the file did not load.
+    ok = io.BytesIO()
+    nvckpt.save({"seed": 1 << 8190}, ok)  # 1024 bytes: the limit itself
+    ok.seek(0)
+    assert nvckpt.load(ok)["seed"] == 1 << 8190
+    with pytest.raises(nvckpt.LimitError, match="integer at seed takes 1026 bytes"):
+        nvckpt.save({"w": torch.ones(2), "seed": 2 ** 8200}, io.BytesIO())
+
+
+def test_a_views_base_takes_a_name_no_tensor_of_the_state_has():
+    # SPEC 14.3: "<first view>@base", else another unique name; a tensor named "w@base" made the save fail.
+    buf = torch.arange(20.0)
+    state = {"w": buf[:10], "v": buf[5:15], "w@base": torch.ones(3), "w@base1": torch.zeros(2)}
+    out = io.BytesIO()
+    nvckpt.save(state, out)
+    out.seek(0)
+    got = nvckpt.load(out)
+    for k, v in state.items():
+        assert_tensor_equal(got[k], v)
+    got["w"][7] = -1.0  # still views of one storage
+    assert float(got["v"][2]) == -1.0
+    out.seek(0)
+    with nvckpt.open(out) as f:
+        assert "w@base2" in {e.name for e in f._file.index.tensors}

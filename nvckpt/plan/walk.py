@@ -17,9 +17,10 @@ import numpy as np
 import torch
 
 from ..errors import LimitError, UnsupportedObjectError
-from ..format.constants import MAX_NAME_BYTES, MAX_RANK, MAX_TENSOR_BYTES, MAX_TENSORS, MAX_TREE_DEPTH
+from ..format.constants import MAX_BIGINT_BYTES, MAX_NAME_BYTES, MAX_RANK, MAX_TENSOR_BYTES, MAX_TENSORS, MAX_TREE_DEPTH
 from ..format.dtypes import DTYPES
-from ..format.tree import BigInt, DeviceName, DtypeName, TensorRef, escape, same_value, set_item_problem, tree_features
+from ..format.tree import (BigInt, DeviceName, DtypeName, TensorRef, bigint_bytes, escape, same_value, set_item_problem,
+                           tree_features)
 from .chunking import CPU_CHUNK_SIZE, check_chunk_size, chunk_ranges
 from .derived import DerivedSearch
 from .dtypes import name_of
@@ -137,6 +138,10 @@ def _scalar_leaf(value: Any, path: str) -> Any:
     if isinstance(value, complex):
         return complex(value)
     if isinstance(value, int) and not isinstance(value, bool) and not _INT_MIN <= value <= _INT_MAX:
+        size = len(bigint_bytes(int(value)))
+        if size > MAX_BIGINT_BYTES:  # SPEC 16: a reader refuses it, so the file would not load
+            raise LimitError(f"integer at {path or '<root>'} takes {size} bytes, more than the format's limit of "
+                             f"{MAX_BIGINT_BYTES} ({8 * MAX_BIGINT_BYTES} bits); store it as a str or bytes")
         return BigInt(int(value))
     return _plain_scalar(value, path)
 
@@ -357,7 +362,10 @@ def _plain_scalar(value: Any, path: str) -> Any:
         return bool(value)
     if isinstance(value, int):
         return _check_int(int(value), path)
-    for base in (float, str, bytes):
+    if isinstance(value, str):
+        # Not str(value): for a (str, Enum) member that is "Cls.MEMBER" (Python 3.11+), not the str it is.
+        return str.__str__(value)
+    for base in (float, bytes):
         if isinstance(value, base):
             return base(value)
     return value
@@ -409,6 +417,7 @@ def _dedupe(leaves: list[tuple[str, torch.Tensor, tuple[str, int]]]) -> tuple[li
     names_seen: dict[str, int] = {}
     tensors: list[PlannedTensor] = []
     leaf_ids = [0] * len(leaves)
+    paths: set[str] | None = None  # every leaf's name, made once, if a base needs a name
 
     def add(entry: dict[str, Any], data: torch.Tensor | None) -> int:
         tid = len(tensors)
@@ -451,7 +460,9 @@ def _dedupe(leaves: list[tuple[str, torch.Tensor, tuple[str, int]]]) -> tuple[li
         lo = min(k[1] for k in views)
         hi = max(k[1] + sum((s - 1) * st for s, st in zip(k[2], k[3])) + 1 for k in views)
         base_data = first.as_strided((hi - lo,), (1,), lo)
-        base_name = leaves[members[0]][0] + "@base"
+        if paths is None:
+            paths = {p for p, _, _ in leaves}
+        base_name = _base_name(leaves[members[0]][0], paths, names_seen)
         base = add({"name": base_name, "dtype": name_of(first.dtype), "shape": [hi - lo], "internal": True}, base_data)
         for key, same in views.items():
             path, t, facts = leaves[same[0]]
@@ -464,6 +475,16 @@ def _dedupe(leaves: list[tuple[str, torch.Tensor, tuple[str, int]]]) -> tuple[li
                 leaf_ids[i] = tid
         _check_alias_names(leaves, members, names_seen, leaf_ids)
     return tensors, leaf_ids
+
+
+def _base_name(first: str, paths: set[str], taken: dict[str, int]) -> str:
+    """SPEC 14.3: "<first view's name>@base", or, when a tensor of the state (``paths``) or an earlier base
+    (``taken``) is called that, the first of "@base1", "@base2", ... that none is (the suffix means nothing
+    to a reader)."""
+    k = 0
+    while f"{first}@base{k or ''}" in paths or f"{first}@base{k or ''}" in taken:
+        k += 1
+    return f"{first}@base{k or ''}"
 
 
 def _check_alias_names(leaves, members, names_seen, leaf_ids) -> None:
