@@ -167,7 +167,105 @@ def test_cancelled_async_save_reports_cancelled(tmp_path):
         future.result(timeout=60)
     assert type(info.value).__name__ == "CancelledError"
     assert future.cancelled() and not path.exists()
-    assert not future.cancel()  # already done
+    assert not glob.glob(str(tmp_path / ".*nvckpt-tmp"))  # result() raised once the thread had cleaned up
+    assert future.cancel()  # already cancelled: True, as for any concurrent.futures.Future
+
+
+def test_a_true_cancel_makes_the_future_cancelled_at_once(tmp_path):
+    # concurrent.futures' contract: after cancel() returns True, cancelled() and done() are True.
+    future = nvckpt.async_save({"w": torch.arange(1 << 22, dtype=torch.float32)}, tmp_path / "c.nvckpt",
+                               chunk_size=4096, codec="zstd", zstd_level=19, workers=1)
+    assert future.cancel()
+    assert future.cancelled() and future.done() and not future.running()
+    called = []
+    future.add_done_callback(called.append)
+    assert called == [future]
+    with pytest.raises(Exception) as info:
+        future.exception(timeout=60)
+    assert type(info.value).__name__ == "CancelledError"
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_cancel_of_a_stream_save_is_false_once_every_chunk_is_written():
+    # A stream keeps what was written: cancel() stops the save before its index, or it is too late (False).
+    import io
+    import threading
+
+    at_footer, go_on = threading.Event(), threading.Event()
+
+    class Stream(io.BytesIO):
+        def write(self, data):
+            if bytes(data).endswith(b"NVCKEND\n"):
+                at_footer.set()
+                go_on.wait(10)
+            return super().write(data)
+
+    out = Stream()
+    future = nvckpt.async_save({"w": torch.randn(1000)}, out)
+    assert at_footer.wait(10)
+    assert not future.cancel()
+    go_on.set()
+    result = future.result(timeout=10)
+    assert not future.cancelled() and result.file_bytes == len(out.getvalue())
+    out.seek(0)
+    assert nvckpt.load(out)["w"].shape == (1000,)
+
+
+def test_an_async_saves_relative_path_is_the_callers_folder(tmp_path, monkeypatch):
+    # The path is resolved at the call: a chdir while the save runs must not move the file.
+    (tmp_path / "run").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "run")
+    future = nvckpt.async_save({"w": torch.arange(1 << 20, dtype=torch.float32)}, "ckpt.nvckpt", chunk_size=4096,
+                               codec="zstd", workers=1)
+    os.chdir(tmp_path / "elsewhere")
+    result = future.result(timeout=60)
+    assert result.path == str(tmp_path / "run" / "ckpt.nvckpt")
+    assert os.listdir(tmp_path / "run") == ["ckpt.nvckpt"] and os.listdir(tmp_path / "elsewhere") == []
+
+
+def test_a_lazy_save_copies_sets_at_the_call(tmp_path):
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    tags = {1, 2}
+    future = nvckpt.async_save({"model": model.state_dict(), "tags": tags}, tmp_path / "s.nvckpt", fence=opt)
+    tags.add(3)
+    future.result(timeout=60)
+    assert nvckpt.load(tmp_path / "s.nvckpt")["tags"] == {1, 2}
+
+
+@pytest.mark.parametrize("fn", [nvckpt.save, nvckpt.async_save])
+def test_a_bytes_path_or_another_object_is_refused_with_a_clear_error(tmp_path, fn):
+    with pytest.raises(TypeError, match="os.fsdecode"):
+        fn({"w": torch.ones(1)}, os.fsencode(str(tmp_path / "b.nvckpt")))
+    with pytest.raises(TypeError, match="not int"):
+        fn({"w": torch.ones(1)}, 123)
+    assert os.listdir(tmp_path) == []
+
+
+def test_the_leftover_warning_names_the_callers_line(tmp_path):
+    import warnings
+
+    (tmp_path / ".x.nvckpt.0123abcd.nvckpt-tmp").write_bytes(b"junk")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        nvckpt.save({"w": torch.ones(2)}, tmp_path / "x.nvckpt")
+    (w,) = [w for w in caught if issubclass(w.category, nvckpt.LeftoverTemporaryWarning)]
+    assert w.filename == __file__
+
+
+def test_a_failed_async_save_at_exit_still_runs_atexit_handlers_and_flushes_files(tmp_path):
+    log = tmp_path / "train.log"
+    done = child(f"""
+        import atexit, torch, nvckpt
+        log = open({str(log)!r}, "w")  # buffered, never closed: the interpreter flushes it at its end
+        log.write("epoch 10 done\\n")
+        atexit.register(lambda: print("handler ran", flush=True))
+        nvckpt.async_save({{"w": torch.ones(2)}}, {str(tmp_path / "missing" / "c.nvckpt")!r})
+    """)
+    assert done.returncode == 1 and "handler ran" in done.stdout
+    assert done.stderr.strip().splitlines()[-1].startswith("nvckpt: error: the async save to")
+    assert log.read_text() == "epoch 10 done\n"
 
 
 def test_async_save_copies_its_metadata_and_tree_at_the_call(tmp_path):

@@ -123,9 +123,10 @@ def pending_async() -> list[Running]:
 
 def _finish_at_exit() -> None:
     waiting = pending_async()
-    if waiting and not _terminating.is_set():
-        paths = ", ".join(r.path for r in waiting)
-        print(f"nvckpt: finishing {len(waiting)} async save(s) before exit: {paths}", file=sys.stderr, flush=True)
+    saving = [r for r in waiting if not r.future.cancelled()]  # cancelled ones only remove their temporary file
+    if saving and not _terminating.is_set():
+        paths = ", ".join(r.path for r in saving)
+        print(f"nvckpt: finishing {len(saving)} async save(s) before exit: {paths}", file=sys.stderr, flush=True)
     for run in waiting:
         run.done.wait()
     with _lock:  # failed now, or before the exit and nobody asked: lost either way
@@ -133,8 +134,32 @@ def _finish_at_exit() -> None:
     for path, line in failed:
         print(f"nvckpt: error: the async save to {path} failed: {line}", file=sys.stderr, flush=True)
     if failed:
-        sys.stdout.flush()
-        os._exit(1)  # the checkpoint the script believed it wrote does not exist: never exit 0
+        _exit_failed()  # the checkpoint the script believed it wrote does not exist: never exit 0
+
+
+def _exit_failed() -> None:
+    """Exit status 1 although the script's main code has ended (its status is decided by then): what the
+    interpreter would still do -- the program's atexit handlers (this runs before them, in threading's
+    shutdown), flushing files it left open -- then os._exit(1)."""
+    import atexit
+    import gc
+    import io
+
+    atexit._run_exitfuncs()  # each handler once, in their order (the interpreter then finds none left)
+    files = (io.BufferedWriter, io.BufferedRandom, io.TextIOWrapper)
+    for obj in gc.get_objects():  # files a script leaves open are flushed when the interpreter ends
+        if issubclass(type(obj), files):  # (not isinstance: it asks every object for its __class__)
+            try:
+                if not obj.closed and obj.writable():
+                    obj.flush()
+            except Exception:  # noqa: BLE001 - a broken file must not keep the others from being flushed
+                pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    os._exit(1)
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:

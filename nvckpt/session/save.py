@@ -8,6 +8,7 @@ import dataclasses
 import gc
 import os
 import platform
+import sys
 import threading
 import time
 import warnings
@@ -104,6 +105,35 @@ def _gpu_device(tensors: list[PlannedTensor], options: SaveOptions) -> torch.dev
     return cuda_device(device if device is not None else "cuda")
 
 
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _outside_nvckpt() -> int:
+    """warnings.warn's stacklevel for the first frame outside nvckpt (the caller's line, whichever API it
+    came through; in an async_save's thread, the thread's outermost frame)."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def save_target(target: Any, *, absolute: bool = False) -> Any:
+    """``target`` as a save writes to it: a binary stream (it has ``write``) as it is, else a str path
+    (made absolute with ``absolute``: an async_save's path means the folder of the call, whatever the
+    process's working folder is when the save's thread opens it)."""
+    if hasattr(target, "write"):
+        return target
+    try:
+        path = os.fspath(target)
+    except TypeError:
+        raise TypeError(f"a checkpoint is saved to a path (str or os.PathLike) or a binary file object with "
+                        f"write(), not {type(target).__qualname__}") from None
+    if isinstance(path, bytes):
+        raise TypeError("a checkpoint is saved to a path (str or os.PathLike) or a binary file object, not "
+                        "bytes: use os.fsdecode(path) for a bytes path")
+    return os.path.abspath(path) if absolute else path
+
+
 class SaveSession:
     """One save of ``obj`` to ``target`` (a path, written atomically, or a binary stream that never seeks)."""
 
@@ -111,7 +141,7 @@ class SaveSession:
                  progress: Callable[[int], None] | None = None) -> None:
         self.start = time.perf_counter()
         self.options = options
-        self.target = target
+        self.target = save_target(target)
         self.progress = progress
         bf16, copies = options.derives
         # Derived-tensor candidates are verified later (SavePlan.decide): before the engine runs, or, in
@@ -261,12 +291,22 @@ class SaveSession:
                 warnings.warn(LeftoverTemporaryWarning(
                     f"{len(left)} temporary file(s) of an earlier save to {os.fspath(self.target)} that did not finish: "
                     f"{', '.join(map(os.path.basename, left))}; `nvckpt recover TMP OUT` salvages their complete "
-                    "tensors (remove them when done)"), stacklevel=4)
+                    "tensors (remove them when done)"), stacklevel=_outside_nvckpt())
         info = writer_info(extra)
         raw_bytes = self.plan.raw_bytes  # every tensor the file restores: views and derived ones too
         alignment = self.options.alignment
         if alignment is None:  # O_DIRECT / GPUDirect reads of single chunks want 4 KiB; the CPU reader nothing
             alignment = 1 if self.device is None else 4096
+        def last_call() -> None:
+            """Right before the rename (a stream: before its index): a cancel from now on is too late
+            (SaveFuture.cancel returns False)."""
+            if self.publishing is not None:
+                self.publishing()
+            elif cancel.is_set():
+                raise CancelledError("the save was cancelled; the file at the target path was not changed")
+
+        if stream or special:  # what was written stays written: a cancel stops it before the index, or not at all
+            items = _then(items, last_call)
         if stream:
             size = write_items(self.target, items, self.plan, alignment=alignment, info=info, progress=self.progress)
             return self._result(None, raw_bytes, size)
@@ -275,13 +315,6 @@ class SaveSession:
                 size = write_items(f, items, self.plan, alignment=alignment, info=info, progress=self.progress)
             return self._result(os.fspath(self.target), raw_bytes, size)
         direct = self.options.direct_io
-
-        def last_call() -> None:
-            """Right before the rename: a cancel from now on is too late (SaveFuture.cancel returns False)."""
-            if self.publishing is not None:
-                self.publishing()
-            elif cancel.is_set():
-                raise CancelledError("the save was cancelled; the file at the target path was not changed")
 
         out = AtomicReplace(os.fspath(self.target), lambda tmp: FileSink(tmp, direct=direct), turn=turn,
                             before_publish=last_call)
@@ -322,6 +355,12 @@ class _ReadFirst:
             close()
 
 
+def _then(items: Iterator, last: Callable[[], None]) -> Iterator:
+    """``items``, then ``last()`` once they are all given (before the writer writes the index)."""
+    yield from items
+    last()
+
+
 def _cancellable(items: Iterator, cancel: threading.Event) -> Iterator:
     try:
         for item in items:
@@ -350,19 +389,29 @@ class SaveFuture(Future):
         self._read: threading.Event | None = None
         self._publish_lock = threading.Lock()
         self._published = False
+        self._ended: threading.Event | None = None  # set when the save's thread has ended (cleaned up)
         self._failure: lifecycle.Failure | None = None  # set when it fails: exit reports it unless it was seen
 
     def result(self, timeout: float | None = None) -> Any:
         try:
+            self._wait_cleanup(timeout)
             return super().result(timeout)
         finally:
             self._seen()
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         try:
+            self._wait_cleanup(timeout)
             return super().exception(timeout)
         finally:
             self._seen()
+
+    def _wait_cleanup(self, timeout: float | None) -> None:
+        """A cancelled save is cancelled at once (cancel() returned True), but its thread may still be removing
+        its temporary file: result() and exception() wait for that (within ``timeout``), so that once they
+        raise CancelledError the folder holds only what it held before."""
+        if self.cancelled() and self._ended is not None:
+            self._ended.wait(timeout)
 
     def _seen(self) -> None:
         if self.done() and self._failure is not None:
@@ -384,10 +433,16 @@ class SaveFuture(Future):
         return True
 
     def cancel(self) -> bool:
+        """Stop the save unless it has reached its final rename (then False): as for any Future, a True means
+        that ``cancelled()`` is True from now on and ``result()`` raises CancelledError (once the save's
+        thread has removed its temporary file)."""
         with self._publish_lock:
+            if self.cancelled():
+                return True
             if self.done() or self._published:
                 return False  # done, or at its final rename: the new file is (being) published
             self._stop.set()
+            self._set_cancelled()
             return True
 
     def _publish(self) -> None:
@@ -398,13 +453,24 @@ class SaveFuture(Future):
             self._published = True
 
     def _set_cancelled(self) -> None:
-        """The running save stopped because of cancel(): cancelled() is True and result() raises CancelledError."""
+        """cancel() stops the running save: cancelled() is True and result() raises CancelledError."""
         from concurrent.futures._base import CANCELLED_AND_NOTIFIED
 
         with self._condition:
+            if self._state == CANCELLED_AND_NOTIFIED:
+                return
             self._state = CANCELLED_AND_NOTIFIED
             self._condition.notify_all()
         self._invoke_callbacks()
+
+    def _finish(self, result: Any = None, exc: BaseException | None = None) -> None:
+        """The save's thread's outcome, unless cancel() already decided it."""
+        if self.cancelled():
+            return
+        if exc is not None:
+            self.set_exception(exc)
+        else:
+            self.set_result(result)
 
 
 def _register(target: Any, options: SaveOptions, cancel: threading.Event, future: Any = None) -> lifecycle.Running:
@@ -423,6 +489,8 @@ def _containers(node: Any) -> Any:
         return [_containers(v) for v in node]
     if isinstance(node, tuple):
         return tuple(_containers(v) for v in node)
+    if isinstance(node, set):  # its items are scalars (hashable): a shallow copy is the snapshot
+        return set(node)
     return node
 
 
@@ -453,10 +521,12 @@ def start_async(obj: Any, target: Any, options: SaveOptions, fence: Any = None) 
     With a fence (lazy) the call only copies the object's containers and the metadata and records an event
     on the caller's CUDA stream; planning, reading and writing all happen in the save's thread."""
     start = time.perf_counter()
+    target = save_target(target, absolute=True)
     fences = _fences(fence) if fence is not None else []
     lifecycle.prepare(async_save=True)
     future = SaveFuture()
     future.set_running_or_notify_cancel()
+    future._ended = threading.Event()
     collecting = False  # the collector was on, and this call turned it off
     try:
         if fences:
@@ -501,16 +571,18 @@ def start_async(obj: Any, target: Any, options: SaveOptions, fence: Any = None) 
                 if future._stop.is_set():
                     future._set_cancelled()
                 else:
-                    future.set_exception(exc)
+                    future._finish(exc=exc)
             except BaseException as exc:
-                future._failure = lifecycle.failed(running, exc)
-                future.set_exception(exc)
+                if not future.cancelled():  # a cancelled save's later error is not a lost checkpoint
+                    future._failure = lifecycle.failed(running, exc)
+                future._finish(exc=exc)
             else:
-                future.set_result(result)
+                future._finish(result)
             finally:
                 lifecycle.end(running)
                 if future._read is not None:
                     future._read.set()  # also when it failed before reading: whoever waits sees the outcome
+                future._ended.set()
 
         running = _register(target, options, future._stop, future)  # before the thread starts: an exit now waits for it
         launched = time.perf_counter()
