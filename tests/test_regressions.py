@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import io
+import os
 import threading
 
 import pytest
@@ -252,3 +253,17 @@ def test_a_views_base_takes_a_name_no_tensor_of_the_state_has():
     out.seek(0)
     with nvckpt.open(out) as f:
         assert "w@base2" in {e.name for e in f._file.index.tensors}
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc/self/fd")
+def test_a_checkpoint_dropped_without_close_closes_its_file(tmp_path):
+    # nvckpt.open(p)["w"] (no with, no close) kept one descriptor per call until "Too many open files".
+    import gc
+
+    path = tmp_path / "f.nvckpt"
+    nvckpt.save({"w": torch.arange(10.0)}, path)
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(50):
+        assert float(nvckpt.open(path)["w"][3]) == 3.0
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) <= before + 2

@@ -169,6 +169,16 @@ class Source:
         if fd is not None:
             os.close(fd)
 
+    def __del__(self) -> None:
+        # A checkpoint dropped without close() (``nvckpt.open(p)["w"]``) must not keep its descriptor open,
+        # as a Python file object does not; nothing reads through a Source that is being collected.
+        fd, self._fd = getattr(self, "_fd", None), None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
 
 class DirectReads:
     """Reads of a Source's file into caller buffers, O_DIRECT where the filesystem allows.
