@@ -156,8 +156,9 @@ def check_preamble(data: bytes) -> tuple[int, int, int]:
     return major, minor, required
 
 
-def parse_header(data: bytes, where: int) -> FrameHeader:
-    """Section 4.1: magic and checksum first, then the other fields."""
+def parse_header(data: bytes, where: int, index: bool = False) -> FrameHeader:
+    """Section 4.1: magic and checksum first, then the other fields.  ``index``: the frame the footer points
+    at, which must be the INDEX frame (section 5 check 7: any other type is FormatError, 5-127 included)."""
     if len(data) < HEADER_LEN:
         raise TruncatedError(f"frame header at {where} cut short")
     if data[:4] != FRAME_MAGIC:
@@ -171,6 +172,8 @@ def parse_header(data: bytes, where: int) -> FrameHeader:
         raise FormatError(f"frame flags {h.flags:#x} at offset {where}")
     if h.padding_length > MAX_PADDING:
         raise FormatError(f"padding_length {h.padding_length} > 2^20 at offset {where}")
+    if index and h.frame_type != INDEX:
+        raise FormatError(f"the footer points at a frame of type {h.frame_type} at offset {where}, not the INDEX frame")
     if h.frame_type == 0:
         raise FormatError(f"frame type 0 at offset {where}")
     if 5 <= h.frame_type <= 127:
@@ -269,11 +272,11 @@ def unpack_one(payload: bytes) -> Any:
                              max_array_len=n, max_map_len=n, max_ext_len=n)
         u.feed(payload)
         obj = u.unpack()
-        try:
-            u.unpack()
-        except msgpack.OutOfData:
-            return obj
-        raise FormatError("trailing bytes after the msgpack object")
+        # Where the object ends, not whether a second one decodes: an incomplete object after it (a str
+        # header with no bytes) is trailing bytes too, not the end of the data.
+        if u.tell() != n:
+            raise FormatError(f"trailing bytes after the msgpack object ({n - u.tell()} of {n})")
+        return obj
     except NvError:
         raise
     except msgpack.StackError:
@@ -679,8 +682,13 @@ class Index:
     raw_codecs: list
 
 
+_ABSENT = object()  # a key that is not in the map (canon tells it from every value, nil included)
+
+
 def canon(v: Any) -> Any:
     """A msgpack value compared by type and value (maps unordered, floats by bits): rule 3 of 4.3, 8.3."""
+    if v is _ABSENT:
+        return ("absent",)
     if isinstance(v, Map):
         return ("map", frozenset((key_class(k), canon(x)) for k, x in v))
     if isinstance(v, list):
@@ -732,7 +740,7 @@ def parse_entry(tid: int, raw: Any, ncodecs: int, index_offset: int) -> Entry:
     if len(kinds) != 1:
         raise FormatError(f"tensor {name!r}: needs exactly one of chunks, view, derived (has {kinds})")
     checksum = e.get("checksum")
-    if checksum is not None:
+    if "checksum" in e:  # optional, but a u64 when present: nil is a value of another type (section 1, Types)
         _uint(checksum, f"tensor {name!r}: checksum")
     internal = e.get("internal", False)
     if not isinstance(internal, bool):
@@ -934,8 +942,8 @@ class RandomAccessReader:
             raise TruncatedError("file too short")
         footer_at = file_length - FOOTER_LEN
         index_offset, index_length, index_checksum = parse_footer(self._read(footer_at, FOOTER_LEN), file_length)
-        h = parse_header(self._read(index_offset, HEADER_LEN), index_offset)
-        if (h.frame_type != INDEX or h.stored_length != index_length or h.payload_checksum != index_checksum
+        h = parse_header(self._read(index_offset, HEADER_LEN), index_offset, index=True)
+        if (h.stored_length != index_length or h.payload_checksum != index_checksum
                 or index_offset + HEADER_LEN + h.padding_length + index_length != footer_at):
             raise FormatError("INDEX frame header disagrees with the footer")
         if any(self._read(index_offset + HEADER_LEN, h.padding_length)):
@@ -986,8 +994,10 @@ class StreamingReader:
                 continue
             limit = {CODEC: MAX_META_FRAME_LENGTH, TENSOR: MAX_META_FRAME_LENGTH,
                      CHUNK: MAX_CHUNK_LENGTH, INDEX: MAX_INDEX_LENGTH}[h.frame_type]
-            if h.stored_length > limit or (h.frame_type == CHUNK and h.raw_length > MAX_CHUNK_LENGTH):
-                raise LimitError(f"frame at {at}: length {h.stored_length} over the limit")
+            if h.stored_length > limit:
+                raise LimitError(f"frame at {at}: stored_length {h.stored_length} over the limit {limit}")
+            if h.frame_type == CHUNK and h.raw_length > MAX_CHUNK_LENGTH:
+                raise LimitError(f"CHUNK frame at {at}: raw_length {h.raw_length} over MAX_CHUNK_LENGTH")
             payload_at = self.pos
             payload = self._take(h.stored_length)
             if xxh3(payload) != h.payload_checksum:
@@ -1058,11 +1068,11 @@ class StreamingReader:
             d = described[e.tensor_id]
             raw = index.raw_entries[e.tensor_id]
             for key in ("name", "dtype", "shape", "view", "derived", "checksum", "internal"):
-                default = False if key == "internal" else None
+                default = False if key == "internal" else _ABSENT  # absent is not nil (8.3: absent from both)
                 if canon(d.get(key, default)) != canon(raw.get(key, default)):
                     raise FormatError(f"tensor {e.name!r}: TENSOR frame {key!r} differs from the index (8.3)")
             nchunks = d.get("nchunks")
-            if nchunks != len(e.chunks):
+            if isinstance(nchunks, bool) or not isinstance(nchunks, int) or nchunks != len(e.chunks):  # True == 1 == 1.0
                 raise FormatError(f"tensor {e.name!r}: TENSOR frame nchunks {nchunks} != {len(e.chunks)}")
             for i, (off, stored, rawlen, cid, check) in enumerate(e.chunks):
                 got = chunks.get((e.tensor_id, i))

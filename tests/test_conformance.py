@@ -207,6 +207,29 @@ def test_generator_is_deterministic(tmp_path, manifest):
         assert case == committed[case["id"]]
 
 
+def test_clarification_cases_are_reproducible(tmp_path, manifest):
+    """conformance/gen_clarifications.py (SPEC 1.1 second edition, 19.1) rebuilds its committed cases exactly."""
+    import shutil
+
+    (tmp_path / "files").mkdir()
+    for cid in ("valid-base", "valid-typed-tree"):  # the committed files it starts from
+        shutil.copy(os.path.join(SUITE, "files", f"{cid}.nvckpt"), tmp_path / "files")
+    shutil.copy(MANIFEST, tmp_path / "manifest.json")
+    p = subprocess.run([sys.executable, os.path.join(SUITE, "gen_clarifications.py"), "--out", str(tmp_path)],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    regenerated = json.loads((tmp_path / "manifest.json").read_text())["cases"]
+    assert regenerated == manifest["cases"]  # every case already committed, none changed
+    made = sorted(n for n in os.listdir(tmp_path / "files") if n not in ("valid-base.nvckpt", "valid-typed-tree.nvckpt"))
+    assert len(made) >= 20
+    if manifest["generator"]["zstd"] != ".".join(map(str, __import__("zstandard").ZSTD_VERSION)):
+        zstd = {c["file"].removeprefix("files/") for c in manifest["cases"] if c["codec"] == "zstd"}
+        made = [n for n in made if n not in zstd]  # zstd bytes depend on the libzstd version the manifest records
+    for name in made:
+        with open(os.path.join(SUITE, "files", name), "rb") as f:
+            assert (tmp_path / "files" / name).read_bytes() == f.read(), name
+
+
 # -- concurrent readers ------------------------------------------------------------------------------
 
 def test_threads_share_one_open_file(manifest):

@@ -69,7 +69,10 @@ def escape(key: Any) -> str:
 def raw_bytes(t: torch.Tensor) -> bytes:
     if t.numel() == 0:
         return b""
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    flat = t.detach().cpu().reshape(-1)
+    if flat.stride() != (1,):  # one element of a stride-0 view: "contiguous" to torch, but .view(uint8) needs stride 1
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8).numpy().tobytes()
 
 
 def leaves(obj: Any, parts: tuple = ()) -> list[tuple[str, torch.Tensor]]:
@@ -1978,6 +1981,11 @@ def main(argv: list[str] | None = None) -> int:
     total = sum(c["bytes"] for c in s.cases)
     nvalid = sum(c["result"] == "valid" for c in s.cases)
     print(f"{len(s.cases)} cases ({nvalid} valid, {len(s.cases) - nvalid} invalid), {total} bytes of files")
+    if not args.only:  # the second edition's clarification cases are built from the files made above
+        import subprocess
+
+        subprocess.run([sys.executable, os.path.join(ROOT, "conformance", "gen_clarifications.py"), "--out", args.out],
+                       check=True)
     return 0
 
 

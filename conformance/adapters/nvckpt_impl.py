@@ -76,7 +76,10 @@ def node_json(node: Any, names: list[str]) -> Any:
 def raw_bytes(t: torch.Tensor) -> bytes:
     if t.numel() == 0:
         return b""
-    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    flat = t.detach().cpu().reshape(-1)
+    if flat.stride() != (1,):  # one element of a stride-0 view: "contiguous" to torch, but .view(uint8) needs stride 1
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat.view(torch.uint8).numpy().tobytes()
 
 
 def decode(target: Any, device: str = "cpu") -> dict:

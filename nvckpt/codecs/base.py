@@ -62,7 +62,9 @@ class Codec:
         raise NotImplementedError
 
     def __eq__(self, other: object) -> bool:
-        return type(self) is type(other) and self.configuration() == other.configuration()  # type: ignore[attr-defined]
+        # The name too: every unregistered codec is one class (UnknownCodec) whatever its name.
+        return (type(self) is type(other) and self.name == other.name  # type: ignore[attr-defined]
+                and self.configuration() == other.configuration())  # type: ignore[attr-defined]
 
     def __hash__(self) -> int:
         return hash((self.name, json.dumps(self.configuration(), sort_keys=True)))

@@ -16,6 +16,10 @@ bytes a chunk, and then every check walks them again.  Here an index of
 Every rule of the plain decoding holds (one object, valid msgpack, unique keys,
 the ext types, nesting, the memory budget): on anything unusual a piece is
 decoded the plain way, so the errors and their messages are the same.
+
+Only the ``"tree"`` value has its ext types decoded (tuples, tensor references, SPEC 9.2's); every
+other value keeps its exts as ``tree.Ext`` (tuples aside, ``tree._plain_ext_hook``): under a key a reader
+ignores they MAY be anything (SPEC 1, 8.1, 8.2), and under a known key the type checks reject them.
 """
 
 from __future__ import annotations
@@ -91,7 +95,7 @@ class LazyEntries:
 
 def _unpacker(size: int) -> msgpack.Unpacker:
     budget = getattr(tree._nesting, "budget", None) is not None
-    return msgpack.Unpacker(ext_hook=tree._ext_hook, raw=False, strict_map_key=False, use_list=True,
+    return msgpack.Unpacker(ext_hook=tree._plain_ext_hook, raw=False, strict_map_key=False, use_list=True,
                             object_pairs_hook=tree._counted_map if budget else tree.unique_map,
                             list_hook=tree._counted_list if budget else None, max_buffer_size=max(size, 1))
 
@@ -107,18 +111,17 @@ class _Irregular(Exception):
 
 
 def decode_index(payload: Any) -> Any:
-    """The INDEX payload as ``tree.unpackb`` decodes it, with "tensors" as LazyEntries where it is large."""
-    if len(payload) < STREAM_FROM:
-        return tree.unpackb(payload)
+    """The INDEX payload as ``tree.unpackb`` decodes it (the "tree" value with its ext types decoded, SPEC 9),
+    with "tensors" as LazyEntries where it is large."""
     try:
-        return _decode_top(memoryview(payload).cast("B"))
+        return _decode_top(memoryview(payload).cast("B"), lazy=len(payload) >= STREAM_FROM)
     except NvckptError:
         raise
     except (_Irregular, ValueError, msgpack.OutOfData):
         return tree.unpackb(payload)  # not what a writer makes: the plain way says what is wrong
 
 
-def _decode_top(data: memoryview) -> Any:
+def _decode_top(data: memoryview, lazy: bool = True) -> Any:
     u = _unpacker(len(data))
     u.feed(data)
     pairs = []
@@ -127,10 +130,10 @@ def _decode_top(data: memoryview) -> Any:
         start = u.tell()
         u.skip()
         end = u.tell()
-        if key == "tensors":
+        if key == "tensors" and lazy:
             value: Any = _entries(data[start:end])
         else:
-            value = tree.unpackb(data[start:end])
+            value = tree.unpackb(data[start:end], tree=key == "tree")
         pairs.append((key, value))
     if u.tell() != len(data):
         raise _Irregular("bytes after the index map")

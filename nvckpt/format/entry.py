@@ -13,7 +13,7 @@ from typing import Any, Iterator, NamedTuple, Sequence
 from ..errors import FormatError, LimitError, UnsupportedFeatureError, brief
 from . import dtypes
 from .bulk import ChunkColumns
-from .tree import check_depth
+from .tree import Ext, check_depth, shown
 from .constants import (
     DERIVED_FUNCTIONS,
     FRAME_HEADER_SIZE,
@@ -208,14 +208,14 @@ class TensorEntry:
 
 def check_int(value: Any, what: str, lo: int = 0, hi: int = U64_MAX) -> int:
     if type(value) is not int or not lo <= value <= hi:
-        raise FormatError(f"{what} must be an integer in {lo}..{hi}, got {brief(value)}")
+        raise FormatError(f"{what} must be an integer in {lo}..{hi}, got {shown(value)}")
     return value
 
 
 def check_map(value: Any, what: str) -> dict:
     """A map of SPEC 8 or 11: str keys only (SPEC 1)."""
     if not isinstance(value, dict):
-        raise FormatError(f"{what} must be a map, got {type(value).__name__}")
+        raise FormatError(f"{what} must be a map, got {_type_of(value)}")
     for key in value:
         if not isinstance(key, str):
             raise FormatError(f"{what} has a key of type {type(key).__name__}; its keys must be strings")
@@ -224,8 +224,12 @@ def check_map(value: Any, what: str) -> dict:
 
 def check_list(value: Any, what: str) -> list:
     if not isinstance(value, list):
-        raise FormatError(f"{what} must be an array, got {type(value).__name__}")
+        raise FormatError(f"{what} must be an array, got {_type_of(value)}")
     return value
+
+
+def _type_of(value: Any) -> str:
+    return shown(value) if isinstance(value, Ext) else type(value).__name__
 
 
 def parse_entry(tid: int, raw: Any, *, ncodecs: int | None = None, index_offset: int | None = None,
@@ -245,7 +249,7 @@ def parse_entry(tid: int, raw: Any, *, ncodecs: int | None = None, index_offset:
             check_depth(raw[key], f"tensor {tid}: {brief(key)}")
     name = raw.get("name")
     if not isinstance(name, str):
-        raise FormatError(f"tensor {tid}: 'name' must be a string")
+        raise FormatError(f"tensor {tid}: 'name' must be a string" + ("" if name is None else f", got {shown(name)}"))
     where = f"tensor {name!r:.200}"
     if len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
         raise LimitError(f"{where}: name longer than {MAX_NAME_BYTES} bytes")
@@ -268,7 +272,7 @@ def parse_entry(tid: int, raw: Any, *, ncodecs: int | None = None, index_offset:
     if not in_index and ("chunks" in raw or len(kinds) > 1):
         raise FormatError(f"{where}: a TENSOR frame has 'nchunks' and at most one of 'view', 'derived'")
     checksum = raw.get("checksum")
-    if checksum is not None:
+    if "checksum" in raw:  # optional, but an int when present: nil is not "absent" (SPEC 1, Types)
         check_int(checksum, f"{where}: 'checksum'")
     internal = raw.get("internal", False)
     if type(internal) is not bool:
@@ -304,7 +308,10 @@ def parse_entry(tid: int, raw: Any, *, ncodecs: int | None = None, index_offset:
     if "derived" in raw:
         derived = check_map(raw["derived"], f"{where}: 'derived'")
         check_depth(derived, f"{where}: 'derived'")
-        if derived.get("function") not in DERIVED_FUNCTIONS:  # SPEC 8.5: fail when the tensor is read, not at open
+        if not isinstance(derived.get("function"), str):  # only an unknown *name* waits for the read (SPEC 8.5, 1)
+            raise FormatError(f"{where}: 'derived' has no 'function'" if "function" not in derived else
+                              f"{where}: derived 'function' must be a string, got {brief(derived['function'], 60)}")
+        if derived["function"] not in DERIVED_FUNCTIONS:  # SPEC 8.5: fail when the tensor is read, not at open
             unsupported = unsupported or (f"unknown derived function {brief(derived.get('function'), 60)} "
                                           f"(known: {', '.join(DERIVED_FUNCTIONS)})")
         check_int(derived.get("source"), f"{where}: derived source", 0, MAX_TENSORS)
@@ -353,6 +360,8 @@ def _parse_chunks(where: str, chunk_list: list, dtype: dtypes.DType, nbytes: int
     if known and len(chunk_list) > nbytes:  # every chunk holds at least one byte
         raise FormatError(f"{where}: {len(chunk_list)} chunks for {nbytes} bytes")
     if not len(chunk_list):
+        if known and nbytes:  # SPEC 8.4: the raw lengths add up to nbytes, here none at all
+            raise FormatError(f"{where}: the chunk table is empty, shape and dtype need {nbytes} raw bytes")
         table: ChunkTable | None = store.add(((), (), (), (), ()), ())
     elif isinstance(chunk_list, ChunkColumns):
         table = _column_chunks(chunk_list.columns, dtype, nbytes, known, ncodecs, index_offset, store)
@@ -413,7 +422,8 @@ def _checked_chunks(where: str, chunk_list: list, dtype: dtypes.DType, nbytes: i
     if len(chunk_list) == 1 and known:
         c = chunk_list[0]
         if (type(c) is list and len(c) == 5 and all(type(v) is int for v in c)
-                and PREAMBLE_SIZE + FRAME_HEADER_SIZE <= c[0] <= U64_MAX and 1 <= c[1] <= MAX_CHUNK_LENGTH and c[2] == nbytes and not nbytes % (dtype.itemsize or 1)
+                and PREAMBLE_SIZE + FRAME_HEADER_SIZE <= c[0] <= U64_MAX and 1 <= c[1] <= MAX_CHUNK_LENGTH
+                and c[2] == nbytes <= MAX_CHUNK_LENGTH and not nbytes % (dtype.itemsize or 1)  # SPEC 8.4, 16
                 and 0 <= c[3] < ncodecs and 0 <= c[4] <= U64_MAX and c[0] + c[1] <= index_offset):
             return store.add_one(c[0], c[1], c[2], c[3], c[4])
     offs: list[int] = []

@@ -240,9 +240,8 @@ def locate_index(source: Any, *, max_index_memory: int | None = None) -> tuple[P
     """Preamble, footer, INDEX frame: check all of them, return the parsed index.
 
     ``max_index_memory`` bounds the memory the decoded index may take (LimitError)."""
-    if source.size < PREAMBLE_SIZE:
-        raise TruncatedError(f"file is {source.size} bytes, shorter than the preamble", path=source.name, offset=0)
-    preamble = Preamble.unpack(source.pread(0, PREAMBLE_SIZE))
+    # SPEC 3: a file shorter than the preamble is FormatError unless its bytes start the magic (TruncatedError).
+    preamble = Preamble.unpack(source.pread(0, min(source.size, PREAMBLE_SIZE)))
     minimum = PREAMBLE_SIZE + FRAME_HEADER_SIZE + FOOTER_SIZE
     if source.size < minimum:
         raise TruncatedError(f"file is {source.size} bytes, too short for an index and footer (try `nvckpt recover`)", path=source.name)
@@ -250,11 +249,16 @@ def locate_index(source: Any, *, max_index_memory: int | None = None) -> tuple[P
     footer = Footer.unpack(source.pread(footer_at, FOOTER_SIZE), footer_at)
     if footer.index_length > MAX_INDEX_LENGTH:
         raise LimitError(f"index of {footer.index_length} bytes exceeds the limit of {MAX_INDEX_LENGTH}", offset=footer_at)
-    if footer.index_offset < PREAMBLE_SIZE or footer.index_offset + FRAME_HEADER_SIZE > footer_at:
-        raise FormatError(f"footer's index offset {footer.index_offset} is outside the file", offset=footer_at)
+    # SPEC 5 check 6, before the INDEX frame header is read (check 7): the header and index_length bytes fit
+    # between the preamble and the footer.
+    if footer.index_offset < PREAMBLE_SIZE or footer.index_offset + FRAME_HEADER_SIZE + footer.index_length > footer_at:
+        raise FormatError(f"footer's index (offset {footer.index_offset}, {footer.index_length} bytes after a "
+                          f"{FRAME_HEADER_SIZE}-byte header) does not fit between the preamble and the footer at {footer_at}",
+                          offset=footer_at)
     header = FrameHeader.unpack(source.pread(footer.index_offset, FRAME_HEADER_SIZE), footer.index_offset)
-    if header.frame_type != FRAME_INDEX:
-        raise FormatError(f"footer points at a {FRAME_NAMES.get(header.frame_type, header.frame_type)} frame, not the INDEX", offset=footer.index_offset)
+    if header.frame_type != FRAME_INDEX:  # SPEC 5 check 7: FormatError for every other type, 5-127 included
+        raise FormatError(f"footer points at a {FRAME_NAMES.get(header.frame_type, f'type {header.frame_type}')} "
+                          "frame, not the INDEX frame", offset=footer.index_offset)
     payload_at = footer.index_offset + header.payload_skip
     if (header.stored_length != footer.index_length or header.payload_checksum != footer.index_checksum
             or header.raw_length != header.stored_length or payload_at + header.stored_length != footer_at):

@@ -11,7 +11,7 @@ from ..errors import FormatError, LimitError, brief
 from .constants import EXT_TENSOR, EXT_TUPLE, FEATURE_TYPED_TREE, MAX_CODECS, MAX_TENSORS, MAX_TREE_DEPTH, VERSION_MAJOR
 from .bulk import LazyEntries, decode_index
 from .entry import ChunkStore, TensorEntry, check_list, check_map, check_overlaps, parse_entry, reference_problem
-from .tree import MAX_PAYLOAD_DEPTH, TensorRef, check_depth, check_tree, leaf_paths, memory_budget, msgpack_errors
+from .tree import MAX_PAYLOAD_DEPTH, Ext, TensorRef, check_depth, check_tree, leaf_paths, memory_budget, msgpack_errors
 
 
 
@@ -115,6 +115,8 @@ def _check_metadata(node: Any) -> None:
             if isinstance(item, dict) and not all(isinstance(k, str) for k in item):
                 raise FormatError("metadata keys must be strings")
             stack.extend((x, depth + 1) for x in (item.values() if isinstance(item, dict) else item))
+        elif isinstance(item, Ext):
+            raise FormatError(f"metadata holds an ext type {item.code} value; only JSON-like values are allowed (SPEC 8.6)")
         elif item is not None and type(item) not in (bool, int, float, str):
             raise FormatError(f"metadata holds a {type(item).__name__}; only JSON-like values are allowed")
 

@@ -54,7 +54,10 @@ class Preamble:
 
     @classmethod
     def unpack(cls, data: bytes) -> "Preamble":
-        if len(data) < PREAMBLE_SIZE:
+        if len(data) < PREAMBLE_SIZE:  # SPEC 3: a cut-off nvckpt file only if what there is starts the magic
+            if not PREAMBLE_MAGIC.startswith(bytes(data[:len(PREAMBLE_MAGIC)])):
+                raise FormatError(f"not an nvckpt file (a {len(data)}-byte file whose bytes are not the start of "
+                                  f"the magic {PREAMBLE_MAGIC.hex()})", offset=0)
             raise TruncatedError(f"file is {len(data)} bytes, shorter than the {PREAMBLE_SIZE}-byte preamble", offset=0)
         magic, major, minor, required, optional, reserved = _PREAMBLE.unpack_from(data)
         if magic != PREAMBLE_MAGIC:
@@ -63,9 +66,13 @@ class Preamble:
             raise UnsupportedFeatureError(
                 f"format version {major}.{minor} is not supported (this reader reads {VERSION_MAJOR}.x)", offset=8
             )
-        if required & ~KNOWN_REQUIRED_FEATURES:
+        unknown = required & ~KNOWN_REQUIRED_FEATURES
+        if unknown:
+            bits = [b for b in range(32) if unknown >> b & 1]  # SPEC 3: name the bit numbers
             raise UnsupportedFeatureError(
-                f"file requires unknown features 0x{required & ~KNOWN_REQUIRED_FEATURES:08x}", offset=12
+                f"file requires unknown features: required_features bit{'s' if len(bits) > 1 else ''} "
+                f"{', '.join(map(str, bits))} (0x{required:08x}; this reader implements bit "
+                f"{', '.join(str(b) for b in range(32) if KNOWN_REQUIRED_FEATURES >> b & 1)})", offset=12
             )
         if reserved != 0:
             raise FormatError(f"preamble reserved field is 0x{reserved:08x}, must be 0", offset=20)

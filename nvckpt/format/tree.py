@@ -65,6 +65,33 @@ class BigInt(int):
     """An int outside msgpack's range [-2^63, 2^64), marked for ext 6 (strict_types hands int subclasses to the hook)."""
 
 
+class Ext:
+    """An ext value outside the tree, kept as stored (code and data, not decoded).
+
+    Only the tree gives ext types a meaning (SPEC 9, 9.2).  Anywhere else an ext is either under a key
+    this reader ignores, where it MAY be any value (SPEC 1, 8.1, 8.2), or under a known key, whose type
+    check then rejects it (an Ext is no int, str or map)."""
+
+    __slots__ = ("code", "data")
+
+    def __init__(self, code: int, data: bytes) -> None:
+        self.code, self.data = code, data
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is Ext and self.code == other.code and self.data == other.data  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((Ext, self.code, self.data))
+
+    def __repr__(self) -> str:
+        return f"Ext({self.code}, {self.data[:16]!r}{'...' if len(self.data) > 16 else ''})"
+
+
+def shown(value: Any) -> str:
+    """``brief(value)`` for an error message, an ``Ext`` named by its ext type."""
+    return f"an ext type {value.code} value" if isinstance(value, Ext) else brief(value)
+
+
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
 _DTYPE_NAME = re.compile(r"[a-z][a-z0-9_]*\Z")
 _DEVICE_SPEC = re.compile(r"[a-z][a-z0-9_]*(:(0|[1-9][0-9]{0,8}))?\Z")
@@ -146,17 +173,23 @@ def pack_tree(node: Any) -> bytes:
 _nesting = threading.local()
 
 
-def _nested_array(data: bytes, what: str) -> list:
-    # A tuple's or set's payload is unpacked by a nested call from inside msgpack's C unpacker: bound
-    # the nesting here, before the C stack overflows (about 41 KB of it per level).
+@contextlib.contextmanager
+def _one_level_deeper(limit_message: str) -> Iterator[None]:
+    """A tuple's or set's payload is unpacked by a nested call from inside msgpack's C unpacker: bound the
+    nesting here, before the C stack overflows (about 41 KB of it per level)."""
     depth = getattr(_nesting, "depth", 0)
     if depth >= MAX_TREE_DEPTH:
-        raise LimitError(f"tree nesting exceeds the limit of {MAX_TREE_DEPTH}")
+        raise LimitError(limit_message)
     _nesting.depth = depth + 1
     try:
-        items = unpack_tree(data)
+        yield
     finally:
         _nesting.depth = depth
+
+
+def _nested_array(data: bytes, what: str) -> list:
+    with _one_level_deeper(f"tree nesting exceeds the limit of {MAX_TREE_DEPTH}"):
+        items = unpack_tree(data)
     if not isinstance(items, list):
         raise FormatError(f"{what} ext payload is not an array")
     return items
@@ -212,6 +245,23 @@ def _ext_hook(code: int, data: bytes) -> Any:
     if code == EXT_FROZENSET:
         return frozenset(_set_items(data, "frozenset"))
     raise FormatError(f"unknown ext type {code} in the tree")
+
+
+def _plain_ext_hook(code: int, data: bytes) -> Any:
+    """Exts outside the tree (SPEC 1: under a key a reader ignores they MAY be any value).  A tuple (ext 2)
+    whose data is one msgpack array is still decoded, as a container whose nesting is bounded as in the
+    tree (and which reads back as before); every other ext, and such data that is not one valid array,
+    stays an ``Ext``: nothing outside the tree gives it a meaning, and the checks of known keys reject it."""
+    if code != EXT_TUPLE:
+        return Ext(code, data)
+    with _one_level_deeper(f"tuples nest more than {MAX_TREE_DEPTH} levels deep"):
+        try:
+            items = unpackb(data)
+        except (LimitError, MemoryError, RecursionError, msgpack.StackError):
+            raise  # bounds, not malformed data: reported as the whole payload's (msgpack_errors)
+        except Exception:  # not one valid msgpack object: opaque bytes, as any other ext's
+            return Ext(code, data)
+    return tuple(items) if isinstance(items, list) else Ext(code, data)
 
 
 def _is_nan(key: Any) -> bool:
@@ -330,22 +380,25 @@ def no_gc() -> Iterator[None]:
             gc.enable()
 
 
-def unpackb(data: bytes) -> Any:
-    """msgpack as the index and tree use it: str keys or scalars, our ext types, unique keys.
+def unpackb(data: bytes, *, tree: bool = False) -> Any:
+    """msgpack as the index and frames use it: str keys or scalars, unique keys; ``tree``: the ext types
+    decoded as the tree's (SPEC 9), else kept as ``Ext`` (but tuples: ``_plain_ext_hook``).
 
     msgpack's own limits bound what a payload can make it allocate (no container
     longer than the payload) and its nesting (1024 levels, without recursion);
     tuples, sets and frozensets nest through ``_ext_hook``, bounded there (``_nested_array``); ``memory_budget`` bounds the total."""
+    hook = _ext_hook if tree else _plain_ext_hook
     if getattr(_nesting, "budget", None) is not None:
-        return msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False, use_list=True,
+        return msgpack.unpackb(data, ext_hook=hook, raw=False, strict_map_key=False, use_list=True,
                                object_pairs_hook=_counted_map, list_hook=_counted_list)
-    return msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False, use_list=True,
+    return msgpack.unpackb(data, ext_hook=hook, raw=False, strict_map_key=False, use_list=True,
                            object_pairs_hook=unique_map)
 
 
 def unpack_tree(data: bytes) -> Any:
+    """A tree (or a tuple's or set's array) from its msgpack bytes, its ext types decoded (SPEC 9, 9.2)."""
     try:
-        return unpackb(data)
+        return unpackb(data, tree=True)
     except (FormatError, LimitError):
         raise
     except (RecursionError, msgpack.StackError):
@@ -379,7 +432,11 @@ def check_tree(node: Any, num_tensors: int, required_features: int = FEATURE_TYP
             for k, v in item.items():
                 if not isinstance(k, _KEY_TYPES):
                     raise FormatError(f"tree map key of type {type(k).__name__} is not allowed")
+                if is_typed(k):  # an int only ext 6 encodes: typed extensions are never map keys (SPEC 9.2)
+                    raise FormatError("tree map key is an integer ext (6); typed extensions are never map keys (SPEC 9.2)")
                 stack.append((v, depth + 1))
+        elif isinstance(item, Ext):
+            raise FormatError(f"unknown ext type {item.code} in the tree")
         elif not isinstance(item, (str, bytes, int, float, bool, type(None), *TYPED_LEAVES)):
             raise FormatError(f"unexpected {type(item).__name__} in the tree")
 

@@ -81,6 +81,18 @@ def allocation_error(exc: BaseException, nbytes: int, entry: TensorEntry, path: 
                       path=path, tensor=entry.name)
 
 
+def _check_elements(entry: TensorEntry, t: torch.Tensor, path: str) -> None:
+    """SPEC 13: a view's or derived tensor's "checksum" covers its own elements in C order (checked only
+    when the entry has one: nvckpt writes none, so this costs a copy and a hash only for files that do)."""
+    if entry.checksum is None:
+        return
+    flat = t.detach().reshape(-1)
+    if flat.stride() != (1,):  # a strided view; also one element of a stride-0 view, which .view(uint8) refuses
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    if xxh3(flat.view(torch.uint8).cpu().numpy() if flat.numel() else b"") != entry.checksum:
+        raise ChecksumError("tensor checksum does not match its elements", path=path, tensor=entry.name)
+
+
 def _typed(entry: TensorEntry, raw: torch.Tensor, shape: tuple[int, ...], path: str) -> torch.Tensor:
     """Raw bytes (1-D uint8) as a tensor of the entry's dtype and ``shape``."""
     _check_bools(entry, raw, path)
@@ -415,6 +427,8 @@ class Checkpoint(Mapping):
                     out[tid] = source.clone() if e.derived["function"] == COPY else bf16_rne(source)
                 except (RuntimeError, MemoryError) as exc:
                     raise allocation_error(exc, e.nbytes, e, self.path) from None
+            if e.chunks is None:  # stored tensors' checksums were verified as they were decoded
+                _check_elements(e, out[tid], self.path)
         return out if self._relocate is None else self._relocated(out)
 
     def _relocated(self, tensors: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:

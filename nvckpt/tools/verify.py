@@ -2,7 +2,8 @@
 
 Two passes.  The first follows the index: every chunk's stored bytes against
 its checksum, then its decoding (length included), then each tensor's
-checksum over its decoded bytes.  Chunks that no CPU decoder reads
+checksum over its decoded bytes (a view's or derived tensor's, where it has
+one, over its elements as the loader builds them, SPEC.md 13).  Chunks that no CPU decoder reads
 (nvcomp-ans) get a second chance on a CUDA GPU with nvCOMP, through the GPU
 loader; elsewhere they are reported as not decoded.  The second walks the frames front to back
 (as a streaming reader would) and checks that the CODEC, TENSOR and CHUNK
@@ -13,6 +14,7 @@ recover, or that a streaming reader would reject, is reported too.
 from __future__ import annotations
 
 import os
+import struct
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from dataclasses import dataclass, field
@@ -93,19 +95,45 @@ def verify(path: str | os.PathLike, *, progress: ProgressFactory | None = None, 
         workers = workers or os.cpu_count() or 1
         bar = (progress or null_bar)("verifying", sum(e.stored_bytes for e in reader.index.tensors))
         gpu_candidates: list[TensorEntry] = []  # intact, but some chunks need a GPU decoder
+        status: dict[int, str] = {}  # stored tensor id -> "ok", "damaged" or "undecoded"
         try:
             with ThreadPoolExecutor(workers, thread_name_prefix="nvckpt-verify") as pool:
                 for entry in reader.index.tensors:
                     if entry.unsupported is not None:  # SPEC 10, 8.5: valid, but no reader here builds it
                         report.undecoded.append(Problem(f"not readable here: {entry.unsupported}", entry.name))
-                    if entry.chunks and _verify_tensor(reader, entry, pool, 2 * workers, report, bar) == "undecoded":
-                        gpu_candidates.append(entry)
+                    if entry.chunks:
+                        status[entry.tensor_id] = _verify_tensor(reader, entry, pool, 2 * workers, report, bar)
+                        if status[entry.tensor_id] == "undecoded":
+                            gpu_candidates.append(entry)
+                    elif entry.chunks is not None:  # an empty stored tensor: nothing to decode
+                        status[entry.tensor_id] = "ok"
         finally:
             bar.close()
         if gpu_candidates:
             _decode_on_gpu(reader.path, gpu_candidates, report)
+        # Views and derived tensors with a checksum of their own, on an intact base or source (a damaged one
+        # is reported already; nvckpt writes no such checksum, so this is usually empty).
+        built = [e for e in reader.index.tensors if e.chunks is None and e.checksum is not None and e.unsupported is None
+                 and status.get(e.view["base"] if e.view is not None else e.derived["source"]) == "ok"]
+        if built:
+            _verify_built(reader.path, built, report)
         _verify_frames(reader, report)
         return report
+
+
+def _verify_built(path: str, entries: list[TensorEntry], report: VerifyReport) -> None:
+    """The checksums of views and derived tensors (SPEC 13), on the tensors as the loader builds them."""
+    from ..options import LoadOptions
+    from ..session.load import Checkpoint
+
+    with Checkpoint(path, LoadOptions(device="cpu", workers=1)) as ck:
+        for entry in entries:
+            try:
+                ck.get_tensor(entry.name)  # ChecksumError when its elements do not match
+            except NvckptError as exc:
+                report.problems.append(Problem.from_error(exc, tensor=entry.name))
+            else:
+                report.tensor_checksums += 1
 
 
 def _decode_on_gpu(path: str, entries: list[TensorEntry], report: VerifyReport) -> None:
@@ -201,9 +229,15 @@ def _verify_frames(reader: CheckpointFile, report: VerifyReport) -> None:
     expected = {c.offset: (e, i, c) for e in index.tensors for i, c in enumerate(e.chunks or ())}
     seen_codecs: set[int] = set()
     seen_tensors: set[int] = set()
+    framed: set[tuple[int, int]] = set()  # (frame type, id) of the CODEC and TENSOR frames met so far, valid or not
+    out_of_order: set[tuple[int, int]] = set()  # reported once per id
     try:
         for offset, header in iter_frames(source):
             kind = header.frame_type
+            if kind in (FRAME_CODEC, FRAME_TENSOR):
+                framed.add((kind, header.codec_id if kind == FRAME_CODEC else header.tensor_id))
+            elif kind == FRAME_CHUNK:  # rules 3 and 4: a streaming reader needs both before the chunk
+                _check_chunk_order(header, offset, framed, out_of_order, problems)
             if header.padding_length and any(source.pread(offset + FRAME_HEADER_SIZE, header.padding_length)):
                 problems.append(Problem("frame padding is not zero (SPEC 4.1)", offset=offset + FRAME_HEADER_SIZE))
             if kind == FRAME_CHUNK:
@@ -219,14 +253,15 @@ def _verify_frames(reader: CheckpointFile, report: VerifyReport) -> None:
                     problems.append(Problem("CHUNK frame header disagrees with the index", entry.name, i, offset))
             elif kind == FRAME_CODEC:
                 try:
-                    pipeline = pipeline_from_json(read_meta_frame(reader.source, offset, header))
+                    framed_pipeline = read_meta_frame(reader.source, offset, header)
+                    pipeline_from_json(framed_pipeline)
                 except NvckptError as exc:
                     problems.append(Problem.from_error(exc, offset=offset))
                     continue
                 cid = header.codec_id
                 if cid in seen_codecs:
                     problems.append(Problem(f"second CODEC frame for codec id {cid}", offset=offset))
-                elif cid >= len(reader.pipelines) or reader.pipelines[cid] != pipeline:
+                elif cid >= len(index.codecs) or not _same_pipeline(framed_pipeline, index.codecs[cid]):
                     problems.append(Problem(f"CODEC frame for codec id {cid} disagrees with the index's codec table", offset=offset))
                 seen_codecs.add(cid)
             elif kind == FRAME_TENSOR:
@@ -264,3 +299,40 @@ def _tensor_frame_matches(described: Any, entry: TensorEntry) -> bool:
     except NvckptError:
         return False
     return framed.description() == entry.description()
+
+
+def _check_chunk_order(header: Any, offset: int, framed: set[tuple[int, int]], reported: set[tuple[int, int]],
+                       problems: list[Problem]) -> None:
+    """Rules 3 and 4 of SPEC 4.3: the CODEC frame of a chunk's codec id and its tensor's TENSOR frame precede it."""
+    for kind, ident, what in ((FRAME_CODEC, header.codec_id, f"CODEC frame (codec id {header.codec_id})"),
+                              (FRAME_TENSOR, header.tensor_id, f"TENSOR frame (tensor id {header.tensor_id})")):
+        if (kind, ident) not in framed and (kind, ident) not in reported:
+            reported.add((kind, ident))
+            problems.append(Problem(f"CHUNK frame of tensor id {header.tensor_id}, chunk {header.chunk_index} comes "
+                                    f"before its {what}; a streaming reader rejects it (SPEC 4.3)", offset=offset))
+
+
+def _same_pipeline(framed: Any, indexed: Any) -> bool:
+    """Rule 3 of SPEC 4.3: the same steps, names and configurations (absent = {}), values of the same msgpack
+    type and value; not the codec objects' equality (Zstd fills in a default level, and 1 == 1.0 in Python)."""
+    def steps(value: Any) -> list[tuple[Any, Any]]:
+        return [(s.get("name"), _msgpack_value(s.get("configuration", {}))) for s in value]
+
+    return steps(framed) == steps(indexed)
+
+
+def _msgpack_value(v: Any) -> Any:
+    """A value compared by msgpack type and value: maps unordered, floats by their bits."""
+    if isinstance(v, dict):
+        return ("map", frozenset((_msgpack_value(k), _msgpack_value(x)) for k, x in v.items()))
+    if isinstance(v, list):
+        return ("array", tuple(_msgpack_value(x) for x in v))
+    if isinstance(v, bool) or v is None:
+        return ("atom", v)
+    if isinstance(v, int):
+        return ("int", v)
+    if isinstance(v, float):
+        return ("float", struct.pack("<d", v))
+    if isinstance(v, (bytes, str)):
+        return (type(v).__name__, v)
+    return ("ext", getattr(v, "code", None), getattr(v, "data", repr(v)))
