@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import sys
 from typing import Any, Sequence
@@ -19,6 +20,8 @@ from . import __version__
 from .codecs.presets import DESCRIPTIONS, PRESETS
 from .errors import FormatError, NvckptError, UnsupportedCodecError, UnsupportedFeatureError, UnsupportedObjectError, located_message
 from .tools._util import (
+    FILE_FORMATS,
+    UnknownFormatError,
     UsageError,
     convert_hint,
     human_bytes,
@@ -76,7 +79,9 @@ def _int_in(lo: int, hi: int):
 
 
 def _add_json(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout")
+    p.add_argument("--json", action="store_true",
+                   help='print machine-readable JSON on stdout (floats inf, -inf and NaN as the strings "inf", '
+                        '"-inf" and "nan": JSON has no such numbers)')
 
 
 def _add_quiet(p: argparse.ArgumentParser) -> None:
@@ -135,8 +140,8 @@ def main_parser(prog: str = "nvckpt") -> argparse.ArgumentParser:
                 "metadata is kept in the safetensors metadata. torch.save files hold no metadata.")
     p.add_argument("src")
     p.add_argument("dst")
-    p.add_argument("--from", dest="src_format", choices=("nvckpt", "safetensors", "torch"), help="format of SRC (default: from its content, else its extension)")
-    p.add_argument("--to", dest="dst_format", choices=("nvckpt", "safetensors", "torch"), help="format of DST (default: from its extension)")
+    p.add_argument("--from", dest="src_format", choices=FILE_FORMATS, help="format of SRC (default: from its content, else its extension)")
+    p.add_argument("--to", dest="dst_format", choices=FILE_FORMATS, help="format of DST (default: from its extension)")
     p.add_argument("--codec", choices=PRESETS, default="auto",
                    help="codec of an nvckpt DST (default: auto = " + DESCRIPTIONS["auto"] + ")")
     p.add_argument("--level", type=_int_in(-7, 22), default=1, help="zstd level of an nvckpt DST (default: 1)")
@@ -210,7 +215,31 @@ def main_parser(prog: str = "nvckpt") -> argparse.ArgumentParser:
 # -- output helpers ----------------------------------------------------------
 
 def _print_json(data: Any) -> None:
-    print(json.dumps(data, indent=2, ensure_ascii=False, default=repr))
+    # allow_nan=False: Infinity and NaN are not JSON (RFC 8259) and strict parsers reject them.
+    print(json.dumps(_json_safe(data), indent=2, ensure_ascii=False, default=repr, allow_nan=False))
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float (metadata such as best_loss=inf) as the string "inf", "-inf" or "nan",
+    and every str that is no Unicode (a file name's undecodable bytes) as _path_text writes it."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else "nan" if value != value else "inf" if value > 0 else "-inf"
+    if isinstance(value, str):
+        return _path_text(value)
+    if isinstance(value, dict):
+        return {_path_text(k) if isinstance(k, str) else k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def _path_text(path: str) -> str:
+    """A path fit for a UTF-8 stdout: a file name's bytes that are not UTF-8 (os.fsdecode keeps them as
+    surrogates, which a strict stdout refuses to encode) as \\xNN."""
+    try:
+        return path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a surrogate no file name decodes to
+        return path.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _warn(message: str) -> None:
@@ -388,8 +417,14 @@ def _verify(args: argparse.Namespace) -> int:
 def _convert(args: argparse.Namespace) -> int:
     from .tools.convert import convert
 
-    report = convert(args.src, args.dst, src_format=args.src_format, dst_format=args.dst_format, codec=args.codec,
-                     zstd_level=args.level, keep_tree=args.keep_tree, progress=_bars(args))
+    try:
+        report = convert(args.src, args.dst, src_format=args.src_format, dst_format=args.dst_format,
+                         codec=args.codec, zstd_level=args.level, keep_tree=args.keep_tree, progress=_bars(args))
+    except UnknownFormatError as exc:
+        if args.command == "convert":
+            raise
+        # merge and split have no --from/--to: the file's extension is the only way to say it
+        raise UsageError(f"{exc.reason}; give it one of those extensions") from None
     for note in report.notes:
         _warn(note)
     if report.dst_format != "nvckpt" and (args.codec != "auto" or args.level != 1):
@@ -414,7 +449,8 @@ def _recover(args: argparse.Namespace) -> int:
         _print_json(dict(report.to_json(), exit_code=code))
         return code
     total = len(report.recovered) + len(report.lost)
-    print(f"recovered {len(report.recovered)} of {total} tensors found in {report.src} into {report.dst} "
+    print(f"recovered {len(report.recovered)} of {total} tensors found in {_path_text(report.src)} into "
+          f"{_path_text(report.dst)} "
           f"({human_bytes(report.dst_bytes)}, {human_bytes(report.raw_bytes)} of tensor data)")
     if report.stop_reason is not None and not report.index_found:
         print(f"the walk stopped at offset {report.stopped_at}: {report.stop_reason}")

@@ -36,7 +36,7 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 
 def one_error_line(err: str) -> str:
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("nvckpt: error: "), err
+    assert len(lines) == 1 and lines[0].startswith("nvckpt: error: ") and "Traceback" not in err, err
     return lines[0]
 
 

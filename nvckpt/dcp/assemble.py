@@ -15,16 +15,19 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from ..errors import FormatError
+from ..errors import FormatError, UnsupportedObjectError
+from ..format.tree import escape
 from ..options import LoadOptions
 from ..plan.dtypes import to_torch
 from ..session.load import Checkpoint
-from .layout import read_manifest
+from .layout import key_tag, read_manifest, typed_path
 
 
 def assemble(path: str | os.PathLike, *, device: str = "cpu", progress: Any = None) -> Any:
@@ -71,25 +74,88 @@ def assemble(path: str | os.PathLike, *, device: str = "cpu", progress: Any = No
     finally:
         for ck in opened.values():
             ck.close()
-    return nest(values, m.paths, m.int_keys)
+    return nest(values, m.paths, m.int_keys, m.key_types, m.empty_dicts)
 
 
-def nest(values: dict[str, Any], paths: dict[str, list[Any]], int_keys: dict[str, list[int]] | None = None) -> dict[str, Any]:
+def nest(values: dict[str, Any], paths: dict[str, list[Any]], int_keys: dict[str, list[int]] | None = None,
+         key_types: dict[str, list[tuple[int, str]]] | None = None,
+         empty_dicts: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """Flat ``{fqn: value}`` as the nested state dict ``paths`` (DCP's planner data) describes;
-    an integer key makes a list, as DCP's own unflattening does, and the keys ``int_keys`` marks are
-    int keys of a dict (an optimizer's state, where the manifest's writer knew)."""
+    an integer key makes a list, as DCP's own unflattening does, and the keys ``int_keys`` and ``key_types``
+    mark are dict keys of those types (an optimizer's int keys, None or float keys), where the manifest's
+    writer knew; ``empty_dicts`` (the manifest's) are put back, as DCP stores nothing for them."""
     root: dict[str, Any] = {}
-    for fqn, value in values.items():
-        path = list(paths.get(fqn) or [fqn])
-        marked = set((int_keys or {}).get(fqn, ()))
-        for i in marked:
-            if i < len(path):
-                path[i] = int(path[i])
+    placed = [(list(paths.get(fqn) or [fqn]), (int_keys or {}).get(fqn, ()), (key_types or {}).get(fqn, ()),
+               value, False) for fqn, value in values.items()]
+    placed += [(e["path"], e.get("int_keys", ()), e.get("key_types", ()), None, True) for e in empty_dicts or ()]
+    for raw, ints, typed, value, empty in placed:
+        path, marked = typed_path(raw, ints, typed)
+        if not path:
+            continue
         node: Any = root
         for i, (key, nxt) in enumerate(zip(path[:-1], path[1:])):
             node = _child(node, key, [] if isinstance(nxt, int) and i + 1 not in marked else {})
-        _put(node, path[-1], value)
+        if empty:
+            _child(node, path[-1], {})
+        else:
+            _put(node, path[-1], value)
     return root
+
+
+def check_round_trip(state: Any) -> None:
+    """Refuse, before DCP writes anything, a state whose dict keys a manifest cannot give back: DCP stores every
+    key as str(key), and the manifest records only the types str, int, float, bool and None, one key per str."""
+    def walk(node: Any, path: tuple[str, ...]) -> None:
+        if isinstance(node, Mapping):
+            seen: dict[str, Any] = {}
+            for k, v in node.items():
+                where = "/".join(path) or "<root>"  # a path as nvckpt names tensors (SPEC 9)
+                if not (isinstance(k, str) and str(k) == k) and key_tag(k) is None:
+                    raise UnsupportedObjectError(f"dict key {k!r} at {where} has type {type(k).__qualname__}; a DCP "
+                                                 "directory keeps keys of type str, int, float, bool and None")
+                if str(k) in seen:
+                    raise UnsupportedObjectError(f"dict keys {seen[str(k)]!r} and {k!r} at {where} are both stored "
+                                                 f"as {str(k)!r} in a DCP directory (it writes every key as str)")
+                seen[str(k)] = k
+                walk(v, path + (escape(k),))
+        elif isinstance(node, list) and not _dcp_terminal(node):
+            for i, v in enumerate(node):
+                walk(v, path + (str(i),))
+
+    walk(state, ())
+
+
+def _dcp_terminal(value: Any) -> bool:
+    """DCP's traverse_state_dict: a value stored whole (torch.save bytes) rather than walked into: anything but a
+    Mapping, and a list that holds no tensor, no Mapping and no list walked into."""
+    if isinstance(value, Mapping):
+        return False
+    if not isinstance(value, list):
+        return True
+    return not any(isinstance(v, torch.Tensor) or (isinstance(v, (Mapping, list)) and not _dcp_terminal(v))
+                   for v in value)
+
+
+def empty_dicts(state: Any) -> list[dict[str, Any]]:
+    """The empty dicts of ``state`` along DCP's walk, as a manifest's "empty_dicts" records them."""
+    out: list[dict[str, Any]] = []
+
+    def walk(node: Any, path: list[Any], ints: list[int], typed: list[tuple[int, str]]) -> None:
+        if isinstance(node, Mapping):
+            if not node and path:
+                out.append({"path": path, **({"int_keys": ints} if ints else {}),
+                            **({"key_types": [list(m) for m in typed]} if typed else {})})
+            for k, v in node.items():
+                tag = key_tag(k)
+                at = len(path)
+                walk(v, path + [str(k)], ints + ([at] if tag == "int" else []),
+                     typed + ([(at, tag)] if tag not in (None, "int") else []))
+        elif isinstance(node, list) and not _dcp_terminal(node):
+            for i, v in enumerate(node):
+                walk(v, path + [i], ints, typed)
+
+    walk(state, [], [], [])
+    return out
 
 
 def _child(node: Any, key: Any, empty: Any) -> Any:
@@ -122,18 +188,25 @@ def write_directory(state: Any, path: str | os.PathLike, **options: Any) -> Any:
 
     writer = Writer(path, **options)
     writer.source = state  # the keys' own types in the manifest (DCP writes every dict key as str)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        try:
-            dcp.save(state, storage_writer=writer, no_dist=True)
-        except CheckpointException as exc:
-            # One process: its own error, as nvckpt raises it (one line in the CLI), not DCP's wrapper
-            # of every rank's traceback.
-            failures = [f[0] for f in exc.failures.values() if isinstance(f, tuple) and f and isinstance(f[0], BaseException)]
-            if failures:
-                raise failures[0] from None
-            raise
+    check_round_trip(state)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            try:
+                dcp.save(state, storage_writer=writer, no_dist=True)
+            except CheckpointException as exc:
+                # One process: its own error, as nvckpt raises it (one line in the CLI), not DCP's wrapper
+                # of every rank's traceback.
+                failures = [f[0] for f in exc.failures.values() if isinstance(f, tuple) and f and isinstance(f[0], BaseException)]
+                if failures:
+                    raise failures[0] from None
+                raise
+    except BaseException:
+        # One process wrote all of it: what the failed save staged is nobody's (convert leaves nothing either).
+        if writer._staging is not None and os.path.isdir(writer._staging):
+            shutil.rmtree(writer._staging, ignore_errors=True)
+        raise
     return writer.last_result
 
 
-__all__ = ["assemble", "nest", "write_directory"]
+__all__ = ["assemble", "nest", "write_directory", "check_round_trip", "empty_dicts"]

@@ -96,6 +96,12 @@ class Manifest:
     # fqn -> positions in its path of dict keys that were ints (DCP writes every dict key as str; an
     # optimizer's state is keyed by int), where the writer had the state (nvckpt split).
     int_keys: dict[str, list[int]] = field(default_factory=dict)
+    # fqn -> [position, tag] of the path's other dict keys that were not str (tags: KEY_TYPES), as int_keys.
+    key_types: dict[str, list[tuple[int, str]]] = field(default_factory=dict)
+    # The empty dicts of the state (DCP stores nothing for them: a fresh optimizer's "state": {}), each as
+    # {"path": [...], "int_keys": [...], "key_types": [...]} (either list left out when empty): a path as
+    # DCP's, its keys' types as above.
+    empty_dicts: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -108,7 +114,48 @@ class Manifest:
             "objects": {fqn: {"file": f, "tensor": n} for fqn, (f, n) in self.objects.items()},
             "paths": self.paths,
             **({"int_keys": self.int_keys} if self.int_keys else {}),
+            **({"key_types": {fqn: [list(m) for m in v] for fqn, v in self.key_types.items()}}
+               if self.key_types else {}),
+            **({"empty_dicts": self.empty_dicts} if self.empty_dicts else {}),
         }
+
+
+# Dict keys other than str and int that DCP writes as str(key) and a manifest gives their type back: the tag
+# in "key_types" -> the key from its str.  (int keys: "int_keys", the field older manifests have.)
+KEY_TYPES: dict[str, Any] = {"float": float, "bool": lambda text: text == "True", "none": lambda text: None}
+
+
+def key_tag(key: Any) -> str | None:
+    """The type tag of a non-str dict key: "int", or one of KEY_TYPES; None for a str or another type."""
+    if isinstance(key, bool):
+        return "bool"
+    if isinstance(key, int):
+        return "int"
+    if isinstance(key, float):
+        return "float"
+    return "none" if key is None else None
+
+
+def typed_path(path: list[Any], int_keys: Any = (), key_types: Any = ()) -> tuple[list[Any], set[int]]:
+    """DCP's path with its dict keys' own types back, and the positions that are dict keys (not list indices)."""
+    path = list(path)
+    marked = set()
+    for i in int_keys or ():
+        if i < len(path):
+            path[i] = int(path[i])
+            marked.add(i)
+    for i, tag in key_types or ():
+        if i < len(path) and tag in KEY_TYPES:
+            path[i] = KEY_TYPES[tag](str(path[i]))
+            marked.add(i)
+    return path, marked
+
+
+def _key_mark(mark: Any) -> tuple[int, str]:
+    position, tag = mark
+    if tag not in KEY_TYPES:
+        raise ValueError(f"key type {tag!r} is not one of {', '.join(KEY_TYPES)}")
+    return int(position), str(tag)
 
 
 def is_dcp_directory(path: str | os.PathLike) -> bool:
@@ -144,8 +191,18 @@ def read_manifest(path: str | os.PathLike) -> Manifest:
             tensors[fqn] = GlobalTensor(fqn, str(t["dtype"]), tuple(map(int, t["shape"])), shards)
         objects = {fqn: (str(o["file"]), str(o["tensor"])) for fqn, o in doc["objects"].items()}
         int_keys = {str(fqn): [int(i) for i in v] for fqn, v in (doc.get("int_keys") or {}).items()}
+        key_types = {str(fqn): [_key_mark(m) for m in v] for fqn, v in (doc.get("key_types") or {}).items()}
+        empty_dicts = [{"path": list(e["path"]), "int_keys": [int(i) for i in e.get("int_keys") or ()],
+                        "key_types": [_key_mark(m) for m in e.get("key_types") or ()]}
+                       for e in doc.get("empty_dicts") or ()]
         manifest = Manifest(path, int(doc["world_size"]), doc.get("save_id"), files, tensors, objects,
-                            dict(doc.get("paths") or {}), int_keys)
+                            dict(doc.get("paths") or {}), int_keys, key_types, empty_dicts)
+        for e in empty_dicts:  # what nest() will convert, checked here (a bad manifest is one FormatError)
+            if not all(type(p) in (str, int) for p in e["path"]):
+                raise ValueError(f"an empty dict's path {e['path']!r} holds a value that is not a str or int")
+            typed_path(e["path"], e["int_keys"], e["key_types"])
+        for fqn, marks in key_types.items():
+            typed_path(manifest.paths.get(fqn) or [fqn], (), marks)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise FormatError(f"bad manifest: {exc}", path=where) from None
     for name in files:
@@ -164,4 +221,4 @@ def read_manifest(path: str | os.PathLike) -> Manifest:
 
 
 __all__ = ["MANIFEST", "METADATA", "Manifest", "GlobalTensor", "Shard", "is_dcp_directory", "read_manifest",
-           "rank_file", "shard_key"]
+           "rank_file", "shard_key", "KEY_TYPES", "key_tag", "typed_path"]

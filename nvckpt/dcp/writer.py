@@ -26,6 +26,7 @@ import pickle
 import shutil
 import uuid
 import weakref
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -34,13 +35,15 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..io.atomic import atomic_output
+from ..errors import NvckptError
+from ..io.atomic import about_target, atomic_output
 from ..io.publish import SAVES, live_staging, publish_directory, remove_stale, staging_name
 from ..options import SaveOptions, options_from
 from ..plan.dtypes import name_of
 from ..session.save import SaveSession
 from ..format.tree import escape
-from .layout import MANIFEST, METADATA, GlobalTensor, Manifest, Shard, rank_file, shard_key
+from .assemble import empty_dicts
+from .layout import MANIFEST, METADATA, GlobalTensor, Manifest, Shard, key_tag, rank_file, shard_key
 
 DCP_VERSION = "1.0.0"  # the Metadata.version FileSystemWriter writes (torch 2.11 to 2.13)
 
@@ -122,7 +125,10 @@ class Writer(StorageWriter):
         remove_stale(self.path)  # (not the staging directory of a save this process is still writing)
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         staging = self._staging = staging_name(self.path)
-        os.mkdir(staging)
+        try:
+            os.mkdir(staging)
+        except OSError as exc:  # errors name the user's directory, never the hidden staging one (README)
+            raise about_target(exc, self.path, staging) from None
         live_staging(staging, True)
         weakref.finalize(self, live_staging, staging, False)  # a save that failed: its leftover is stale then
         return [dataclasses.replace(p, storage_data=RankPlan(staging, rank_file(i))) for i, p in enumerate(plans)]
@@ -204,7 +210,11 @@ class Writer(StorageWriter):
         meta = dict(self.options.metadata or {})
         meta["nvckpt.dcp"] = {"save_id": self.save_id, "file": where.file, "rank": self.rank}
         options = dataclasses.replace(self.options, metadata=meta)
-        self.last_result = SaveSession(state, os.path.join(where.staging, where.file), options).run()
+        staged = os.path.join(where.staging, where.file)
+        try:
+            self.last_result = SaveSession(state, staged, options).run()
+        except (OSError, NvckptError) as exc:  # named as the file will be once published, not the staging path
+            raise about_target(exc, os.path.join(self.path, where.file), staged) from None
         return results
 
     def _manifest(self, metadata: Metadata, staging: str, world_size: int) -> Manifest:
@@ -221,31 +231,47 @@ class Writer(StorageWriter):
                 loc = located[MetadataIndex(fqn, chunk.offsets)]
                 shards.append(Shard(loc.file, loc.tensor, tuple(chunk.offsets), tuple(chunk.sizes)))
             tensors[fqn] = GlobalTensor(fqn, name_of(md.properties.dtype), tuple(md.size), tuple(shards))
-        paths, int_keys = {}, {}
+        paths, int_keys, key_types = {}, {}, {}
+        by_str: dict[int, dict[str, Any]] = {}
         if isinstance(metadata.planner_data, dict):
             for fqn, path in metadata.planner_data.items():
                 if isinstance(path, (tuple, list)) and all(isinstance(p, (str, int)) for p in path):
                     paths[fqn] = list(path)
-                    marked = _int_dict_keys(list(path), self.source) if self.source is not None else []
-                    if marked:
-                        int_keys[fqn] = marked
-        return Manifest(self.path, world_size, self.save_id, files, tensors, objects, paths, int_keys)
+                    ints, typed = ([], []) if self.source is None else _dict_key_types(list(path), self.source, by_str)
+                    if ints:
+                        int_keys[fqn] = ints  # the field older readers know
+                    if typed:
+                        key_types[fqn] = typed
+        empty = empty_dicts(self.source) if self.source is not None else []
+        return Manifest(self.path, world_size, self.save_id, files, tensors, objects, paths, int_keys, key_types,
+                        empty)
 
 
-def _int_dict_keys(path: list[Any], source: Any) -> list[int]:
-    """Positions in ``path`` (DCP's, dict keys as str) of dict keys that are ints in ``source``."""
-    out, node = [], source
+def _dict_key_types(path: list[Any], source: Any,
+                    by_str: dict[int, dict[str, Any]]) -> tuple[list[int], list[tuple[int, str]]]:
+    """Positions in ``path`` (DCP's, dict keys as str) of dict keys that are not str in ``source``: the ints,
+    and the others with their type tag (nvckpt.dcp.layout.KEY_TYPES).  ``by_str``: id(dict) -> its non-str
+    keys by their str, filled as needed (an optimizer's state has a key per parameter, reached by every path)."""
+    ints: list[int] = []
+    typed: list[tuple[int, str]] = []
+    node = source
     for i, key in enumerate(path):
-        if isinstance(node, dict) and key not in node and isinstance(key, str):
-            match = next((k for k in node if type(k) is int and str(k) == key), None)
-            if match is not None:
-                out.append(i)
-                key = match
+        if isinstance(node, Mapping) and key not in node and isinstance(key, str):
+            keys = by_str.get(id(node))
+            if keys is None:  # one key per str at most: write_directory refuses two
+                keys = by_str[id(node)] = {str(k): k for k in node if not isinstance(k, str) and key_tag(k) is not None}
+            if key in keys:
+                key = keys[key]
+                tag = key_tag(key)
+                if tag == "int":
+                    ints.append(i)
+                else:
+                    typed.append((i, tag))
         try:
             node = node[key]
         except (KeyError, IndexError, TypeError):
-            return out
-    return out
+            break
+    return ints, typed
 
 
 __all__ = ["Writer", "Location", "RankPlan"]

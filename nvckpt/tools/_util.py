@@ -164,6 +164,19 @@ class UsageError(ValueError):
     """A command was asked for something that makes no sense (the CLI's exit code 2)."""
 
 
+class UnknownFormatError(UsageError):
+    """A file's format could not be told; ``hint`` names convert's --from/--to, which the commands without
+    those options (merge, split) leave out."""
+
+    def __init__(self, reason: str, hint: str) -> None:
+        super().__init__(f"{reason}; {hint}")
+        self.reason, self.hint = reason, hint
+
+
+# What convert's --from/--to accept (a DCP directory is told by its manifest and written by `split`).
+FILE_FORMATS = ("nvckpt", "safetensors", "torch")
+
+
 # What a file holds, from its first bytes (convert and the "not an nvckpt file" hints trust content, not names).
 _TORCH_LEGACY = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"  # pickle of torch's legacy MAGIC_NUMBER
 

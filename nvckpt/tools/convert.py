@@ -44,7 +44,17 @@ from ..options import LoadOptions, SaveOptions
 from ..session.load import Checkpoint, torch_value
 from ..plan.walk import typed_leaf
 from ..session.save import SaveSession
-from ._util import ProgressFactory, UsageError, check_output_folder, nest_by_name, null_bar, on_device, sniff_format
+from ._util import (
+    FILE_FORMATS,
+    ProgressFactory,
+    UnknownFormatError,
+    UsageError,
+    check_output_folder,
+    nest_by_name,
+    null_bar,
+    on_device,
+    sniff_format,
+)
 
 FORMATS = ("nvckpt", "safetensors", "torch", "dcp")
 EXTENSIONS = {".nvckpt": "nvckpt", ".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch",
@@ -74,9 +84,10 @@ def format_of(path: str | os.PathLike, explicit: str | None = None, *, sniff: bo
         return found
     ext = os.path.splitext(os.fspath(path))[1].lower()
     if ext not in EXTENSIONS:
-        raise UsageError(
+        raise UnknownFormatError(
             f"cannot tell the format of {os.fspath(path)!r} from its extension {ext or '(none)'!r} "
-            f"(known: {', '.join(EXTENSIONS)}); say it with --from/--to ({', '.join(FORMATS)})"
+            f"(known: {', '.join(EXTENSIONS)})",
+            f"say it with --from/--to ({', '.join(FILE_FORMATS)}; a DCP directory: `nvckpt split`)",
         )
     return EXTENSIONS[ext]
 
@@ -425,6 +436,36 @@ def _disk_full(path: str) -> bool:
         return False
 
 
+def _check_convertible(tree: Any, src: str) -> None:
+    """Refuse, before any progress bar, copy or size touches them, tensors other than plain dense ones (a sparse
+    tensor has no nbytes nor contiguous(); nvckpt and safetensors store neither) and meta tensors, which hold
+    no data; UnsupportedObjectError naming the source, worded as nvckpt.save's (exit 3 in the CLI)."""
+    seen: set[int] = set()
+    stack: list[tuple[Any, str]] = [(tree, "")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, torch.Tensor):
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            where = path or "<root>"
+            if node.is_meta:
+                why = "is on the meta device (it holds no data)"
+            elif node.is_nested:
+                why = "is a nested tensor"
+            elif node.layout != torch.strided:
+                why = f"has layout {node.layout}; only dense tensors are converted"
+            elif node.is_quantized:
+                why = "is quantized; only plain dense tensors are converted"
+            else:
+                continue
+            raise UnsupportedObjectError(f"tensor at {where} {why}", path=src)
+        if isinstance(node, dict):
+            stack.extend((v, f"{path}/{escape(k)}" if path else escape(k)) for k, v in node.items())
+        elif isinstance(node, (list, tuple)):
+            stack.extend((v, f"{path}/{i}" if path else str(i)) for i, v in enumerate(node))
+
+
 # -- the tool --------------------------------------------------------------
 
 def convert(
@@ -458,6 +499,7 @@ def convert(
     else:
         loaded = read_torch(src)
     notes = list(loaded.notes)
+    _check_convertible(loaded.tree, os.fspath(src))
     if dst_format != "nvckpt":
         loaded.tree = on_device(loaded.tree, "cpu")
     if dst_format == "nvckpt":
@@ -465,9 +507,11 @@ def convert(
             size = write_nvckpt(loaded, dst, codec=codec, zstd_level=zstd_level, make_bar=make_bar)
         except UnsupportedObjectError as exc:  # what the source holds: name it
             raise exc.located(path=os.fspath(src))
-        size = write_nvckpt(loaded, dst, codec=codec, zstd_level=zstd_level, make_bar=make_bar)
     elif dst_format == "dcp":
-        size, more = write_dcp(loaded, dst, codec=codec, zstd_level=zstd_level)
+        try:
+            size, more = write_dcp(loaded, dst, codec=codec, zstd_level=zstd_level)
+        except UnsupportedObjectError as exc:  # a key a DCP directory cannot give back: in the source
+            raise exc.located(path=os.fspath(src))
         notes += more
     elif dst_format == "safetensors":
         size, more = write_safetensors(loaded, dst, keep_tree=keep_tree)
@@ -482,4 +526,5 @@ def convert(
     )
 
 
-__all__ = ["convert", "ConvertReport", "format_of", "flatten", "FORMATS", "EXTENSIONS", "CODECS"]
+__all__ = ["convert", "ConvertReport", "format_of", "flatten", "FORMATS", "FILE_FORMATS", "EXTENSIONS", "CODECS",
+           "UnknownFormatError"]

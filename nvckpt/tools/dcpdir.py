@@ -41,6 +41,7 @@ def describe_directory(path: str | os.PathLike) -> dict[str, Any]:
     m = read_manifest(path)
     files = []
     stored = 0
+    problems = _structural_problems(m)
     for name, size in m.files.items():
         row: dict[str, Any] = {"file": name, "bytes": size}
         try:
@@ -51,6 +52,11 @@ def describe_directory(path: str | os.PathLike) -> dict[str, Any]:
                 stored += f.source.size
         except (NvckptError, OSError) as exc:
             row["error"] = str(exc)
+            if os.path.isfile(os.path.join(m.directory, name)):  # a missing one is a structural problem already
+                if isinstance(exc, NvckptError):
+                    problems.append(Problem(f"rank file {name}: {exc.reason}", exc.tensor, exc.chunk, exc.offset))
+                else:
+                    problems.append(Problem(f"rank file {name} cannot be read: {exc.strerror or exc}"))
         files.append(row)
     raw = sum(t.nbytes for t in m.tensors.values())
     return {
@@ -58,7 +64,7 @@ def describe_directory(path: str | os.PathLike) -> dict[str, Any]:
         "files": files, "tensors": len(m.tensors), "objects": len(m.objects),
         "shards": sum(len(t.shards) for t in m.tensors.values()),
         "raw_bytes": raw, "stored_bytes": stored, "ratio": ratio(raw, stored),
-        "problems": [p.to_json() for p in _structural_problems(m)],
+        "problems": [p.to_json() for p in problems],
     }
 
 

@@ -27,7 +27,7 @@ import xxhash
 
 from ..codecs.base import Pipeline
 from ..codecs.registry import pipeline_from_json
-from ..errors import ChecksumError, NvckptError, UnsupportedFeatureError
+from ..errors import ChecksumError, NvckptError, UnsupportedCodecError
 from ..format.constants import (
     FOOTER_SIZE,
     FRAME_CHUNK,
@@ -109,6 +109,8 @@ class _Walk:
         self.bad_chunks: dict[tuple[int, int], str] = {}  # payload damaged
         self.bad_tensors: dict[int, str] = {}  # TENSOR frame damaged or invalid
         self.bad_codecs: dict[int, str] = {}
+        # tensor id -> the checksum of a TENSOR frame that disagrees with the index's: the bytes must match both
+        self.frame_checksums: dict[int, int] = {}
         self.problems: list[str] = []
         self.index: Index | None = None
         self.index_offset: int | None = None
@@ -142,7 +144,9 @@ def _check_header(header: FrameHeader) -> str | None:
     return None
 
 
-def _walk(source: Source, bar: Any) -> _Walk:
+def _walk(source: Source, bar: Any, required_features: int) -> _Walk:
+    """``required_features``: the preamble's; the INDEX frame is checked with it, as a random-access reader
+    checks it (SPEC 15.2: a typed tree in a file without bit 1 is invalid, 9.2)."""
     walk = _Walk()
     frames = iter_frames(source)
     position = PREAMBLE_SIZE
@@ -197,10 +201,9 @@ def _walk(source: Source, bar: Any) -> _Walk:
                 walk.problems.append(f"offset {offset}: second TENSOR frame for tensor id {tid}: neither is used")
                 continue
             try:
-                entry = parse_entry(tid, read_meta_frame(source, offset, header))
-                if entry.unsupported is not None:  # an unknown dtype or derived function: this reader cannot rebuild it
-                    raise UnsupportedFeatureError(entry.unsupported)
-                walk.tensors[tid] = entry
+                # An unknown dtype or derived function (entry.unsupported) is kept too: its frames are copied as
+                # they are, and a reader that knows it reads it (SPEC 10, 15.2: every complete tensor).
+                walk.tensors[tid] = parse_entry(tid, read_meta_frame(source, offset, header))
             except NvckptError as exc:
                 walk.bad_tensors[tid] = exc.reason
                 walk.problems.append(f"offset {offset}: TENSOR frame for tensor id {tid}: {exc.reason}, skipped")
@@ -209,7 +212,7 @@ def _walk(source: Source, bar: Any) -> _Walk:
                 payload = source.pread(offset + header.payload_skip, header.stored_length)
                 if xxh3(payload) != header.payload_checksum:
                     raise ChecksumError("payload checksum does not match")
-                walk.index = parse_index(unpack_index(payload), offset)
+                walk.index = parse_index(unpack_index(payload), offset, required_features)
                 walk.index_offset = offset
             except NvckptError as exc:
                 walk.problems.append(f"offset {offset}: INDEX frame: {exc.reason}; the tree and metadata are lost")
@@ -217,9 +220,12 @@ def _walk(source: Source, bar: Any) -> _Walk:
     return walk
 
 
-def _data_missing(walk: _Walk, t: TensorEntry, source: Source) -> str | None:
-    """Why data tensor ``t`` is incomplete, or None: every chunk present, intact and decodable (where a host
-    decoder exists: nvcomp-ans chunks are checked on a GPU when the file is read)."""
+def _data_missing(walk: _Walk, t: TensorEntry, source: Source, indexed: TensorEntry | None) -> str | None:
+    """Why data tensor ``t`` is incomplete, or None: every chunk present, intact and decodable where a decoder
+    runs here (nvcomp-ans chunks are checked on a GPU when the file is read; a codec this nvckpt does not know
+    is copied as it is, SPEC 7 asks no decode); ``indexed``: its entry in an intact index, whose chunk table
+    the CHUNK frames must match."""
+    known = t.dtype.itemsize > 0  # not for an unknown dtype (itemsize 0), whose size rules SPEC 10 skips
     total = 0
     for i in range(t.nchunks):
         key = (t.tensor_id, i)
@@ -232,14 +238,18 @@ def _data_missing(walk: _Walk, t: TensorEntry, source: Source) -> str | None:
             return f"chunk {i} of {t.nchunks} is missing"
         if c.codec_id in walk.dup_codecs or c.codec_id not in walk.codecs:
             return f"chunk {i} uses codec id {c.codec_id}, whose CODEC frame is missing, damaged or duplicated"
-        if c.raw_length % t.dtype.itemsize:
+        if indexed is not None and (c.payload_offset, c.stored_length, c.raw_length, c.codec_id, c.checksum) != \
+                tuple(indexed.chunks[i][:5]):
+            return f"chunk {i}: its CHUNK frame disagrees with the index (SPEC 4.3 rule 5)"
+        if known and c.raw_length % t.dtype.itemsize:
             return f"chunk {i} raw_length {c.raw_length} is not a multiple of the item size {t.dtype.itemsize}"
         total += c.raw_length
-    if total != t.nbytes:
+    if known and total != t.nbytes:  # an unknown dtype's size is unknown: SPEC 10 skips both rules
         return f"its chunks hold {total} raw bytes, shape and dtype need {t.nbytes}"
     # Every chunk must decode, with the rules a reader applies (SPEC 15.2: a recovering reader applies every
     # check of a random-access reader), and the decoded bytes must match the tensor checksum.
-    hasher = xxhash.xxh3_64() if t.checksum is not None else None
+    framed = walk.frame_checksums.get(t.tensor_id)
+    hasher = xxhash.xxh3_64() if t.checksum is not None or framed is not None else None
     for i in range(t.nchunks):
         c = walk.chunks[(t.tensor_id, i)]
         pipeline = walk.codecs[c.codec_id]
@@ -248,6 +258,9 @@ def _data_missing(walk: _Walk, t: TensorEntry, source: Source) -> str | None:
             continue
         try:
             decoded = memoryview(pipeline.decode(memoryview(source.pread(c.payload_offset, c.stored_length)), c.raw_length)).cast("B")
+        except UnsupportedCodecError:
+            hasher = None  # no decoder here: its payload checksum was checked, it is copied as it is
+            continue
         except NvckptError as exc:
             return f"chunk {i} does not decode ({pipeline.describe()}: {exc.reason})"
         except Exception as exc:  # a host decoder rejecting its input
@@ -258,14 +271,47 @@ def _data_missing(walk: _Walk, t: TensorEntry, source: Source) -> str | None:
             return f"chunk {i} holds a bool byte other than 0 and 1 (SPEC 10)"
         if hasher is not None:
             hasher.update(decoded)
-    if hasher is not None and hasher.intdigest() != t.checksum:
+    if hasher is not None and t.checksum is not None and hasher.intdigest() != t.checksum:
         return "its decoded bytes do not match its tensor checksum"
+    if hasher is not None and framed is not None and hasher.intdigest() != framed:
+        return "its decoded bytes do not match the tensor checksum its TENSOR frame gives"
     return None
+
+
+def _use_index(walk: _Walk) -> dict[int, str]:
+    """With an intact index, which is authoritative (SPEC 8.3, 15.2): each TENSOR frame that disagrees with its
+    entry is reported and the entry used instead; returns why each entry no TENSOR frame stands for is lost
+    (SPEC 7: a tensor is complete only with its TENSOR frame)."""
+    index = walk.index
+    if index is None:
+        return {}
+    for tid, t in sorted(walk.tensors.items()):
+        if tid >= len(index.tensors):
+            walk.problems.append(f"TENSOR frame for tensor id {tid} ({t.name!r}) is not in the index")
+            continue
+        framed, indexed = t.description(), index.tensors[tid].description()
+        if framed != indexed:
+            keys = [k for k in dict.fromkeys([*indexed, *framed]) if framed.get(k) != indexed.get(k)]
+            walk.problems.append(f"TENSOR frame for tensor id {tid} ({t.name!r}) disagrees with the index on "
+                                 f"{', '.join(keys)}; the index's entry is used (SPEC 8.3: it is authoritative)")
+            walk.tensors[tid] = index.tensors[tid]
+            if t.checksum is not None and t.checksum != index.tensors[tid].checksum:
+                walk.frame_checksums[tid] = t.checksum  # which one the bytes are is not known: kept only if both
+    missing = {}
+    for e in index.tensors:
+        if e.tensor_id not in walk.tensors:
+            bad = walk.bad_tensors.get(e.tensor_id)
+            missing[e.tensor_id] = (
+                "its TENSOR frame appears twice" if e.tensor_id in walk.dup_tensors
+                else f"its TENSOR frame is damaged or invalid ({bad})" if bad is not None
+                else "no TENSOR frame stands for it (SPEC 7: a tensor is complete only with its TENSOR frame)")
+    return missing
 
 
 def _resolve(walk: _Walk, source: Source) -> tuple[list[TensorEntry], dict[int, str]]:
     """The tensors to keep (in their original order) and why the others were lost."""
     why: dict[int, str] = {}
+    index = walk.index
     first_named: dict[str, int] = {}
     for tid in sorted(walk.tensors):
         t = walk.tensors[tid]
@@ -276,7 +322,8 @@ def _resolve(walk: _Walk, source: Source) -> tuple[list[TensorEntry], dict[int, 
         else:
             first_named[t.name] = tid
         if tid not in why and t.is_data:
-            reason = _data_missing(walk, t, source)
+            indexed = index.tensors[tid] if index is not None and tid < len(index.tensors) else None
+            reason = _data_missing(walk, t, source, indexed if indexed is not None and indexed.is_data else None)
             if reason is not None:
                 why[tid] = reason
 
@@ -332,14 +379,15 @@ def recover(src: str | os.PathLike, dst: str | os.PathLike, *, progress: Progres
     try:
         report = RecoveryReport(os.path.abspath(source.name), os.path.abspath(os.fspath(dst)), src_bytes=source.size)
         try:
-            Preamble.unpack(source.pread(0, min(PREAMBLE_SIZE, source.size)))
+            preamble = Preamble.unpack(source.pread(0, min(PREAMBLE_SIZE, source.size)))
         except NvckptError as exc:
             raise exc.located(path=source.name)
         bar = make_bar("scanning", source.size)
         try:
-            walk = _walk(source, bar)
+            walk = _walk(source, bar, preamble.required_features)
         finally:
             bar.close()
+        unframed = _use_index(walk)
         kept, why = _resolve(walk, source)
         report.frames = walk.frames
         report.problems = walk.problems
@@ -348,7 +396,9 @@ def recover(src: str | os.PathLike, dst: str | os.PathLike, *, progress: Progres
         if walk.index is not None:  # SRC was whole only with the footer that points at this INDEX frame
             report.footer_problem = _footer_problem(source, walk.index_offset)
         # An internal base is not a name users know: its loss shows through its views.
-        report.lost = {walk.tensors[tid].name: reason for tid, reason in sorted(why.items()) if not walk.tensors[tid].internal}
+        entry_of = {**({e.tensor_id: e for e in walk.index.tensors} if walk.index is not None else {}), **walk.tensors}
+        report.lost = {entry_of[tid].name: reason for tid, reason in sorted({**why, **unframed}.items())
+                       if not entry_of[tid].internal}
         new_id = {t.tensor_id: i for i, t in enumerate(kept)}
         entries = [_entry(t, new_id) for t in kept]
         named = [t for t in kept if not t.internal]
@@ -369,7 +419,8 @@ def recover(src: str | os.PathLike, dst: str | os.PathLike, *, progress: Progres
                     entries[new_id[t.tensor_id]]["name"] = escape(t.name)
                     tree[t.name] = TensorRef(new_id[t.tensor_id])
                 report.problems.append("tensor names do not nest into one tree; stored as a flat map (names escaped)")
-        metadata[RECOVERED_FROM] = report.src
+        # Metadata is msgpack str, UTF-8 only: a file name that is not (surrogate-escaped bytes) is kept readable.
+        metadata[RECOVERED_FROM] = os.fsencode(report.src).decode("utf-8", "backslashreplace")
         metadata[LOST] = list(report.lost)
 
         lengths = [[walk.chunks[(t.tensor_id, i)].raw_length for i in range(t.nchunks)] for t in kept]
