@@ -267,3 +267,70 @@ def test_a_checkpoint_dropped_without_close_closes_its_file(tmp_path):
         assert float(nvckpt.open(path)["w"][3]) == 3.0
     gc.collect()
     assert len(os.listdir("/proc/self/fd")) <= before + 2
+
+
+def test_rows_of_views_and_derived_tensors_are_read_without_building_them_whole():
+    # A slice of a view of a flat buffer (or of a bf16 rounding stored as derived) built the whole base first:
+    # with max_tensor_bytes a 512-byte read was refused, naming the internal "@base" entry.
+    torch.manual_seed(0)
+    flat = torch.randn(1000, 64)
+    master = torch.randn(300, 64)
+    state = {"a": flat[:500], "b": flat[500:], "t": flat[:64].t(), "master": master, "w": master.to(torch.bfloat16)}
+    buf = io.BytesIO()
+    nvckpt.save(state, buf, derive=True)
+    buf.seek(0)
+    with nvckpt.open(buf, max_tensor_bytes=64 * 1024) as f:
+        assert f._file.entry("w").derived is not None and f._file.entry("a").view is not None
+        assert_tensor_equal(f.get_slice("a")[0:2], flat[0:2])
+        assert_tensor_equal(f.get_slice("b")[3], flat[503])
+        assert_tensor_equal(f.get_slice("b")[[1, 7, 2]], flat[500:][[1, 7, 2]])
+        assert_tensor_equal(f.read_box("b", (10, 5), (2, 7)), flat[510:512, 5:12])
+        assert_tensor_equal(f.get_slice("w")[5:9], master[5:9].to(torch.bfloat16))
+        assert_tensor_equal(f.read_box("w", (0, 0), (1, 64)), master[:1].to(torch.bfloat16))
+        with pytest.raises(nvckpt.LimitError):  # a transposed view has no rows of its own: built whole (128 KB)
+            f.get_slice("t")[0:1]
+    buf.seek(0)
+    with nvckpt.open(buf) as f:
+        assert_tensor_equal(f.get_slice("t")[3:5], flat[:64].t()[3:5])
+
+
+def test_a_stream_that_takes_fewer_bytes_than_given_gets_them_all():
+    # io.RawIOBase.write may write less than asked (a socket, a pipe) and says how much: the rest was lost.
+    class Short(io.RawIOBase):
+        def __init__(self):
+            self.buf = bytearray()
+
+        def writable(self):
+            return True
+
+        def write(self, b):
+            b = memoryview(b).cast("B")[:4096]
+            self.buf += b
+            return len(b)
+
+    state = {"w": torch.randn(256, 64), "step": 3}
+    out = Short()
+    result = nvckpt.save(state, out)
+    assert result.file_bytes == len(out.buf)
+    got = nvckpt.load(io.BytesIO(bytes(out.buf)))
+    assert_tensor_equal(got["w"], state["w"]) and got["step"] == 3
+
+    class Stuck(Short):
+        def write(self, b):
+            return 0
+
+    with pytest.raises(OSError, match="took no bytes"):
+        nvckpt.save(state, Stuck())
+
+
+def test_a_map_location_callable_may_return_none_as_in_torch_load():
+    # torch.load: the callable "should return either None or a storage"; None keeps the default placement.
+    state = {"w": torch.randn(3, 3), "v": torch.arange(4)}
+    buf = io.BytesIO()
+    nvckpt.save(state, buf)
+    buf.seek(0)
+    got = nvckpt.load(buf, map_location=lambda storage, loc: None)
+    assert_tensor_equal(got["w"], state["w"]) and got["w"].device.type == "cpu"
+    buf.seek(0)
+    with pytest.raises(TypeError, match="not a storage or None"):
+        nvckpt.load(buf, map_location=lambda storage, loc: 3)

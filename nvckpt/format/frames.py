@@ -12,6 +12,8 @@ length) -> bytes``, ``size`` and ``name`` (nvckpt.io.source.Source).
 
 from __future__ import annotations
 
+import errno
+
 from typing import Any, Hashable, Iterator, Protocol, Sequence
 
 import msgpack
@@ -88,8 +90,20 @@ class FrameWriter:
         self._write(Preamble(self.version[0], self.version[1], required_features).pack())
 
     def _write(self, data: Any, nbytes: int | None = None) -> None:
-        self.stream.write(data)
-        self.position += memoryview(data).nbytes if nbytes is None else nbytes
+        n = self.stream.write(data)
+        size = memoryview(data).nbytes if nbytes is None else nbytes
+        if n is not None and n < size:  # a raw stream (a socket, a pipe) may take fewer bytes than given
+            self._write_rest(memoryview(data).cast("B")[n:])
+        self.position += size
+
+    def _write_rest(self, rest: memoryview) -> None:
+        while rest.nbytes:
+            n = self.stream.write(rest)
+            if n is None:  # a non-blocking stream that would block: the file would lose bytes
+                raise BlockingIOError(errno.EAGAIN, "the stream is non-blocking and took no bytes; give a blocking one")
+            if n <= 0:
+                raise OSError(errno.EIO, f"the stream took no bytes of the {rest.nbytes} left to write")
+            rest = rest[n:]
 
     def _frame(self, header: FrameHeader, payload: Any) -> int:
         """Write one frame; returns the payload's offset."""

@@ -3,6 +3,8 @@ materialized from raw bytes (dtype, shape, bools, views on their base, derived t
 
 from __future__ import annotations
 
+import math
+
 import operator
 import threading
 from collections.abc import Mapping
@@ -12,7 +14,7 @@ import torch
 import xxhash
 
 from ..errors import ChecksumError, FormatError, LimitError, TensorNotFoundError, UnsupportedCodecError, UnsupportedFeatureError
-from ..format.constants import COPY
+from ..format.constants import BF16_RNE, COPY
 from ..format.entry import TensorEntry
 from ..format.structs import xxh3
 from ..format.tree import DeviceName, DtypeName, TensorRef, find_path, resolve_refs, tensor_refs
@@ -157,6 +159,16 @@ def torch_value(node: DtypeName | DeviceName) -> Any:
     except RuntimeError:
         raise UnsupportedFeatureError(f"the saved object holds the device {node.spec!r}, which this torch "
                                       f"({torch.__version__}) does not know") from None
+
+
+def _c_order(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """Are a view's elements one run of its base in C order (dims of size 1 may have any stride)?"""
+    run = 1
+    for n, st in zip(reversed(shape), reversed(stride)):
+        if n != 1 and st != run:
+            return False
+        run *= n
+    return True
 
 
 def _check_box(entry: TensorEntry, offsets: Sequence[int], lengths: Sequence[int],
@@ -379,9 +391,26 @@ class Checkpoint(Mapping):
                 fut.result()
         return {tid: self._to_device(t) for tid, t in dests.items()}
 
+    def row_readable(self, entry: TensorEntry) -> bool:
+        """Can rows of ``entry`` be read without building it whole?  A stored tensor's can, and so can those of
+        a view laid out in C order in its base (a slice of a flat parameter buffer) and of a tensor derived
+        from a tensor whose rows can be read (a rounding or a copy has its source's shape)."""
+        tensors = self._file.index.tensors
+        if entry.chunks is not None:
+            return True
+        if entry.view is not None:
+            return tensors[entry.view["base"]].chunks is not None and _c_order(entry.shape, entry.view["stride"])
+        if entry.derived is not None and entry.derived["function"] in (BF16_RNE, COPY):
+            source = tensors[entry.derived["source"]]
+            return tuple(source.shape) == tuple(entry.shape) and self.row_readable(source)
+        return False
+
     def _rows(self, entry: TensorEntry, first: int, stop: int) -> torch.Tensor:
-        """Rows [first, stop) of a stored tensor on the target device, decoding only the chunks that hold them."""
+        """Rows [first, stop) of a tensor whose rows can be read (``row_readable``) on the target device,
+        decoding only the chunks that hold them."""
         check_supported(entry, self.path)
+        if entry.chunks is None:
+            return self._rows_not_stored(entry, first, stop)
         row_bytes = entry.nbytes // entry.shape[0] if entry.shape[0] else 0
         shape = (max(0, stop - first),) + tuple(entry.shape[1:])
         lo, hi = first * row_bytes, max(first, stop) * row_bytes
@@ -393,6 +422,21 @@ class Checkpoint(Mapping):
         else:
             raw = self._to_device(self._host_raw(entry, lo, hi))
         return _typed(entry, raw, shape, self.path)
+
+    def _rows_not_stored(self, entry: TensorEntry, first: int, stop: int) -> torch.Tensor:
+        tensors = self._file.index.tensors
+        self._file.check_size(entry, max(0, stop - first) * (entry.nbytes // entry.shape[0] if entry.shape[0] else 0))
+        if entry.view is not None:  # in C order in its base: the rows are one run of the base's elements
+            base, at = tensors[entry.view["base"]], entry.view["offset"]
+            row = math.prod(entry.shape[1:])
+            flat = self._rows(base, at + first * row, at + max(first, stop) * row)
+            return flat.reshape((max(0, stop - first),) + tuple(entry.shape[1:]))
+        source = tensors[entry.derived["source"]]
+        rows = self._rows(source, first, stop)
+        try:
+            return rows.clone() if entry.derived["function"] == COPY else bf16_rne(rows)
+        except (RuntimeError, MemoryError) as exc:
+            raise allocation_error(exc, rows.numel() * 2, entry, self.path) from None
 
     def _load(self, tids: Iterable[int], progress: Callable[[int], None] | None = None) -> dict[int, torch.Tensor]:
         """Tensors by id, with views built on their (shared) base and derived tensors computed on the device."""
@@ -440,13 +484,16 @@ class Checkpoint(Mapping):
             key = storage.data_ptr() if storage.nbytes() else ("empty", tid)
             if key not in moved:
                 new = self._relocate(storage, "cpu")  # type: ignore[misc]
+                if new is None:  # torch.load: None leaves the storage where it was loaded
+                    new = storage
                 if isinstance(new, torch.TypedStorage):
                     new = new.untyped()
                 if not isinstance(new, torch.UntypedStorage):
-                    raise TypeError(f"map_location returned a {type(new).__qualname__}, not a storage")
+                    raise TypeError(f"map_location returned a {type(new).__qualname__}, not a storage or None")
                 moved[key] = new
             new = moved[key]
-            out[tid] = torch.empty(0, dtype=t.dtype, device=new.device).set_(new, t.storage_offset(), t.shape, t.stride())
+            out[tid] = (t if new is storage else
+                        torch.empty(0, dtype=t.dtype, device=new.device).set_(new, t.storage_offset(), t.shape, t.stride()))
         return out
 
     # -- public reads ---------------------------------------------------------
@@ -464,13 +511,14 @@ class Checkpoint(Mapping):
         bytes; a box narrower than the tensor in a later dim (a column box)
         decodes whole rows of its row range and keeps its columns, so it costs
         rows x full row bytes (loading Shard(1) from a Shard(0) save decodes
-        every stored row once per reader).  Views and derived tensors are
-        built whole, then cut."""
+        every stored row once per reader).  A view in C order in its base (a
+        slice of a flat buffer) and a tensor derived from a stored one read
+        their rows the same way; other views are built whole, then cut."""
         entry = self._file.entry(name)
         offsets, lengths = _check_box(entry, offsets, lengths, self.path)
         if not entry.shape:
             return self._load([entry.tensor_id])[entry.tensor_id]
-        if entry.chunks is None:  # a view or a derived tensor: it has no rows of its own to read
+        if not self.row_readable(entry):  # e.g. a transposed view: it has no rows of its own to read
             whole = self._load([entry.tensor_id])[entry.tensor_id]
             rows = whole.narrow(0, offsets[0], lengths[0])
         else:

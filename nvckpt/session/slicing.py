@@ -50,7 +50,7 @@ class TensorSlice:
             index = (index,)
         entry, ck = self._entry, self._ck
         # A bool is an int to Python but a mask to torch (x[True] adds a dim): torch's own rules, on the whole tensor.
-        if (not entry.shape or not index or entry.chunks is None or isinstance(index[0], bool)
+        if (not entry.shape or not index or not ck.row_readable(entry) or isinstance(index[0], bool)
                 or not isinstance(index[0], (slice, int, list, torch.Tensor))):
             return ck._load([entry.tensor_id])[entry.tensor_id][index]
         first, rest = index[0], index[1:]
