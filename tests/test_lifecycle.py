@@ -501,3 +501,26 @@ def test_a_forked_child_does_not_inherit_the_parents_saves(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "finishing" not in done.stderr.split("finishing 1 async save(s) before exit")[0]  # only the parent's
     assert torch.equal(nvckpt.load(path)["w"], torch.arange(1 << 24, dtype=torch.float32))
+
+
+def test_a_cancel_wakes_whoever_waits_on_the_future(tmp_path):
+    # concurrent.futures.wait / as_completed waiting in another thread must see the cancel at once.
+    import concurrent.futures as cf
+    import threading
+
+    future = nvckpt.async_save({"w": torch.arange(1 << 22, dtype=torch.float32)}, tmp_path / "w.nvckpt",
+                               chunk_size=4096, codec="zstd", zstd_level=19, workers=1)
+    woke: list[float] = []
+
+    def waiter():
+        t0 = time.monotonic()
+        done, _ = cf.wait([future], timeout=30)
+        woke.append(time.monotonic() - t0 if future in done else float("inf"))
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    time.sleep(0.2)  # the waiter is waiting
+    assert future.cancel()
+    thread.join(30)
+    assert woke and woke[0] < 5
+    assert list(cf.as_completed([future], timeout=5)) == [future]

@@ -325,3 +325,13 @@ def test_split_errors_name_the_destination_not_the_staging_directory(tmp_path, c
     code, _, err = run(capsys, "split", src, str(tmp_path / "out2"))
     line = one_error_line(err)
     assert code == EXIT_IO and line == f"nvckpt: error: {tmp_path / 'out2'}: Permission denied", line
+
+
+def test_split_refuses_paths_that_dcp_would_join_into_one_name(tmp_path, capsys):
+    # DCP names a value by its keys joined with ".": a key "a.b" beside a dict "a" holding "b" ended in a traceback.
+    src = tmp_path / "s.nvckpt"
+    nvckpt.save({"a.b": torch.ones(2), "a": {"b": torch.zeros(2)}}, src)
+    code, _, err = run(capsys, "split", str(src), str(tmp_path / "d"))
+    assert code == EXIT_UNSUPPORTED
+    assert "a.b and a/b would both be 'a.b'" in one_error_line(err)
+    assert not (tmp_path / "d").exists()

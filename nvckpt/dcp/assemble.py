@@ -105,7 +105,9 @@ def nest(values: dict[str, Any], paths: dict[str, list[Any]], int_keys: dict[str
 def check_round_trip(state: Any) -> None:
     """Refuse, before DCP writes anything, a state whose dict keys a manifest cannot give back: DCP stores every
     key as str(key), and the manifest records only the types str, int, float, bool and None, one key per str."""
-    def walk(node: Any, path: tuple[str, ...]) -> None:
+    fqns: dict[str, str] = {}  # DCP's flat name of every value it stores (keys joined by "."): the first path
+
+    def walk(node: Any, path: tuple[str, ...], dotted: tuple[str, ...]) -> None:
         if isinstance(node, Mapping):
             seen: dict[str, Any] = {}
             for k, v in node.items():
@@ -117,12 +119,18 @@ def check_round_trip(state: Any) -> None:
                     raise UnsupportedObjectError(f"dict keys {seen[str(k)]!r} and {k!r} at {where} are both stored "
                                                  f"as {str(k)!r} in a DCP directory (it writes every key as str)")
                 seen[str(k)] = k
-                walk(v, path + (escape(k),))
+                walk(v, path + (escape(k),), dotted + (str(k),))
         elif isinstance(node, list) and not _dcp_terminal(node):
             for i, v in enumerate(node):
-                walk(v, path + (str(i),))
+                walk(v, path + (str(i),), dotted + (str(i),))
+        else:
+            fqn, where = ".".join(dotted), "/".join(path) or "<root>"
+            if fqn in fqns:  # e.g. a key "a.b" beside a dict "a" holding "b": DCP would refuse it midway
+                raise UnsupportedObjectError(f"{fqns[fqn]} and {where} would both be {fqn!r} in a DCP directory "
+                                             "(it joins the keys of a path with '.')")
+            fqns[fqn] = where
 
-    walk(state, ())
+    walk(state, (), ())
 
 
 def _dcp_terminal(value: Any) -> bool:

@@ -460,6 +460,8 @@ class SaveFuture(Future):
             if self._state == CANCELLED_AND_NOTIFIED:
                 return
             self._state = CANCELLED_AND_NOTIFIED
+            for waiter in self._waiters:  # concurrent.futures.wait / as_completed already waiting on it
+                waiter.add_cancelled(self)
             self._condition.notify_all()
         self._invoke_callbacks()
 
