@@ -4,7 +4,6 @@ materialized from raw bytes (dtype, shape, bools, views on their base, derived t
 from __future__ import annotations
 
 import math
-
 import operator
 import threading
 from collections.abc import Mapping
@@ -20,6 +19,7 @@ from ..format.structs import xxh3
 from ..format.tree import DeviceName, DtypeName, TensorRef, find_path, resolve_refs, tensor_refs
 from ..options import LoadOptions, index_memory_limit
 from ..plan.derived import bf16_rne
+from ..plan.walk import flat_bytes
 from ..plan.dtypes import to_torch
 from .file import CheckpointFile, check_supported
 
@@ -88,11 +88,17 @@ def _check_elements(entry: TensorEntry, t: torch.Tensor, path: str) -> None:
     when the entry has one: nvckpt writes none, so this costs a copy and a hash only for files that do)."""
     if entry.checksum is None:
         return
-    flat = t.detach().reshape(-1)
-    if flat.stride() != (1,):  # a strided view; also one element of a stride-0 view, which .view(uint8) refuses
-        flat = flat.clone(memory_format=torch.contiguous_format)
-    if xxh3(flat.view(torch.uint8).cpu().numpy() if flat.numel() else b"") != entry.checksum:
+    if xxh3(flat_bytes(t.detach()).cpu().numpy()) != entry.checksum:
         raise ChecksumError("tensor checksum does not match its elements", path=path, tensor=entry.name)
+
+
+def _derive(entry: TensorEntry, source: torch.Tensor, nbytes: int, path: str) -> torch.Tensor:
+    """A derived tensor (SPEC 14.2) from its source, or rows of it from the same rows of its source; a failed
+    allocation (of ``nbytes``) is the LimitError that allocate() gives."""
+    try:
+        return source.clone() if entry.derived["function"] == COPY else bf16_rne(source)
+    except (RuntimeError, MemoryError) as exc:
+        raise allocation_error(exc, nbytes, entry, path) from None
 
 
 def _typed(entry: TensorEntry, raw: torch.Tensor, shape: tuple[int, ...], path: str) -> torch.Tensor:
@@ -425,18 +431,15 @@ class Checkpoint(Mapping):
 
     def _rows_not_stored(self, entry: TensorEntry, first: int, stop: int) -> torch.Tensor:
         tensors = self._file.index.tensors
-        self._file.check_size(entry, max(0, stop - first) * (entry.nbytes // entry.shape[0] if entry.shape[0] else 0))
+        nbytes = max(0, stop - first) * (entry.nbytes // entry.shape[0] if entry.shape[0] else 0)
+        self._file.check_size(entry, nbytes)
         if entry.view is not None:  # in C order in its base: the rows are one run of the base's elements
             base, at = tensors[entry.view["base"]], entry.view["offset"]
             row = math.prod(entry.shape[1:])
             flat = self._rows(base, at + first * row, at + max(first, stop) * row)
             return flat.reshape((max(0, stop - first),) + tuple(entry.shape[1:]))
-        source = tensors[entry.derived["source"]]
-        rows = self._rows(source, first, stop)
-        try:
-            return rows.clone() if entry.derived["function"] == COPY else bf16_rne(rows)
-        except (RuntimeError, MemoryError) as exc:
-            raise allocation_error(exc, rows.numel() * 2, entry, self.path) from None
+        rows = self._rows(tensors[entry.derived["source"]], first, stop)
+        return _derive(entry, rows, nbytes, self.path)
 
     def _load(self, tids: Iterable[int], progress: Callable[[int], None] | None = None) -> dict[int, torch.Tensor]:
         """Tensors by id, with views built on their (shared) base and derived tensors computed on the device."""
@@ -466,11 +469,7 @@ class Checkpoint(Mapping):
             if e.view is not None:
                 out[tid] = out[e.view["base"]].as_strided(e.shape, e.view["stride"], e.view["offset"])
             elif e.derived is not None:
-                source = out[e.derived["source"]]
-                try:
-                    out[tid] = source.clone() if e.derived["function"] == COPY else bf16_rne(source)
-                except (RuntimeError, MemoryError) as exc:
-                    raise allocation_error(exc, e.nbytes, e, self.path) from None
+                out[tid] = _derive(e, out[e.derived["source"]], e.nbytes, self.path)
             if e.chunks is None:  # stored tensors' checksums were verified as they were decoded
                 _check_elements(e, out[tid], self.path)
         return out if self._relocate is None else self._relocated(out)
