@@ -200,16 +200,23 @@ def _normalize_bools(leaves: list[tuple[str, torch.Tensor, tuple[str, int]]]) ->
                     leaves[k] = (path, t.view(torch.uint8).ne(0), facts)
 
 
-def _check_tensor(t: torch.Tensor, path: str) -> tuple[str, int]:
-    """Refuses what the format cannot store; returns the tensor's dtype name and element size (asked once
-    here: a state has thousands of tensors, and every attribute of one costs host time)."""
+def refuse_without_bytes(t: torch.Tensor, path: str) -> None:
+    """Refuses a tensor that has no plain bytes to store: nested, sparse (any layout but strided), quantized,
+    or on the meta device (save, and convert for every destination format)."""
     if t.is_nested:
         raise UnsupportedObjectError(f"tensor at {path or '<root>'} is a nested tensor; store its components "
                                      "(a list: t.unbind()) instead")
     if t.layout != torch.strided:
         raise UnsupportedObjectError(f"tensor at {path or '<root>'} has layout {t.layout}; only dense tensors are stored")
     if t.is_quantized or t.is_meta:
-        raise UnsupportedObjectError(f"tensor at {path or '<root>'} is {'quantized' if t.is_quantized else 'on the meta device'}")
+        raise UnsupportedObjectError(f"tensor at {path or '<root>'} is "
+                                     f"{'quantized' if t.is_quantized else 'on the meta device (it holds no data)'}")
+
+
+def _check_tensor(t: torch.Tensor, path: str) -> tuple[str, int]:
+    """Refuses what the format cannot store; returns the tensor's dtype name and element size (asked once
+    here: a state has thousands of tensors, and every attribute of one costs host time)."""
+    refuse_without_bytes(t, path)
     shape = t.shape
     if len(shape) > MAX_RANK:
         raise LimitError(f"tensor at {path or '<root>'} has rank {len(shape)} > {MAX_RANK}")

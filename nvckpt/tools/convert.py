@@ -42,7 +42,7 @@ from ..format.tree import TensorRef, check_tree, escape, pack_tree, resolve_refs
 from ..io.atomic import atomic_output
 from ..options import LoadOptions, SaveOptions
 from ..session.load import Checkpoint, torch_value
-from ..plan.walk import typed_leaf
+from ..plan.walk import refuse_without_bytes, typed_leaf
 from ..session.save import SaveSession
 from ._util import (
     FILE_FORMATS,
@@ -437,29 +437,21 @@ def _disk_full(path: str) -> bool:
 
 
 def _check_convertible(tree: Any, src: str) -> None:
-    """Refuse, before any progress bar, copy or size touches them, tensors other than plain dense ones (a sparse
-    tensor has no nbytes nor contiguous(); nvckpt and safetensors store neither) and meta tensors, which hold
-    no data; UnsupportedObjectError naming the source, worded as nvckpt.save's (exit 3 in the CLI)."""
+    """Refuse, before any progress bar, copy or size touches them, tensors without plain bytes (a sparse tensor
+    has no nbytes nor contiguous(); nvckpt and safetensors store neither; a meta tensor holds no data): the
+    check nvckpt.save makes, as its UnsupportedObjectError naming the source (exit 3 in the CLI)."""
     seen: set[int] = set()
     stack: list[tuple[Any, str]] = [(tree, "")]
     while stack:
         node, path = stack.pop()
         if isinstance(node, torch.Tensor):
-            if id(node) in seen:
-                continue
-            seen.add(id(node))
-            where = path or "<root>"
-            if node.is_meta:
-                why = "is on the meta device (it holds no data)"
-            elif node.is_nested:
-                why = "is a nested tensor"
-            elif node.layout != torch.strided:
-                why = f"has layout {node.layout}; only dense tensors are converted"
-            elif node.is_quantized:
-                why = "is quantized; only plain dense tensors are converted"
-            else:
-                continue
-            raise UnsupportedObjectError(f"tensor at {where} {why}", path=src)
+            if id(node) not in seen:
+                seen.add(id(node))
+                try:
+                    refuse_without_bytes(node, path)
+                except UnsupportedObjectError as exc:
+                    raise exc.located(path=src)
+            continue
         if isinstance(node, dict):
             stack.extend((v, f"{path}/{escape(k)}" if path else escape(k)) for k, v in node.items())
         elif isinstance(node, (list, tuple)):
