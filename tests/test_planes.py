@@ -95,3 +95,38 @@ def test_many_small_tensors_round_trip(tmp_path):
     nvckpt.save(state, tmp_path / "s.nvckpt")
     back = nvckpt.load(tmp_path / "s.nvckpt")
     assert all(torch.equal(back["state"][i]["step"], state["state"][i]["step"]) for i in range(3000))
+
+
+def _frames_cases():
+    c = zstandard.ZstdCompressor(level=1)
+    small = c.compress(b"abc" * 1000)
+    # A frame that declares a 32 MiB window (non-single-segment, no content size): over SPEC 11.4's bound.
+    cobj = zstandard.ZstdCompressor(compression_params=zstandard.ZstdCompressionParameters(
+        window_log=25, write_content_size=False)).compressobj()
+    big = cobj.compress(b"x" * 100) + cobj.flush()
+    skippable = (0x184D2A50).to_bytes(4, "little") + (3).to_bytes(4, "little") + b"zzz"
+    return {"one frame": (small, 3000), "two frames": (small + small, 6000), "skippable first": (skippable + small, 3000),
+            "only skippable": (skippable, 0), "window over the bound": (big, 100), "cut": (small[:-2], 3000),
+            "junk after": (small + b"\x00\x01", 3000), "empty": (b"", 0), "bad magic": (b"\x00" * 16, 16)}
+
+
+@pytest.mark.parametrize("case", list(_frames_cases()))
+def test_native_window_check_agrees_with_the_python_parser(case, monkeypatch):
+    """decode_frames checks SPEC 11.4 in libzstd (frame and block headers walked in C); the pure-Python
+    parser (check_zstd_window) is the fallback: both accept and refuse the same chunks."""
+    if not planes._load_native():
+        pytest.skip("no cffi backend")
+    data, n = _frames_cases()[case]
+    outcomes = []
+    for native in (None, False):
+        monkeypatch.setattr(planes, "_native", native)
+        out = np.empty(n, np.uint8)
+        try:
+            planes.decode_frames(data, out)
+            outcomes.append(("ok", bytes(out)))
+        except ValueError as exc:
+            outcomes.append(("window" if "SPEC 11.4" in str(exc) else "error", None))
+    assert outcomes[0] == outcomes[1], outcomes
+    assert (outcomes[0][0] == "ok") == (case in ("one frame", "two frames", "skippable first"))
+    if case == "window over the bound":
+        assert outcomes[0][0] == "window"
