@@ -39,6 +39,7 @@ sys.path.insert(0, ROOT)
 
 import nvckpt  # noqa: E402
 from nvckpt.codecs import planes  # noqa: E402
+from nvckpt.tools.bench import in_page_cache  # noqa: E402  (nvckpt writes with O_DIRECT: read once, untimed)
 
 THREADS = os.cpu_count() or 1
 
@@ -272,16 +273,6 @@ def formats() -> tuple[list[Format], list[str]]:
 
 
 # -- the run ----------------------------------------------------------------------------------------
-def into_page_cache(path: str) -> None:
-    """Read ``path`` once, untimed, so that every format's load reads the page cache.  nvckpt writes with
-    O_DIRECT (a checkpoint should not evict the training job's page cache), so its file is not cached
-    after a save while the peers' buffered writes are: without this its load would read the disk."""
-    buf = bytearray(16 << 20)
-    with open(path, "rb", buffering=0) as f:
-        while f.readinto(buf):
-            pass
-
-
 def run(datasets: dict[str, Any], reps: int, tmp: str) -> dict[str, Any]:
     fmts, skipped = formats()
     results: dict[str, Any] = {}
@@ -294,7 +285,7 @@ def run(datasets: dict[str, Any], reps: int, tmp: str) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 f.save(obj, path)
                 t1 = time.perf_counter()
-                into_page_cache(path)
+                in_page_cache(path)  # every format's load reads the page cache
                 t2 = time.perf_counter()
                 f.load(path)
                 t3 = time.perf_counter()
