@@ -50,3 +50,24 @@ def test_save_state_writes_nvckpt_and_load_state_resumes(tmp_path):
     use_nvckpt(acc2)
     acc2.load_state(str(tmp_path / "ckpt"))
     assert steps(model2, opt2, 3) == after  # weights from nvckpt, AdamW state from Accelerate's own file
+
+
+def test_load_state_keywords_reach_load_state_dict(tmp_path):
+    """load_state(dir, strict=False) is for model.load_state_dict: the nvckpt hook honours it as Accelerate's
+    own loader does (strict by default)."""
+    acc, model, opt = setup(0)
+    use_nvckpt(acc)
+    acc.save_state(str(tmp_path / "ckpt"))
+
+    class Bigger(torch.nn.Sequential):
+        def __init__(self) -> None:
+            super().__init__(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 1))
+            self.extra = torch.nn.Parameter(torch.zeros(1))
+
+    acc2 = accelerate.Accelerator(cpu=True)
+    bigger = acc2.prepare(Bigger())
+    use_nvckpt(acc2)
+    with pytest.raises(RuntimeError, match="extra"):
+        acc2.load_state(str(tmp_path / "ckpt"))
+    acc2.load_state(str(tmp_path / "ckpt"), strict=False)
+    assert torch.equal(bigger[0].weight, model[0].weight)

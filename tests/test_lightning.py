@@ -12,7 +12,7 @@ import torch
 pl = pytest.importorskip("lightning.pytorch")
 
 import nvckpt  # noqa: E402
-from nvckpt.integrations.lightning import DROPPED, NvckptCheckpointIO  # noqa: E402
+from nvckpt.integrations.lightning import DROPPED, NvckptCheckpointIO, load_from_checkpoint  # noqa: E402
 
 
 class Net(pl.LightningModule):
@@ -107,6 +107,35 @@ def test_dropped_list_elements_leave_the_others_in_place(tmp_path):
     with nvckpt.open(path) as ck:
         assert sorted(ck.metadata()[DROPPED]) == ["hyper_parameters/fn", "hyper_parameters/layers/0",
                                                   "hyper_parameters/pair/1"]
+
+
+def test_load_from_checkpoint_reads_nvckpt_files(tmp_path):
+    """Lightning's Net.load_from_checkpoint calls torch.load only; the module's load_from_checkpoint takes the
+    same arguments and reads an nvckpt .ckpt (and a torch.save one), hyper-parameters and overrides included."""
+    pl.seed_everything(0, verbose=False)
+    model = Net(lr=0.07)
+    trainer(tmp_path, 1, NvckptCheckpointIO()).fit(model)
+    last = tmp_path / "ckpt" / "last.ckpt"
+    with pytest.raises(Exception):
+        Net.load_from_checkpoint(last)  # what the module's helper is for
+    back = load_from_checkpoint(Net, last, note="given")
+    assert back.hparams.lr == 0.07 and back.hparams.note == "given"
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), back.state_dict().values()))
+    torch.save({"state_dict": model.state_dict(), "hyper_parameters": {"lr": 0.03, "note": "plain"},
+                "pytorch-lightning_version": pl.__version__}, tmp_path / "old.ckpt")
+    assert load_from_checkpoint(Net, tmp_path / "old.ckpt").hparams.lr == 0.03
+
+
+def test_a_key_the_tree_cannot_hold_drops_its_entry(tmp_path):
+    """unsupported="drop" also drops a dict entry whose key is not storable (a tuple key in a hyper-parameter
+    dict), instead of refusing the whole checkpoint."""
+    path = tmp_path / "k.ckpt"
+    ckpt = {"state_dict": {"w": torch.ones(2)}, "hyper_parameters": {"lr": 0.1, "weights": {(0, 1): 0.5, "b": 2}}}
+    with pytest.warns(UserWarning):
+        NvckptCheckpointIO(unsupported="drop").save_checkpoint(ckpt, path)
+    assert NvckptCheckpointIO().load_checkpoint(path)["hyper_parameters"] == {"lr": 0.1, "weights": {"b": 2}}
+    with nvckpt.open(path) as ck:
+        assert ck.metadata()[DROPPED] == ["hyper_parameters/weights/(0, 1)"]
 
 
 def test_old_torch_checkpoints_still_load_and_remove_works(tmp_path):

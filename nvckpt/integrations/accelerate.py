@@ -19,6 +19,7 @@ write each model's state_dict with nvckpt and take it off Accelerate's list, so 
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -39,12 +40,27 @@ def use_nvckpt(accelerator: Any, **save_options: Any) -> tuple[Any, Any]:
                 save(state, model_file(output_dir, i), **save_options)
         weights.clear()  # saved: Accelerate must not write them again
 
+    # Accelerate gives a load pre-hook only (models, input_dir); the keywords of load_state(dir, strict=False)
+    # are for model.load_state_dict, so the call is wrapped to hand them to the hook as well.
+    asked: list[dict[str, Any]] = []
+    load_state = accelerator.load_state
+
+    @functools.wraps(load_state)
+    def load_state_with_keywords(*args: Any, **kwargs: Any) -> Any:
+        asked.append({k: v for k, v in kwargs.items() if k not in ("load_kwargs", "map_location")})
+        try:
+            return load_state(*args, **kwargs)
+        finally:
+            asked.pop()
+
+    accelerator.load_state = load_state_with_keywords
+
     def load_models(models: list, input_dir: str) -> None:
         kept = []
         for i, model in enumerate(models):
             path = model_file(input_dir, i)
             if os.path.exists(path):
-                accelerator.unwrap_model(model).load_state_dict(load(path))
+                accelerator.unwrap_model(model).load_state_dict(load(path), **(asked[-1] if asked else {}))
             else:
                 kept.append(model)  # a folder Accelerate wrote itself: it loads that model
         models[:] = kept

@@ -14,6 +14,10 @@ the checkpoint without those values instead (a dict leaves the key out; a list o
 so the other elements keep their positions), warning once, and records their paths in the file's metadata
 (``lightning.dropped``).  A state_dict's ``_metadata`` (module versions) is not kept; Lightning and
 ``load_state_dict`` do not need it for current modules.
+
+``Model.load_from_checkpoint(path)`` is Lightning's own reader (it calls ``torch.load`` and never asks the
+CheckpointIO), so it cannot read an nvckpt file; ``load_from_checkpoint(Model, path, ...)`` here takes the
+same arguments and does.
 """
 
 from __future__ import annotations
@@ -105,6 +109,25 @@ class NvckptCheckpointIO(CheckpointIO):
             self._wait(next(iter(self._pending)))
 
 
+def load_from_checkpoint(cls: Any, checkpoint_path: Any, map_location: Any = None, **kwargs: Any) -> Any:
+    """``cls.load_from_checkpoint(checkpoint_path, ...)`` for an nvckpt ``.ckpt`` (or a torch.save one).
+
+    Lightning's classmethod reads with ``torch.load`` only; this loads the nvckpt file and hands Lightning
+    the same checkpoint dict as an in-memory torch file, so hyper-parameters, ``strict``, ``hparams_file``
+    and the ``on_load_checkpoint`` hooks behave exactly as Lightning's (it holds the state twice meanwhile)."""
+    import io
+
+    import torch
+
+    path = _local(checkpoint_path)
+    if sniff_format(path) == "torch":
+        return cls.load_from_checkpoint(path, map_location=map_location, **kwargs)
+    buffer = io.BytesIO()
+    torch.save(load(path, map_location=map_location), buffer)
+    buffer.seek(0)
+    return cls.load_from_checkpoint(buffer, map_location=map_location, **kwargs)
+
+
 def _local(path: Any) -> str:
     path = os.fspath(path)
     if "://" in path and not path.startswith("file://"):
@@ -125,6 +148,9 @@ def _storable(node: Any, parts: tuple[str, ...] = ()) -> tuple[Any, list[str]]:
         if isinstance(value, dict):
             out = {}
             for k, v in value.items():
+                if not _storable_key(k):  # a tuple or object key: the entry goes, whatever its value
+                    dropped.append("/".join(where + (escape(str(k)),)))
+                    continue
                 kept = keep(v, where + (escape(k),))
                 if kept is not _DROP:
                     out[k] = kept
@@ -147,4 +173,14 @@ def _storable(node: Any, parts: tuple[str, ...] = ()) -> tuple[Any, list[str]]:
 
 _DROP = object()
 
-__all__ = ["NvckptCheckpointIO", "DROPPED"]
+
+def _storable_key(key: Any) -> bool:
+    from ..plan.walk import plan_save
+
+    try:
+        plan_save({key: None})  # the tree's own rule for keys (str, int, float, bool, None; their enums)
+    except UnsupportedObjectError:
+        return False
+    return True
+
+__all__ = ["NvckptCheckpointIO", "DROPPED", "load_from_checkpoint"]
