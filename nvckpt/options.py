@@ -144,7 +144,7 @@ class SaveOptions:
 class LoadOptions:
     """How ``open`` / ``load`` read (see ``open``'s docstring for each field)."""
 
-    device: Any = "cpu"
+    device: Any = None  # None: "cpu", unless map_location says otherwise
     workers: int | None = None
     untrusted: bool = False
     max_tensor_bytes: int | None = None
@@ -161,7 +161,7 @@ class LoadOptions:
                              "cannot be mapped from the file; nvckpt.open(path) reads tensors lazily instead")
         if self.weights_only not in (None, True, False):
             raise TypeError(f"weights_only must be a bool or None, got {self.weights_only!r}")
-        if self.map_location is not None and self.device != "cpu":
+        if self.map_location is not None and self.device is not None:
             raise ValueError("give device= or map_location=, not both")
         for name in ("max_tensor_bytes", "max_index_memory"):
             value = getattr(self, name)

@@ -33,7 +33,7 @@ def same(a, b) -> bool:
     return a == b
 
 
-@pytest.mark.parametrize("where", ["cpu", torch.device("cpu"), {"cuda:0": "cpu", "cpu": "cpu"},
+@pytest.mark.parametrize("where", ["cpu", torch.device("cpu"), {"cuda:0": "cpu", "cpu": "cpu"}, {},
                                    lambda storage, location: storage])
 def test_map_location_as_torch_accepts_it(ckpt, where):
     path, state = ckpt
@@ -64,8 +64,9 @@ def test_map_location_that_nvckpt_cannot_honour_says_what_to_use(ckpt):
     path, _ = ckpt
     with pytest.raises(ValueError, match="does not record which device"):
         nvckpt.load(path, map_location={"cuda:0": "cpu", "cuda:1": "meta"})
-    with pytest.raises(ValueError, match="not both"):
-        nvckpt.load(path, map_location="cpu", device="meta")
+    for device in ("meta", "cpu", torch.device("cpu")):  # an explicit device, whichever it names
+        with pytest.raises(ValueError, match="not both"):
+            nvckpt.load(path, map_location="cpu", device=device)
 
 
 @pytest.mark.parametrize("weights_only", [True, False, None])

@@ -294,6 +294,37 @@ def test_rows_of_views_and_derived_tensors_are_read_without_building_them_whole(
         assert_tensor_equal(f.get_slice("t")[3:5], flat[:64].t()[3:5])
 
 
+def test_checkpoints_saved_back_to_back_in_one_stream_load_in_turn():
+    """As torch.load: a load leaves the stream just after its checkpoint, and a checkpoint followed by more
+    bytes (a second save into the same stream) is not taken for a damaged one."""
+    buf = io.BytesIO()
+    nvckpt.save({"a": torch.ones(2)}, buf)
+    first_end = buf.tell()
+    nvckpt.save({"b": torch.zeros(3), "n": 7}, buf)
+    buf.write(b"trailer")
+    buf.seek(0)
+    assert nvckpt.load(buf)["a"].tolist() == [1.0, 1.0]
+    assert buf.tell() == first_end
+    second = nvckpt.load(buf)
+    assert second["n"] == 7 and second["b"].tolist() == [0.0, 0.0, 0.0]
+    assert buf.read() == b"trailer"
+    buf.seek(first_end)
+    with nvckpt.open(buf) as ck:
+        assert ck.keys() == ["b"]
+    damaged = bytearray(buf.getvalue()[:first_end])
+    damaged[-30] ^= 1  # the footer of a lone checkpoint: still refused, and named
+    with pytest.raises(nvckpt.ChecksumError, match="footer"):
+        nvckpt.load(io.BytesIO(bytes(damaged)))
+
+
+def test_a_stream_that_does_not_seek_is_refused_with_one_line():
+    r, w = os.pipe()
+    os.write(w, b"\x89NVCKPT\n")
+    os.close(w)
+    with open(r, "rb") as pipe, pytest.raises(TypeError, match="does not seek"):
+        nvckpt.load(pipe)
+
+
 def test_a_stream_that_takes_fewer_bytes_than_given_gets_them_all():
     # io.RawIOBase.write may write less than asked (a socket, a pipe) and says how much: the rest was lost.
     class Short(io.RawIOBase):

@@ -8,6 +8,7 @@ the page cache nothing.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -45,9 +46,11 @@ class Source:
             raise TypeError("a checkpoint is opened from a path (str or os.PathLike) or a binary file object, "
                             f"not {type(target).__name__}: use os.fsdecode(path) for a bytes path")
         else:
-            if not all(hasattr(target, a) for a in ("seek", "read")):
-                raise TypeError(f"cannot read a checkpoint from a {type(target).__qualname__}: "
-                                "give a path or a seekable binary file object")
+            seekable = getattr(target, "seekable", None)
+            if not all(hasattr(target, a) for a in ("seek", "read")) or (callable(seekable) and not seekable()):
+                raise TypeError(f"cannot read a checkpoint from a {type(target).__qualname__} that does not seek "
+                                "(a pipe, a socket): the index is at the end of the file; give a path or a "
+                                "seekable binary file object (read a pipe into io.BytesIO first)")
             self.name = getattr(target, "name", "<stream>")
             self._file = target
             # From where the stream stands, as save wrote it there (a checkpoint after a header of the
@@ -61,6 +64,7 @@ class Source:
             if self._base >= end:
                 self._base = 0
             self.size = end - self._base
+            self.stream_size = self.size  # what the stream holds from the checkpoint on (the file may be less)
         self.bytes_read = 0
 
     @property
@@ -157,15 +161,23 @@ class Source:
             got += n
         self.count(length)
 
+    @property
+    def is_stream(self) -> bool:
+        return self._file is not None
+
     def close(self) -> None:
         """Close a file this Source opened (once the reads in flight are done); a caller's file object is
-        only let go of.  Reads after this raise NvckptError."""
+        left just after the checkpoint, as torch.load leaves it (a second checkpoint written after it then
+        loads next).  Reads after this raise NvckptError."""
         with self._state:
             self._closing = True
             while self._active:
                 self._state.wait()
             fd, self._fd = self._fd, None
-            self._file = None
+            stream, self._file = self._file, None
+        if stream is not None:
+            with contextlib.suppress(OSError, ValueError):  # a stream closed by its owner meanwhile
+                stream.seek(self._base + self.size)
         if fd is not None:
             os.close(fd)
 

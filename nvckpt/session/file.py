@@ -21,11 +21,34 @@ import numpy as np
 from ..codecs import planes as fast
 from ..codecs.base import Pipeline
 from ..codecs.registry import pipeline_from_json
-from ..errors import ChecksumError, FormatError, LimitError, NvckptError, TensorNotFoundError, UnsupportedCodecError, UnsupportedFeatureError
+from ..errors import (ChecksumError, FormatError, LimitError, NvckptError, TensorNotFoundError, TruncatedError,
+                      UnsupportedCodecError, UnsupportedFeatureError)
 from ..format.entry import TensorEntry
-from ..format.frames import locate_index
+from ..format.constants import FOOTER_SIZE, FRAME_INDEX
+from ..format.frames import iter_frames, locate_index
 from ..format.structs import xxh3
 from ..io.source import Source
+
+
+def _locate(source: Source, max_index_memory: int | None) -> tuple[Any, Any]:
+    """The preamble and index; in a caller's stream that holds more after the checkpoint (two saved back to
+    back), its end is found by walking its frames to the INDEX frame: the footer is not the stream's last bytes."""
+    try:
+        return locate_index(source, max_index_memory=max_index_memory)
+    except (FormatError, TruncatedError, ChecksumError) as exc:
+        if not source.is_stream:
+            raise
+        try:
+            end = None
+            for offset, header in iter_frames(source):
+                if header.frame_type == FRAME_INDEX:
+                    end = offset + header.payload_skip + header.stored_length + FOOTER_SIZE
+            if end is None or end >= source.size:
+                raise exc
+        except NvckptError:
+            raise exc from None
+        source.size = end
+        return locate_index(source, max_index_memory=max_index_memory)
 
 
 def check_supported(entry: TensorEntry, path: str) -> None:
@@ -43,7 +66,7 @@ class CheckpointFile:
         self.source = Source(target)
         self.path = self.source.name
         try:
-            self.preamble, self.index = locate_index(self.source, max_index_memory=max_index_memory)
+            self.preamble, self.index = _locate(self.source, max_index_memory)
             self.pipelines: list[Pipeline] = [pipeline_from_json(c) for c in self.index.codecs]
         except NvckptError as exc:
             self.source.close()

@@ -134,7 +134,9 @@ def target_device(options: LoadOptions) -> tuple[torch.device, Callable[[Any, st
 
     nvckpt does not record which device a tensor was saved from, so every tensor loads onto one device:
     a ``map_location`` dict is accepted when all its values name one device."""
-    where = options.device if options.map_location is None else options.map_location
+    where = options.map_location if options.map_location is not None else options.device
+    if where is None or (isinstance(where, dict) and not where):  # torch.load: {} remaps nothing
+        where = "cpu"
     if isinstance(where, dict):
         targets = {str(torch_device(v)) for v in where.values()}
         if len(targets) != 1:
