@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pathlib
 import shutil
 import time
 import warnings
@@ -342,6 +343,42 @@ def test_stale_staging_is_removed_by_the_next_save(saved, tmp_path):
     assert torch.equal(_load_single(target, {"x": torch.zeros(5, dtype=torch.long)})["x"], torch.arange(5))
 
 
+def test_a_failed_saves_staging_is_removed_by_the_next_save_in_the_same_process(tmp_path):
+    """The failed Writer can outlive the save (DCP's future holds the exception's traceback): its staging
+    directory is stale as soon as its own write fails, and the next save removes it."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    target = str(tmp_path / "F")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.save({"a": torch.ones(3)}, storage_writer=nvckpt.dcp.Writer(target))
+        kept = []
+        writer = nvckpt.dcp.Writer(target)
+        with pytest.raises(CheckpointException):
+            dcp.save({"a": torch.ones(3), "m": torch.empty(3, device="meta")}, storage_writer=writer)
+        kept.append(writer)  # alive, as a traceback would keep it
+        dcp.save({"a": torch.full((3,), 4.0)}, storage_writer=nvckpt.dcp.Writer(target))
+    assert sorted(os.listdir(tmp_path)) == ["F"]
+    assert torch.equal(_load_single(target, {"a": torch.zeros(3)})["a"], torch.full((3,), 4.0))
+
+
+def test_an_overwrite_keeps_the_users_files_in_the_directory(saved, tmp_path):
+    """As FileSystemWriter, which writes its files into DIR: a config or an export beside the checkpoint
+    stays; the old checkpoint's own files (FileSystemWriter's .distcp too) are replaced."""
+    target = tmp_path / "D"
+    shutil.copytree(os.path.join(saved, "A"), target)
+    (target / "config.yaml").write_text("lr: 1")
+    (target / "export").mkdir()
+    (target / "export" / "model.bin").write_bytes(b"weights")
+    (target / "__0_0.distcp").write_bytes(b"an older FileSystemWriter shard")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.save({"x": torch.arange(5)}, storage_writer=nvckpt.dcp.Writer(str(target)))
+    assert sorted(os.listdir(target)) == [".metadata", "__0.nvckpt", "config.yaml", "export", "nvckpt-dcp.json"]
+    assert (target / "config.yaml").read_text() == "lr: 1" and (target / "export" / "model.bin").read_bytes() == b"weights"
+    assert torch.equal(_load_single(str(target), {"x": torch.zeros(5, dtype=torch.long)})["x"], torch.arange(5))
+
+
 # -- the command line on a DCP directory -------------------------------------------------------------
 def _cli(capsys, *argv):
     from nvckpt.cli import main
@@ -374,6 +411,34 @@ def test_cli_verify_names_missing_and_damaged_rank_files(saved, tmp_path, capsys
     assert code == 1 and f"rank file {other} is missing" in out
     code, out = _cli(capsys, "info", copy)
     assert code == 1 and f"rank file {other} is missing" in out
+
+
+def test_a_rank_file_of_another_save_and_a_damaged_metadata_are_named(tmp_path, capsys):
+    """A rank file copied in from another save of the same shapes would load as part of this one: the
+    Reader and verify compare the save_id it records; a missing or cut .metadata is named by both too."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    a, b = str(tmp_path / "A"), str(tmp_path / "B")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.save({"x": torch.arange(5)}, storage_writer=nvckpt.dcp.Writer(a, codec="raw"))
+        dcp.save({"x": torch.arange(5) * 2}, storage_writer=nvckpt.dcp.Writer(b, codec="raw"))
+    shutil.copy(os.path.join(b, "__0.nvckpt"), os.path.join(a, "__0.nvckpt"))
+    with pytest.raises(CheckpointException) as caught:
+        _load_single(a, {"x": torch.zeros(5, dtype=torch.long)})
+    assert "written by another save" in repr(caught.value.failures)
+    code, out = _cli(capsys, "verify", a)
+    assert code == 1 and "rank file __0.nvckpt was written by another save" in out
+    meta = pathlib.Path(b, ".metadata")
+    meta.write_bytes(meta.read_bytes()[: meta.stat().st_size // 2])
+    code, out = _cli(capsys, "verify", b)
+    assert code == 1 and ".metadata is damaged" in out
+    os.unlink(meta)
+    code, out = _cli(capsys, "verify", b)
+    assert code == 1 and ".metadata is missing" in out
+    with pytest.raises(CheckpointException) as caught:
+        _load_single(b, {"x": torch.zeros(5, dtype=torch.long)})
+    assert ".metadata is missing" in repr(caught.value.failures)
 
 
 def test_merge_and_split(saved, tmp_path, capsys):

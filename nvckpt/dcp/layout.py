@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
+import re
 from typing import Any
 
 from ..errors import FormatError
@@ -35,6 +36,47 @@ VERSION = 1
 
 def rank_file(index: int) -> str:
     return f"__{index}.nvckpt"
+
+
+#: The names a checkpoint directory holds of its own (nvckpt's, FileSystemWriter's, a crashed save's
+#: temporaries): an overwrite replaces them; every other entry (a user's config, an export) is kept.
+_OWN = re.compile(r"(\.metadata|nvckpt-dcp\.json|__\d+\.nvckpt|__\d+_\d+\.distcp|\..*\.nvckpt-tmp)\Z")
+
+
+def foreign_rank_file(index_metadata: Any, save_id: str | None, file: str) -> str | None:
+    """Why rank file ``file`` (its index's metadata) is not part of the save ``save_id``, or None: a rank
+    file copied in from another save of the same shapes would otherwise load as part of this one."""
+    got = index_metadata.get("nvckpt.dcp", {}).get("save_id") if isinstance(index_metadata, dict) else None
+    if save_id and got and got != save_id:
+        return f"rank file {file} was written by another save (save_id {got}, the directory's is {save_id})"
+    return None
+
+
+def metadata_problem(directory: str) -> str | None:
+    """What is wrong with DCP's ``.metadata`` file in ``directory`` (missing, empty, cut short), or None.
+    Its pickle opcodes are walked, not run (nothing is imported or executed)."""
+    import pickletools
+
+    path = os.path.join(directory, METADATA)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return f"{METADATA} is missing (dcp.load reads the checkpoint's plan from it)"
+    except OSError as exc:
+        return f"{METADATA} cannot be read: {exc.strerror or exc}"
+    try:
+        ops = list(pickletools.genops(data))
+        if not ops or ops[-1][0].name != "STOP":
+            raise ValueError("no STOP opcode")
+    except Exception as exc:  # noqa: BLE001 - truncated or not a pickle at all
+        return f"{METADATA} is damaged ({len(data)} bytes, not a whole pickle: {exc})"
+    return None
+
+
+def user_entry(name: str) -> bool:
+    """An entry of a checkpoint directory that is not the checkpoint's own (an overwrite keeps it)."""
+    return _OWN.match(name) is None
 
 
 def shard_key(fqn: str, offsets: Any) -> str:

@@ -25,7 +25,7 @@ from torch.futures import Future
 from ..errors import FormatError
 from ..options import LoadOptions, options_from
 from ..session.load import Checkpoint
-from .layout import METADATA, read_manifest
+from .layout import METADATA, foreign_rank_file, metadata_problem, read_manifest
 
 
 class Reader(StorageReader):
@@ -45,9 +45,11 @@ class Reader(StorageReader):
         self.options: LoadOptions = options_from(LoadOptions, "nvckpt.dcp.Reader", options)
         self.storage_data: dict[Any, Any] = {}
         self.bytes_read = 0  # this rank's bytes read from rank files by the last read_data
+        self.save_id: str | None = None  # the save the metadata names (its rank files must be of that save)
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         self.storage_data = {}
+        self.save_id = None
         if checkpoint_id:
             self.path = os.path.abspath(os.fspath(checkpoint_id))
 
@@ -62,6 +64,9 @@ class Reader(StorageReader):
         missing = [f for f in manifest.files if not os.path.isfile(os.path.join(self.path, f))]
         if missing:
             raise FormatError(f"rank file{'s' if len(missing) > 1 else ''} {', '.join(missing)} missing", path=self.path)
+        problem = metadata_problem(self.path)
+        if problem:
+            raise FormatError(problem, path=self.path)
         with open(os.path.join(self.path, METADATA), "rb") as f:
             metadata = pickle.load(f)
         if not isinstance(metadata, Metadata):
@@ -74,6 +79,7 @@ class Reader(StorageReader):
         if not isinstance(metadata.storage_data, dict):
             raise FormatError("the metadata has no storage_data", path=self.path)
         self.storage_data = metadata.storage_data
+        self.save_id = getattr(metadata.storage_meta, "save_id", None)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -122,7 +128,10 @@ class Reader(StorageReader):
             key = (file, str(device))
             if key not in opened:
                 options = through_cache if file in shared else self.options
-                opened[key] = Checkpoint(os.path.join(self.path, file), dataclasses.replace(options, device=device))
+                ck = opened[key] = Checkpoint(os.path.join(self.path, file), dataclasses.replace(options, device=device))
+                foreign = foreign_rank_file(ck.file.index.metadata, self.save_id, file)
+                if foreign:
+                    raise FormatError(foreign, path=self.path)
             return opened[key]
 
         try:

@@ -43,7 +43,7 @@ from ..plan.dtypes import name_of
 from ..session.save import SaveSession
 from ..format.tree import escape
 from .assemble import empty_dicts
-from .layout import MANIFEST, METADATA, GlobalTensor, Manifest, Shard, key_tag, rank_file, shard_key
+from .layout import MANIFEST, METADATA, GlobalTensor, Manifest, Shard, key_tag, rank_file, shard_key, user_entry
 
 DCP_VERSION = "1.0.0"  # the Metadata.version FileSystemWriter writes (torch 2.11 to 2.13)
 
@@ -68,6 +68,7 @@ class RankPlan:
 
     staging: str
     file: str
+    save_id: str = ""  # the coordinator's: every rank file records the one save it belongs to
 
 
 class Writer(StorageWriter):
@@ -75,7 +76,8 @@ class Writer(StorageWriter):
     file per rank, published only once every rank has written its file.
 
     ``overwrite``: replace a previous checkpoint at DIR (default True, as
-    FileSystemWriter); an existing directory that is not a checkpoint is never
+    FileSystemWriter); the other files and folders in it (a config, an export)
+    are kept, and an existing directory that is not a checkpoint is never
     replaced.  Other keywords are ``nvckpt.save``'s (codec, chunk_size,
     engine, gpu, ...), used for every rank's file."""
 
@@ -131,13 +133,19 @@ class Writer(StorageWriter):
             raise about_target(exc, self.path, staging) from None
         live_staging(staging, True)
         weakref.finalize(self, live_staging, staging, False)  # a save that failed: its leftover is stale then
-        return [dataclasses.replace(p, storage_data=RankPlan(staging, rank_file(i))) for i, p in enumerate(plans)]
+        return [dataclasses.replace(p, storage_data=RankPlan(staging, rank_file(i), self.save_id))
+                for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         future: Future[list[WriteResult]] = Future()
         try:
             future.set_result(self._write(plan, planner))
         except BaseException as exc:  # DCP gathers every rank's failure and raises them together
+            if self._staging is not None:
+                # This save can no longer publish: its staging directory is stale for the next save now.  (The
+                # finalizer would say so only once this Writer is freed, and the exception's traceback, held by
+                # DCP's future, can keep it alive for as long as the process runs.)
+                live_staging(self._staging, False)
             future.set_exception(exc)
         return future
 
@@ -158,7 +166,7 @@ class Writer(StorageWriter):
             with open(tmp, "w") as f:
                 json.dump(manifest.to_json(), f, indent=1)
         try:
-            publish_directory(staging, self.path, self.number)
+            publish_directory(staging, self.path, self.number, carry=user_entry)
         except FileExistsError:
             shutil.rmtree(staging, ignore_errors=True)  # older than what is there: nothing of it stays
             raise
@@ -208,7 +216,7 @@ class Writer(StorageWriter):
             results.append(WriteResult(index=item.index, size_in_bytes=size,
                                        storage_data=Location(where.file, escape(key))))
         meta = dict(self.options.metadata or {})
-        meta["nvckpt.dcp"] = {"save_id": self.save_id, "file": where.file, "rank": self.rank}
+        meta["nvckpt.dcp"] = {"save_id": where.save_id or self.save_id, "file": where.file, "rank": self.rank}
         options = dataclasses.replace(self.options, metadata=meta)
         staged = os.path.join(where.staging, where.file)
         try:

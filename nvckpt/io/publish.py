@@ -33,6 +33,7 @@ import os
 import secrets
 import shutil
 import threading
+from typing import Callable
 
 from .atomic import fsync_path
 
@@ -107,7 +108,7 @@ class Sequence:
     def number(self) -> int:
         return next(self._count)
 
-    def publish(self, staging: str, final: str, number: int) -> None:
+    def publish(self, staging: str, final: str, number: int, carry: Callable[[str], bool] | None = None) -> None:
         """``_publish`` for save ``number``, unless a newer save to ``final`` has published (FileExistsError);
         the number counts as published only once the directory is."""
         key = os.path.realpath(os.path.abspath(final))
@@ -115,7 +116,7 @@ class Sequence:
             if self._published.get(key, -1) > number:
                 raise FileExistsError(errno.EEXIST, "a checkpoint saved after this one was published there first; "
                                       "this older one is not published over it", final)
-            _publish(staging, final)
+            _publish(staging, final, carry)
             self._published[key] = number
 
 
@@ -128,18 +129,44 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=SAVES._after_fork_in_child)
 
 
-def publish_directory(staging: str, final: str | os.PathLike, number: int | None = None) -> None:
+def publish_directory(staging: str, final: str | os.PathLike, number: int | None = None,
+                      carry: Callable[[str], bool] | None = None) -> None:
     """Make the complete ``staging`` directory the one at ``final`` (see the module docstring); ``number``:
-    the save's ``SAVES.number()``, refused if a newer save to ``final`` has published."""
+    the save's ``SAVES.number()``, refused if a newer save to ``final`` has published.  ``carry(name)``: the
+    entries of the directory being replaced that are not the checkpoint's own (a user's config, an export
+    beside it) and go on in the new one, as a writer of files in place would leave them."""
     if number is None:
-        _publish(staging, final)
+        _publish(staging, final, carry)
     else:
-        SAVES.publish(staging, os.path.abspath(os.fspath(final)), number)
+        SAVES.publish(staging, os.path.abspath(os.fspath(final)), number, carry)
 
 
-def _publish(staging: str, final: str | os.PathLike) -> None:
+def _carry_over(old: str, staging: str, carry: Callable[[str], bool]) -> None:
+    """Hard links (copies where links are not possible) in ``staging`` of ``old``'s entries that ``carry``."""
+    for name in os.listdir(old):
+        if not carry(name) or os.path.lexists(os.path.join(staging, name)):
+            continue
+        src, dst = os.path.join(old, name), os.path.join(staging, name)
+        if os.path.islink(src):
+            os.symlink(os.readlink(src), dst)
+        elif os.path.isdir(src):
+            shutil.copytree(src, dst, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(src, dst)
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _publish(staging: str, final: str | os.PathLike, carry: Callable[[str], bool] | None = None) -> None:
     final = os.path.abspath(os.fspath(final))
     parent = os.path.dirname(final)
+    if carry is not None and os.path.isdir(final) and not os.path.islink(final):
+        _carry_over(final, staging, carry)
     fsync_path(staging)
     if not os.path.lexists(final):
         os.rename(staging, final)

@@ -12,7 +12,7 @@ import os
 from contextlib import closing
 from typing import Any
 
-from ..dcp.layout import Manifest, read_manifest
+from ..dcp.layout import Manifest, foreign_rank_file, metadata_problem, read_manifest
 from ..errors import NvckptError
 from ..session.file import CheckpointFile
 from ._util import ProgressFactory, ratio
@@ -22,6 +22,9 @@ from .verify import Problem, VerifyReport, verify
 def _structural_problems(m: Manifest) -> list[Problem]:
     """What the manifest alone shows: missing rank files, sizes that changed, tensors not fully covered."""
     problems = []
+    bad_metadata = metadata_problem(m.directory)
+    if bad_metadata:
+        problems.append(Problem(bad_metadata))
     for name, size in m.files.items():
         path = os.path.join(m.directory, name)
         if not os.path.isfile(path):
@@ -118,6 +121,9 @@ def verify_directory(path: str | os.PathLike, *, progress: ProgressFactory | Non
         report.problems.extend(Problem(f"{name}: {p.message}", p.tensor, p.chunk, p.offset) for p in one.problems)
         report.undecoded.extend(Problem(f"{name}: {p.message}", p.tensor, p.chunk, p.offset) for p in one.undecoded)
         with closing(CheckpointFile(where, workers=1)) as f:
+            foreign = foreign_rank_file(f.index.metadata, m.save_id, name)
+            if foreign:
+                report.problems.append(Problem(foreign))
             entries = {e.name: e for e in f.index.tensors}
             for fqn, tensor, sizes, dtype in wanted.get(name, []):
                 e = entries.get(tensor)
