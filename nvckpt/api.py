@@ -59,7 +59,9 @@ def async_save(obj: Any, target: str | os.PathLike | Any, fence: Any = None, **o
     device-to-host copy of the compressed state takes.  With ``fence=optimizer``
     (or a list of optimizers) it returns at once: the GPU engine reads the
     tensors while the caller's next forward and backward run, and the
-    optimizer's next ``step()`` waits (a step pre-hook) until they are read.
+    optimizer's next ``step()`` waits (a step pre-hook) until they are read;
+    tensors the optimizers do not own (BatchNorm statistics and other buffers a
+    forward changes) are copied at the call, up to 1 MiB each and 64 MiB in all.
     Change the tensors in any other way only after ``future.wait_read()``.
     Takes the options of ``save``; a pending save is finished at interpreter
     exit, and SIGTERM gives it ``preemption_grace`` seconds (README)."""
@@ -73,8 +75,8 @@ def open(target: str | os.PathLike | Any, **options: Any) -> Checkpoint:  # noqa
 
     ``target``: a path or a seekable binary file object (read from its position, where save wrote it; a
     stream left at its end from its start).
-    ``device``: where every tensor is materialized: "cpu", "cuda", "cuda:1", a torch.device or a CUDA
-    index; the file does not record where a tensor was saved from, so any file loads on any device.
+    ``device``: where every tensor is materialized: "cpu" (the default), "cuda", "cuda:1", a torch.device
+    or a CUDA index; the file does not record where a tensor was saved from, so any file loads on any device.
     ``workers``: CPU decode threads (default: all cores).
     ``untrusted``: for files from an untrusted source, decode only with the hardened CPU decoders (no
     nvCOMP; nvcomp-ans chunks are refused) and bound the memory of the decoded index to

@@ -326,6 +326,28 @@ def test_lazy_async_save_reads_during_forward_backward_and_the_step_waits(tmp_pa
     assert int(loaded["optimizer"]["state"][0]["step"]) == 1
 
 
+def test_lazy_save_on_the_gpu_copies_batchnorm_statistics_at_the_call(tmp_path):
+    """The forward after a lazy call updates BatchNorm's running statistics on the caller's stream before the
+    save's thread may read them: they are copied at the call (on that stream, ahead of the forward)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.BatchNorm1d(512),
+                                *[torch.nn.Linear(512, 512) for _ in range(6)]).to(DEV)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randn(256, 512, device=DEV)
+    model(x).square().mean().backward()
+    opt.step()
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    future = nvckpt.async_save(state, tmp_path / "bn.nvckpt", fence=opt)
+    for _ in range(3):
+        model(x).square().mean().backward()  # three forwards move the statistics while the save reads
+    opt.step()
+    future.result(timeout=120)
+    loaded = nvckpt.load(tmp_path / "bn.nvckpt", device="cuda")
+    assert_tree_equal(loaded["model"], expected)
+    assert not torch.equal(model.state_dict()["1.running_mean"], expected["1.running_mean"])
+
+
 @pytest.mark.parametrize("budget_mib", [64, 256])
 def test_gpu_memory_stays_within_the_budget(tmp_path, budget_mib):
     state = big_gpu_state()

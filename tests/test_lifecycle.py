@@ -59,11 +59,17 @@ def test_async_save_at_exit_after_an_exception_and_sys_exit(tmp_path):
         os.unlink(path)
 
 
+# The disk fills up in the save's thread, after the call has returned (one line: it goes into dedented code).
+FULL_DISK = ("import nvckpt.io.sink as _sink; _sink.FileSink.__init__ = lambda self, *a, **k: "
+             "(_ for _ in ()).throw(OSError(28, 'No space left on device'))")
+
+
 @pytest.mark.parametrize("after", ["", "time.sleep(1)  # it has failed by the exit: still not lost silently"])
 def test_failed_async_save_at_exit_is_one_line_and_a_non_zero_exit(tmp_path, after):
-    path = str(tmp_path / "missing-dir" / "c.nvckpt")
+    path = str(tmp_path / "c.nvckpt")
     done = child(f"""
         import time, torch, nvckpt
+        {FULL_DISK}
         f = nvckpt.async_save({{'w': torch.ones(3)}}, {path!r})
         {after}
     """)
@@ -116,6 +122,27 @@ def test_sigterm_past_the_grace_cancels_the_save_and_keeps_the_old_file(tmp_path
     assert proc.returncode == -signal.SIGTERM, err
     assert "cancelling the save" in err
     assert path.read_bytes() == old
+    assert not glob.glob(str(tmp_path / ".*nvckpt-tmp"))
+
+
+def test_sigterm_past_the_grace_runs_no_user_code_before_the_exit(tmp_path):
+    """The cancelled async_save does not wake a result() waiting in the main thread: its CancelledError would
+    run the script's own except clause (or print a half traceback) before the default action ends it."""
+    path = tmp_path / "g.nvckpt"
+    proc = child(f"""
+        import time, torch, nvckpt
+        f = {SLOW_SAVE.format(fn='async_save', path=str(path), extra=', preemption_grace=0.2')}
+        try:
+            f.result()
+        except BaseException as exc:
+            print("HANDLER", type(exc).__name__, flush=True)
+        time.sleep(30)
+    """, wait=False)
+    _wait_for_temporary(str(tmp_path), proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGTERM, err
+    assert "HANDLER" not in out and "Traceback" not in err and "cancelling the save" in err
     assert not glob.glob(str(tmp_path / ".*nvckpt-tmp"))
 
 
@@ -261,7 +288,8 @@ def test_a_failed_async_save_at_exit_still_runs_atexit_handlers_and_flushes_file
         log = open({str(log)!r}, "w")  # buffered, never closed: the interpreter flushes it at its end
         log.write("epoch 10 done\\n")
         atexit.register(lambda: print("handler ran", flush=True))
-        nvckpt.async_save({{"w": torch.ones(2)}}, {str(tmp_path / "missing" / "c.nvckpt")!r})
+        {FULL_DISK}
+        nvckpt.async_save({{"w": torch.ones(2)}}, {str(tmp_path / "c.nvckpt")!r})
     """)
     assert done.returncode == 1 and "handler ran" in done.stdout
     assert done.stderr.strip().splitlines()[-1].startswith("nvckpt: error: the async save to")
@@ -282,12 +310,33 @@ def test_async_save_copies_its_metadata_and_tree_at_the_call(tmp_path):
         assert ck.load()["cfg"] == {"layers": [1, 2]} and "extra" not in ck.load()
 
 
-def test_a_replaced_file_keeps_its_mode(tmp_path):
+@pytest.mark.parametrize("mode", [0o640, 0o6750])
+def test_a_replaced_file_keeps_its_mode(tmp_path, mode):
+    """As torch.save (which writes in place), setuid and setgid too: the bits chown clears are set after it."""
     path = tmp_path / "k.nvckpt"
     nvckpt.save({"w": torch.ones(2)}, path)
-    os.chmod(path, 0o640)
+    os.chmod(path, mode)
     nvckpt.save({"w": torch.zeros(2)}, path)
-    assert os.stat(path).st_mode & 0o7777 == 0o640
+    assert os.stat(path).st_mode & 0o7777 == mode
+
+
+def test_a_write_protected_file_is_not_replaced(tmp_path, monkeypatch):
+    """torch.save cannot open a 0444 file that is not root's to override, and nvckpt does not rename over it
+    either: PermissionError at the call (also for async_save), the file unchanged."""
+    path = tmp_path / "ro.nvckpt"
+    nvckpt.save({"w": torch.ones(2)}, path)
+    os.chmod(path, 0o444)
+    if os.geteuid() == 0:  # root may write anything, as torch.save may: stand in for another user
+        real = os.access
+        monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if os.fspath(p) == str(path) and mode == os.W_OK
+                            else real(p, mode, **kw))
+    before = path.read_bytes()
+    for save in (nvckpt.save, nvckpt.async_save):
+        with pytest.raises(PermissionError, match="write-protected"):
+            save({"w": torch.zeros(2)}, path)
+    assert path.read_bytes() == before and os.listdir(tmp_path) == ["ro.nvckpt"]
+    with pytest.raises(FileNotFoundError):  # async_save: a missing folder at the call too, as save
+        nvckpt.async_save({"w": torch.zeros(2)}, tmp_path / "missing" / "x.nvckpt")
 
 
 def test_a_new_file_honours_the_umask_as_torch_save_does(tmp_path):
@@ -334,9 +383,68 @@ def test_lazy_async_save_on_cpu_holds_the_values_at_the_call_and_the_step_waits(
     assert loaded["epoch"] == [1] and int(loaded["optimizer"]["state"][0]["step"]) == 1
 
 
+def test_lazy_save_copies_at_the_call_what_the_forward_changes(tmp_path, monkeypatch):
+    """BatchNorm's running statistics change in the next forward, which the step pre-hook does not hold
+    back: a lazy save copies the tensors its optimizer does not own (small ones) at the call, views of one
+    storage sharing their copy; the optimizer's own are read lazily (not copied)."""
+    import nvckpt.session.save as save_mod
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(16, 8)).sum().backward()
+    opt.step()
+    flat = torch.arange(12.0)
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "a": flat[:6], "b": flat[4:]}
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    session = save_mod.SaveSession
+    slow = lambda *a, **k: (time.sleep(0.3), session(*a, **k))[1]  # the save's thread reads late
+    monkeypatch.setattr(save_mod, "SaveSession", slow)
+    future = nvckpt.async_save(state, tmp_path / "bn.nvckpt", fence=opt)
+    model(torch.randn(16, 8)).sum().backward()  # updates running_mean / running_var / num_batches_tracked
+    flat.mul_(-1)
+    opt.step()
+    future.result(timeout=60)
+    loaded = nvckpt.load(tmp_path / "bn.nvckpt")
+    assert all(torch.equal(loaded["model"][k], v) for k, v in expected.items())
+    assert loaded["a"].tolist() == list(range(6)) and loaded["b"].tolist() == list(range(4, 12))
+    assert loaded["a"].untyped_storage().data_ptr() == loaded["b"].untyped_storage().data_ptr()
+    owned = save_mod._owned_storages([opt])
+    assert model[0].weight.untyped_storage().data_ptr() in owned
+
+
+def test_a_forked_child_does_not_wait_for_its_parents_lazy_save(tmp_path):
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    future = nvckpt.async_save({"m": model.state_dict(), "w": torch.zeros(1 << 20)}, tmp_path / "f.nvckpt", fence=opt)
+    pid = os.fork()
+    if pid == 0:  # the child: its step must not wait for a read no thread of its own will finish
+        code = 1
+        try:
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            code = 0
+        finally:
+            os._exit(code)
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung in optimizer.step()")
+    assert os.waitstatus_to_exitcode(status) == 0
+    future.result(timeout=60)
+
+
 def test_a_fence_must_be_an_optimizer(tmp_path):
     with pytest.raises(TypeError, match="fence must be a torch.optim.Optimizer"):
         nvckpt.async_save({"w": torch.ones(2)}, tmp_path / "x.nvckpt", fence=object())
+    with pytest.raises(TypeError, match="empty list"):
+        nvckpt.async_save({"w": torch.ones(2)}, tmp_path / "x.nvckpt", fence=[])
 
 
 def test_saves_to_one_path_publish_in_the_order_they_were_called(tmp_path):
@@ -449,9 +557,10 @@ def test_cancel_is_true_only_while_it_can_still_stop_the_save(tmp_path, monkeypa
 
 
 def test_a_failed_async_save_whose_error_was_seen_is_not_reported_at_exit(tmp_path):
-    path = str(tmp_path / "missing-dir" / "c.nvckpt")
+    path = str(tmp_path / "c.nvckpt")
     done = child(f"""
         import torch, nvckpt
+        {FULL_DISK}
         f = nvckpt.async_save({{'w': torch.ones(3)}}, {path!r})
         try:
             f.result()

@@ -99,6 +99,22 @@ def is_special_file(path: str) -> bool:
     return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
 
 
+def check_target(given: str) -> str:
+    """The file a save to ``given`` replaces (through symlinks), or the OSError that save would end in: a
+    folder, a device, a missing folder, or a file the process may not write (mode 0444 that is not its
+    owner's to override: ``torch.save`` refuses it too, and a rename would replace it regardless)."""
+    path = os.path.realpath(os.path.abspath(given))
+    if os.path.isdir(path):
+        raise IsADirectoryError(errno.EISDIR, "Is a directory", given)
+    if is_special_file(path):
+        raise OSError(errno.EINVAL, "not a regular file (a device, FIFO or socket): it is not replaced", given)
+    if not os.path.isdir(os.path.dirname(path)):
+        raise FileNotFoundError(errno.ENOENT, "No such directory", given)
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise PermissionError(errno.EACCES, "Permission denied (the file is write-protected; it is not replaced)", given)
+    return path
+
+
 def _named(exc: OSError, given: str) -> OSError:
     """The same error naming the user's path, not the temporary one (OSError(errno, ...) keeps the subclass)."""
     if exc.errno is None or exc.strerror is None:
@@ -225,14 +241,7 @@ class AtomicReplace:
         self.turn = turn  # publish only after the saves to this path started before this one
         self.before_publish = before_publish  # the last word before the rename (a cancel check); may raise
         # Through a symlink to the file it names, as open(path, "wb") would write.
-        self.path = os.path.realpath(os.path.abspath(self.given))
-        if os.path.isdir(self.path):
-            raise IsADirectoryError(errno.EISDIR, "Is a directory", self.given)
-        if is_special_file(self.path):
-            raise OSError(errno.EINVAL, "not a regular file (a device, FIFO or socket): it is not replaced", self.given)
-        folder = os.path.dirname(self.path)
-        if not os.path.isdir(folder):
-            raise FileNotFoundError(errno.ENOENT, "No such directory", self.given)
+        self.path = check_target(self.given)
         try:
             self._old = os.stat(self.path)
         except FileNotFoundError:
@@ -260,10 +269,10 @@ class AtomicReplace:
     def _keep_attributes(self) -> None:
         if self._old is None:
             return
-        os.chmod(self.tmp, self._old.st_mode & 0o7777)
         if hasattr(os, "chown"):
             with contextlib.suppress(PermissionError):  # only where the process may set the owner
                 os.chown(self.tmp, self._old.st_uid, self._old.st_gid)
+        os.chmod(self.tmp, self._old.st_mode & 0o7777)  # after chown, which clears the setuid and setgid bits
 
     def commit(self) -> None:
         """The complete temporary file (fsynced, closed by its writer) becomes the target."""

@@ -43,6 +43,7 @@ class Running:
     future: Any = None  # the SaveFuture of an async_save
     done: threading.Event = field(default_factory=threading.Event)
     turn: Any = None  # its place among the saves to its path (nvckpt.io.atomic.TURNS), left when it ends
+    killed: bool = False  # cancelled by SIGTERM's watchdog: the process ends next, its waiters are not woken
 
 
 def prepare(async_save: bool) -> None:
@@ -127,8 +128,18 @@ def _finish_at_exit() -> None:
     if saving and not _terminating.is_set():
         paths = ", ".join(r.path for r in saving)
         print(f"nvckpt: finishing {len(saving)} async save(s) before exit: {paths}", file=sys.stderr, flush=True)
-    for run in waiting:
-        run.done.wait()
+    try:
+        for run in waiting:
+            run.done.wait()
+    except KeyboardInterrupt:  # a second Ctrl-C: the saves not finished are cancelled, and said so
+        late = [r for r in waiting if not r.done.is_set()]
+        for run in late:
+            run.cancel.set()
+        for run in late:
+            run.done.wait(30.0)  # the writer stops at its next chunk and removes its temporary file
+            print(f"nvckpt: interrupted: the async save to {run.path} was cancelled (the file there is unchanged)",
+                  file=sys.stderr, flush=True)
+        raise
     with _lock:  # failed now, or before the exit and nobody asked: lost either way
         failed = [(f.path, f.line) for f in _failed if not f.seen]
     for path, line in failed:
@@ -185,6 +196,7 @@ def _watchdog(running: list[Running], grace: float, signum: int) -> None:
     for run in late:
         print(f"nvckpt: SIGTERM: cancelling the save to {run.path} (the file there is unchanged)", file=sys.stderr,
               flush=True)
+        run.killed = True  # before the cancel: no CancelledError reaches the caller's code before the exit
         run.cancel.set()
     for run in late:
         run.done.wait(30.0)  # the writer stops at its next chunk and removes its temporary file
