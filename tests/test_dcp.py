@@ -11,6 +11,7 @@ against full state dicts the ranks saved with torch.save.
 from __future__ import annotations
 
 import datetime
+import io
 import os
 import pathlib
 import shutil
@@ -439,6 +440,23 @@ def test_a_rank_file_of_another_save_and_a_damaged_metadata_are_named(tmp_path, 
     with pytest.raises(CheckpointException) as caught:
         _load_single(b, {"x": torch.zeros(5, dtype=torch.long)})
     assert ".metadata is missing" in repr(caught.value.failures)
+
+
+class _Opaque:  # a class torch.load(weights_only=True) refuses to rebuild
+    pass
+
+
+def test_merge_of_a_value_torch_refuses_to_unpickle_is_one_line_without_torchs_advice(tmp_path, capsys):
+    blob = io.BytesIO()
+    torch.save(_Opaque(), blob)
+    blob.seek(0)
+    target = str(tmp_path / "O")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.save({"x": torch.arange(3), "extra": blob}, storage_writer=nvckpt.dcp.Writer(target))
+    code, out = _cli(capsys, "merge", target, str(tmp_path / "o.nvckpt"))
+    assert code != 0 and "refuses" in out and "'extra'" in out
+    assert "weights_only=False" not in out and "Traceback" not in out
 
 
 def test_merge_and_split(saved, tmp_path, capsys):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import shutil
 import warnings
 from collections.abc import Mapping
@@ -69,7 +70,8 @@ def assemble(path: str | os.PathLike, *, device: str = "cpu", progress: Any = No
             try:
                 values[fqn] = torch.load(io.BytesIO(raw), weights_only=True)
             except Exception as exc:  # an object torch.load refuses to unpickle safely
-                raise FormatError(f"the value of {fqn!r} is not loadable with weights_only=True: {exc}",
+                raise FormatError(f"the value of {fqn!r} is a pickle that torch.load(weights_only=True) refuses "
+                                  f"({weights_only_reason(exc)}); nvckpt never unpickles arbitrary objects",
                                   path=os.path.join(m.directory, file), tensor=tensor) from None
     finally:
         for ck in opened.values():
@@ -215,6 +217,19 @@ def write_directory(state: Any, path: str | os.PathLike, **options: Any) -> Any:
             shutil.rmtree(writer._staging, ignore_errors=True)
         raise
     return writer.last_result
+
+
+def weights_only_reason(exc: Exception) -> str:
+    """The useful sentence of torch's long weights_only message (its wording varies by version)."""
+    text = str(exc)
+    found = re.search(r"WeightsUnpickler error:\s*(.*?)(?:\n\n|$)", text, re.S)
+    if found and found.group(1).strip():
+        reason = found.group(1)
+    else:
+        paragraphs = [p for p in text.split("\n\n") if p.strip()]
+        useful = [p for p in paragraphs if not p.lstrip().startswith(("Weights only load failed", "Check the documentation"))]
+        reason = (useful or paragraphs or [type(exc).__name__])[0]
+    return " ".join(reason.split()).split(". Please use")[0]
 
 
 __all__ = ["assemble", "nest", "write_directory", "check_round_trip", "empty_dicts"]

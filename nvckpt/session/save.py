@@ -191,6 +191,7 @@ class SaveSession:
                 for t in self.plan.tensors:
                     if t.data is not None:
                         t.data = torch.empty(t.data.shape, dtype=t.data.dtype, device="cpu").copy_(t.data)
+            self.stats["snapshot"] = {"cpu": "host"}
             return
         from ..engines.gpu.backend import CudaBackend
         from ..engines.gpu.snapshot import clone_host_tensors, snapshot
@@ -378,7 +379,8 @@ class SaveFuture(Future):
     """The result of ``async_save``: a concurrent.futures.Future of a SaveResult.
 
     ``blocked_seconds`` is how long ``async_save`` held the caller; ``snapshot``
-    says per device how the state was copied ("device" or "host").  ``cancel()``
+    says per device how the state was taken: "device" (a copy on the GPU), "host" (a copy in host memory)
+    or "read-ahead" (read by the GPU engine before the call returned, or in a lazy save before the step).  ``cancel()``
     also stops a save that is already running, unless it has reached its final
     rename; a cancelled save leaves the target path with whatever file it had before."""
 

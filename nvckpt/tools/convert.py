@@ -218,19 +218,6 @@ def _tree_from_metadata(meta: dict[str, str], tensors: dict[str, torch.Tensor], 
     return resolve_refs(tree, lambda i: tensors[names[i]], torch_value)  # dtype and device leaves as torch's
 
 
-def _weights_only_reason(exc: Exception) -> str:
-    """The useful sentence of torch's long weights_only message (its wording varies by version)."""
-    text = str(exc)
-    found = re.search(r"WeightsUnpickler error:\s*(.*?)(?:\n\n|$)", text, re.S)
-    if found and found.group(1).strip():
-        reason = found.group(1)
-    else:
-        paragraphs = [p for p in text.split("\n\n") if p.strip()]
-        useful = [p for p in paragraphs if not p.lstrip().startswith(("Weights only load failed", "Check the documentation"))]
-        reason = (useful or paragraphs or [type(exc).__name__])[0]
-    return " ".join(reason.split()).split(". Please use")[0]
-
-
 def read_torch(path: str | os.PathLike) -> Loaded:
     path = os.fspath(path)
     if not os.path.isfile(path):
@@ -238,7 +225,9 @@ def read_torch(path: str | os.PathLike) -> Loaded:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        reason = _weights_only_reason(exc)
+        from ..dcp.assemble import weights_only_reason
+
+        reason = weights_only_reason(exc)
         if "global" in reason.lower():  # a class or function the file would import
             raise UnsupportedObjectError(
                 f"torch.load(weights_only=True) refused it ({reason}); nvckpt converts only files that load "
