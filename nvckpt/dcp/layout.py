@@ -52,9 +52,9 @@ def foreign_rank_file(index_metadata: Any, save_id: str | None, file: str) -> st
     return None
 
 
-def metadata_problem(directory: str) -> str | None:
-    """What is wrong with DCP's ``.metadata`` file in ``directory`` (missing, empty, cut short), or None.
-    Its pickle opcodes are walked, not run (nothing is imported or executed)."""
+def metadata_bytes(directory: str) -> bytes:
+    """DCP's ``.metadata`` file in ``directory``, or a FormatError saying what is wrong with it (missing,
+    unreadable, empty, cut short).  Its pickle opcodes are walked, not run (nothing is imported or executed)."""
     import pickletools
 
     path = os.path.join(directory, METADATA)
@@ -62,16 +62,16 @@ def metadata_problem(directory: str) -> str | None:
         with open(path, "rb") as f:
             data = f.read()
     except FileNotFoundError:
-        return f"{METADATA} is missing (dcp.load reads the checkpoint's plan from it)"
+        raise FormatError(f"{METADATA} is missing (dcp.load reads the checkpoint's plan from it)", path=directory) from None
     except OSError as exc:
-        return f"{METADATA} cannot be read: {exc.strerror or exc}"
+        raise FormatError(f"{METADATA} cannot be read: {exc.strerror or exc}", path=directory) from None
     try:
         ops = list(pickletools.genops(data))
         if not ops or ops[-1][0].name != "STOP":
             raise ValueError("no STOP opcode")
     except Exception as exc:  # noqa: BLE001 - truncated or not a pickle at all
-        return f"{METADATA} is damaged ({len(data)} bytes, not a whole pickle: {exc})"
-    return None
+        raise FormatError(f"{METADATA} is damaged ({len(data)} bytes, not a whole pickle: {exc})", path=directory) from None
+    return data
 
 
 def user_entry(name: str) -> bool:

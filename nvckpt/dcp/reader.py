@@ -25,7 +25,7 @@ from torch.futures import Future
 from ..errors import FormatError
 from ..options import LoadOptions, options_from
 from ..session.load import Checkpoint
-from .layout import METADATA, foreign_rank_file, metadata_problem, read_manifest
+from .layout import METADATA, foreign_rank_file, metadata_bytes, read_manifest
 
 
 class Reader(StorageReader):
@@ -64,11 +64,7 @@ class Reader(StorageReader):
         missing = [f for f in manifest.files if not os.path.isfile(os.path.join(self.path, f))]
         if missing:
             raise FormatError(f"rank file{'s' if len(missing) > 1 else ''} {', '.join(missing)} missing", path=self.path)
-        problem = metadata_problem(self.path)
-        if problem:
-            raise FormatError(problem, path=self.path)
-        with open(os.path.join(self.path, METADATA), "rb") as f:
-            metadata = pickle.load(f)
+        metadata = pickle.loads(metadata_bytes(self.path))
         if not isinstance(metadata, Metadata):
             raise FormatError(f"{METADATA} holds a {type(metadata).__qualname__}, not DCP Metadata", path=self.path)
         if metadata.storage_meta is None:

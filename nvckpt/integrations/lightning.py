@@ -183,4 +183,5 @@ def _storable_key(key: Any) -> bool:
         return False
     return True
 
+
 __all__ = ["NvckptCheckpointIO", "DROPPED", "load_from_checkpoint"]

@@ -64,7 +64,6 @@ class Source:
             if self._base >= end:
                 self._base = 0
             self.size = end - self._base
-            self.stream_size = self.size  # what the stream holds from the checkpoint on (the file may be less)
         self.bytes_read = 0
 
     @property

@@ -49,15 +49,14 @@ class Measurement:
         return dict(self.__dict__, ratio=self.ratio)
 
 
-def in_page_cache(path: str) -> str:
-    """Read ``path`` once, untimed, and return it: nvckpt writes with O_DIRECT (a checkpoint does not evict
+def in_page_cache(path: str) -> None:
+    """Read ``path`` once, untimed: nvckpt writes with O_DIRECT (a checkpoint does not evict
     the training job's page cache), so without this its first load would read the disk while the peers'
     buffered writes are still cached."""
     buf = bytearray(16 << 20)
     with open(path, "rb", buffering=0) as f:
         while f.readinto(buf):
             pass
-    return path
 
 
 def best_of(repeat: int, fn: Callable[[], Any]) -> tuple[float, Any]:

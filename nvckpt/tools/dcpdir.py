@@ -12,7 +12,7 @@ import os
 from contextlib import closing
 from typing import Any
 
-from ..dcp.layout import Manifest, foreign_rank_file, metadata_problem, read_manifest
+from ..dcp.layout import Manifest, foreign_rank_file, metadata_bytes, read_manifest
 from ..errors import NvckptError
 from ..session.file import CheckpointFile
 from ._util import ProgressFactory, ratio
@@ -22,9 +22,10 @@ from .verify import Problem, VerifyReport, verify
 def _structural_problems(m: Manifest) -> list[Problem]:
     """What the manifest alone shows: missing rank files, sizes that changed, tensors not fully covered."""
     problems = []
-    bad_metadata = metadata_problem(m.directory)
-    if bad_metadata:
-        problems.append(Problem(bad_metadata))
+    try:
+        metadata_bytes(m.directory)
+    except NvckptError as exc:
+        problems.append(Problem(exc.reason))
     for name, size in m.files.items():
         path = os.path.join(m.directory, name)
         if not os.path.isfile(path):
