@@ -6,15 +6,27 @@ import numpy as np
 import pytest
 import torch
 import zstandard
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import nvckpt
 from nvckpt.codecs import ByteShuffle, Pipeline, SignShift, Zstd, planes
 from nvckpt.codecs.presets import portable
 
 
+@pytest.fixture(params=["c", "numpy"])
+def kernel(request, monkeypatch):
+    """Each test of the planes runs with the compiled kernel and with its numpy twin."""
+    if request.param == "numpy":
+        monkeypatch.setattr(planes, "_kernel", None)
+    elif planes.kernel() != "c":
+        pytest.skip("the compiled kernel is not built here")
+    return request.param
+
+
 @pytest.mark.parametrize("k,shift", [(1, False), (2, False), (2, True), (3, False), (4, True), (4, False), (8, True), (16, False)])
 @pytest.mark.parametrize("n", [1, 37, 5000, 300_000])
-def test_planes_round_trip_and_match_the_spec_steps(k, shift, n):
+def test_planes_round_trip_and_match_the_spec_steps(k, shift, n, kernel):
     raw = np.random.default_rng(n + k).integers(0, 256, n * k, dtype=np.uint8)
     out = np.empty(planes.chunk_bound(raw.nbytes, k), np.uint8)
     size = planes.encode_chunk(raw, k, shift, out)
@@ -31,6 +43,55 @@ def test_planes_round_trip_and_match_the_spec_steps(k, shift, n):
     back = np.empty_like(raw)
     planes.decode_chunk(out[:size], k, shift, back)
     assert np.array_equal(back, raw)
+
+
+@settings(max_examples=300, deadline=None)
+@given(k=st.sampled_from([2, 3, 4, 8, 16]), shift=st.booleans(), data=st.binary(max_size=3000),
+       offset=st.integers(0, 7))
+def test_the_kernel_writes_the_bytes_of_the_numpy_steps(k, shift, data, offset):
+    if planes.kernel() != "c":
+        return
+    n = len(data) // k * k
+    store = np.zeros(n + 8, np.uint8)
+    raw = store[offset: offset + n]  # any alignment
+    raw[:] = np.frombuffer(data[:n], np.uint8)
+    want = np.empty(n, np.uint8)
+    planes.split_numpy(raw, k, shift, want)
+    got = np.full(n + 3, 7, np.uint8)
+    planes.split(raw, k, shift, got)
+    assert np.array_equal(got[:n], want) and (got[n:] == 7).all()
+    back_numpy, back = np.empty(n, np.uint8), np.full(n + 3, 7, np.uint8)
+    planes.join_numpy(want.copy(), k, shift, back_numpy)
+    planes.join(want, k, shift, back[:n])
+    assert np.array_equal(back_numpy, raw) and np.array_equal(back[:n], raw) and (back[n:] == 7).all()
+
+
+def test_the_kernel_refuses_what_it_cannot_code():
+    if planes.kernel() != "c":
+        pytest.skip("the compiled kernel is not built here")
+    k = planes._kernel
+    buf = np.zeros(64, np.uint8)
+    with pytest.raises(ValueError, match="not a multiple of elementsize 4"):
+        k.split(buf[:10], np.empty(10, np.uint8), 4, False)
+    with pytest.raises(ValueError, match="fewer than 64"):
+        k.join(buf, np.empty(63, np.uint8), 2, False)
+    with pytest.raises(ValueError, match="overlap"):
+        k.split(buf[:32], buf[16:48], 2, True)
+    with pytest.raises(ValueError, match="at least 2 bytes"):
+        k.split(buf, np.empty(64, np.uint8), 1, True)
+    with pytest.raises(TypeError):
+        k.join(buf, bytes(64), 2, False)  # not writable
+
+
+def test_the_kernel_is_built_where_a_compiler_is():
+    """An install that found a C compiler must not fall back to numpy without a word."""
+    import shutil
+    import sysconfig
+
+    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if not shutil.which(compiler):
+        pytest.skip(f"no C compiler ({compiler}) here")
+    assert planes.kernel() == "c", "nvckpt/codecs/_planes.c was not built: pip install -e . builds it"
 
 
 def test_one_frame_per_plane_and_literals_beat_matches_on_weights():
