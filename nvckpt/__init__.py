@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 from ._lazy import lazy_attributes  # noqa: E402
 from .errors import (  # noqa: E402
     ChecksumError,
+    EndOfStreamError,
     FormatError,
     LeftoverTemporaryWarning,
     LimitError,
@@ -36,8 +37,8 @@ __all__ = [
     "save", "async_save", "SaveFuture", "load", "open", "Checkpoint", "TensorSlice", "SaveResult",
     "SaveOptions", "LoadOptions", "GpuSaveOptions", "GpuLoadOptions", "release_pinned_memory",
     "reserve_pinned_memory", "NvckptError", "FormatError", "TruncatedError", "ChecksumError", "UnsupportedCodecError",
-    "UnsupportedFeatureError", "LimitError", "UnsupportedObjectError", "TensorNotFoundError", "LeftoverTemporaryWarning",
-    "__version__",
+    "UnsupportedFeatureError", "LimitError", "UnsupportedObjectError", "TensorNotFoundError", "EndOfStreamError",
+    "LeftoverTemporaryWarning", "__version__",
 ]
 
 

@@ -18,6 +18,7 @@ __all__ = [
     "LimitError",
     "UnsupportedObjectError",
     "TensorNotFoundError",
+    "EndOfStreamError",
     "LeftoverTemporaryWarning",
 ]
 
@@ -119,6 +120,11 @@ class TensorNotFoundError(NvckptError, KeyError):
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return self.args[0] if self.args else ""
+
+
+class EndOfStreamError(NvckptError, EOFError):
+    """A stream holds no further checkpoint: nvckpt's reader left it at its end after the last one
+    (an EOFError, as pickle.load raises, so a loop reading checkpoints until the end stops)."""
 
 
 class LeftoverTemporaryWarning(UserWarning):

@@ -71,3 +71,4 @@ def test_load_state_keywords_reach_load_state_dict(tmp_path):
         acc2.load_state(str(tmp_path / "ckpt"))
     acc2.load_state(str(tmp_path / "ckpt"), strict=False)
     assert torch.equal(bigger[0].weight, model[0].weight)
+    acc2.load_state(input_dir=str(tmp_path / "ckpt"), strict=False)  # load_state's own keywords stay its own

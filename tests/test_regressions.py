@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import io
+import warnings
 import os
 import threading
 
@@ -317,6 +318,68 @@ def test_checkpoints_saved_back_to_back_in_one_stream_load_in_turn():
         nvckpt.load(io.BytesIO(bytes(damaged)))
 
 
+def test_reading_checkpoints_from_a_stream_until_its_end_stops_there():
+    """A loop that loads until EOFError (as with pickle.load) ends after the last checkpoint: a stream
+    that nvckpt's reader left at its end is not read from its start again."""
+    buf = io.BytesIO()
+    for i in range(3):
+        nvckpt.save({"i": i, "w": torch.full((2,), float(i))}, buf)
+    buf.seek(0)
+    seen = []
+    while True:
+        try:
+            seen.append(nvckpt.load(buf)["i"])
+        except EOFError as exc:
+            assert isinstance(exc, nvckpt.EndOfStreamError) and "no checkpoint follows" in str(exc)
+            break
+        assert len(seen) <= 3
+    assert seen == [0, 1, 2] and buf.tell() == len(buf.getvalue())
+    nvckpt.save({"i": 3}, buf)  # written after the end, not rewound: read from the start, as before
+    assert nvckpt.load(buf)["i"] == 0
+    buf.seek(0)
+    assert nvckpt.load(buf)["i"] == 0
+
+
+def test_a_raw_stream_that_reads_fewer_bytes_than_asked_is_read_whole():
+    """io.RawIOBase.read may return fewer bytes than asked (FileIO over 2 GiB, sockets): that is not a
+    truncated file."""
+    data = io.BytesIO()
+    nvckpt.save({"w": torch.arange(100_000.0)}, data)
+
+    class Short(io.RawIOBase):
+        def __init__(self, b):
+            self.b, self.pos = b, 0
+
+        def readable(self):
+            return True
+
+        def seekable(self):
+            return True
+
+        def seek(self, pos, whence=0):
+            self.pos = pos if whence == 0 else (self.pos + pos if whence == 1 else len(self.b) + pos)
+            return self.pos
+
+        def tell(self):
+            return self.pos
+
+        def read(self, n=-1):
+            n = min(n if n >= 0 else len(self.b), 1000)
+            out = self.b[self.pos: self.pos + n]
+            self.pos += len(out)
+            return out
+
+    assert torch.equal(nvckpt.load(Short(data.getvalue()))["w"], torch.arange(100_000.0))
+
+
+@pytest.mark.parametrize("target,says", [(b"\x89NVCKPT", "io.BytesIO"), (bytearray(8), "io.BytesIO"),
+                                         (memoryview(b"x"), "io.BytesIO"), (None, "not NoneType"),
+                                         (3, "not int")])
+def test_what_is_not_a_path_or_a_file_object_is_named(target, says):
+    with pytest.raises(TypeError, match=says):
+        nvckpt.load(target)
+
+
 def test_a_stream_that_does_not_seek_is_refused_with_one_line():
     r, w = os.pipe()
     os.write(w, b"\x89NVCKPT\n")
@@ -365,3 +428,48 @@ def test_a_map_location_callable_may_return_none_as_in_torch_load():
     buf.seek(0)
     with pytest.raises(TypeError, match="not a storage or None"):
         nvckpt.load(buf, map_location=lambda storage, loc: 3)
+
+
+def test_a_callable_map_location_relocates_slices_and_boxes_too(tmp_path):
+    """get_slice and read_box return what get_tensor returns: relocated by a callable map_location."""
+    path = tmp_path / "c.nvckpt"
+    w = torch.arange(60.0).reshape(12, 5)
+    nvckpt.save({"w": w}, path)
+    calls = []
+
+    def relocate(storage, location):
+        calls.append(location)
+        return storage.clone()  # a new storage: the result must not share the first one's memory
+
+    with nvckpt.open(path, map_location=relocate) as f:
+        whole = f.get_tensor("w")
+        assert len(calls) == 1
+        for got, want in ((f.get_slice("w")[2:5], w[2:5]), (f.get_slice("w")[3], w[3]),
+                          (f.get_slice("w")[[1, 4]], w[[1, 4]]), (f.read_box("w", (1, 2), (3, 2)), w[1:4, 2:4])):
+            assert torch.equal(got, want)
+        assert len(calls) == 5 and whole.untyped_storage().data_ptr() != 0
+
+
+def test_a_uint8_mask_in_get_slice_is_torchs_mask():
+    w = torch.arange(6.0).reshape(2, 3)
+    buf = io.BytesIO()
+    nvckpt.save({"w": w}, buf)
+    buf.seek(0)
+    mask = torch.tensor([1, 0], dtype=torch.uint8)
+    with nvckpt.open(buf) as f, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's deprecation of uint8 masks
+        assert torch.equal(f.get_slice("w")[mask], w[mask])
+
+
+def test_metadata_is_a_copy_for_each_call_and_keys_of_a_wrong_type_are_named():
+    buf = io.BytesIO()
+    nvckpt.save({"1": torch.ones(1)}, buf, metadata={"run": "a", "tags": ["x"]})
+    buf.seek(0)
+    with nvckpt.open(buf) as f:
+        md = f.metadata()
+        md["run"] = "b"
+        md["tags"].append("y")
+        assert f.metadata() == {"run": "a", "tags": ["x"]}
+        with pytest.raises(TypeError, match="keys must be a str path .* got int 1"):
+            f.load(keys=1)
+        assert torch.equal(f.load(keys="1"), torch.ones(1))

@@ -20,6 +20,7 @@ write each model's state_dict with nvckpt and take it off Accelerate's list, so 
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from typing import Any
 
@@ -44,10 +45,16 @@ def use_nvckpt(accelerator: Any, **save_options: Any) -> tuple[Any, Any]:
     # are for model.load_state_dict, so the call is wrapped to hand them to the hook as well.
     asked: list[dict[str, Any]] = []
     load_state = accelerator.load_state
+    try:  # load_state's own named parameters (input_dir, load_kwargs, ...): the rest is load_state_dict's
+        own = {p.name for p in inspect.signature(load_state).parameters.values()
+               if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    except (TypeError, ValueError):
+        own = set()
+    own |= {"input_dir", "load_kwargs", "map_location"}
 
     @functools.wraps(load_state)
     def load_state_with_keywords(*args: Any, **kwargs: Any) -> Any:
-        asked.append({k: v for k, v in kwargs.items() if k not in ("load_kwargs", "map_location")})
+        asked.append({k: v for k, v in kwargs.items() if k not in own})
         try:
             return load_state(*args, **kwargs)
         finally:

@@ -13,9 +13,10 @@ import errno
 import os
 import stat
 import threading
+import weakref
 from typing import Any
 
-from ..errors import NvckptError, TruncatedError
+from ..errors import EndOfStreamError, NvckptError, TruncatedError
 
 _DIRECT_ALIGN = 4096
 
@@ -42,12 +43,16 @@ class Source:
                 self._fd = None
                 raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), self.name)
             self.size = st.st_size
-        elif isinstance(target, (bytes, bytearray)):
+        elif isinstance(target, (bytes, bytearray, memoryview)):
             raise TypeError("a checkpoint is opened from a path (str or os.PathLike) or a binary file object, "
-                            f"not {type(target).__name__}: use os.fsdecode(path) for a bytes path")
+                            f"not {type(target).__name__}: wrap a checkpoint's bytes in io.BytesIO(data); "
+                            "decode a bytes path with os.fsdecode(path)")
         else:
+            if not all(hasattr(target, a) for a in ("seek", "read")):
+                raise TypeError("a checkpoint is opened from a path (str or os.PathLike) or a binary file object "
+                                f"(with read and seek), not {type(target).__qualname__}")
             seekable = getattr(target, "seekable", None)
-            if not all(hasattr(target, a) for a in ("seek", "read")) or (callable(seekable) and not seekable()):
+            if callable(seekable) and not seekable():
                 raise TypeError(f"cannot read a checkpoint from a {type(target).__qualname__} that does not seek "
                                 "(a pipe, a socket): the index is at the end of the file; give a path or a "
                                 "seekable binary file object (read a pipe into io.BytesIO first)")
@@ -55,13 +60,20 @@ class Source:
             self._file = target
             # From where the stream stands, as save wrote it there (a checkpoint after a header of the
             # caller's): offsets are the file's own, from its preamble.
-            # A stream left at its end (written, not rewound) is read from its start, as before.
+            # A stream left at its end (written, not rewound) is read from its start, as before -- unless
+            # nvckpt's own reader left it there after its last checkpoint: then there is nothing more to
+            # read (a loop reading checkpoints one after another until the end must not start over).
             try:
                 self._base = target.tell()
             except (OSError, AttributeError, ValueError):
                 self._base = 0
             end = target.seek(0, os.SEEK_END)
             if self._base >= end:
+                if end and _left_at_end(target) == end:
+                    target.seek(end)
+                    raise EndOfStreamError(f"the stream is at its end ({end} bytes), just after the last checkpoint "
+                                           "read from it: no checkpoint follows (seek(0) to read from the start)",
+                                           path=self.name)
                 self._base = 0
             self.size = end - self._base
         self.bytes_read = 0
@@ -117,6 +129,19 @@ class Source:
                     raise NvckptError("read from a closed checkpoint", path=self.name)
                 self._file.seek(self._base + offset)
                 data = self._file.read(length)
+                if data is not None and 0 < len(data) < length:  # a raw stream may return less than asked
+                    parts = [data]
+                    got = len(data)
+                    while got < length:
+                        part = self._file.read(length - got)
+                        if not part:
+                            break
+                        parts.append(part)
+                        got += len(part)
+                    data = b"".join(parts)
+            if data is None:
+                raise NvckptError(f"the stream returned no data for a read of {length} bytes (a non-blocking "
+                                  "stream?)", path=self.name, offset=offset)
             if len(data) != length:
                 raise TruncatedError(f"file ended while reading {length} bytes", path=self.name, offset=offset)
         self.count(length)
@@ -177,6 +202,7 @@ class Source:
         if stream is not None:
             with contextlib.suppress(OSError, ValueError):  # a stream closed by its owner meanwhile
                 stream.seek(self._base + self.size)
+                _note_left(stream, self._base + self.size)
         if fd is not None:
             os.close(fd)
 
@@ -189,6 +215,31 @@ class Source:
                 os.close(fd)
             except OSError:
                 pass
+
+
+# Streams this process's readers left just after a checkpoint, with that position: a stream at its end
+# is read from its start (a save wrote it and did not rewind) unless nvckpt's reader put it there.
+_LEFT: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+_LEFT_LOCK = threading.Lock()
+
+
+def _note_left(stream: Any, position: int) -> None:
+    with _LEFT_LOCK, contextlib.suppress(TypeError):  # a stream type without weak references: not noted
+        _LEFT[stream] = position
+
+
+def _left_at_end(stream: Any) -> int | None:
+    with _LEFT_LOCK:
+        try:
+            return _LEFT.get(stream)
+        except TypeError:
+            return None
+
+
+def forget_position(stream: Any) -> None:
+    """A save wrote to ``stream``: a reader at its end reads from its start again."""
+    with _LEFT_LOCK, contextlib.suppress(TypeError, KeyError):
+        del _LEFT[stream]
 
 
 class DirectReads:

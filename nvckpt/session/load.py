@@ -3,6 +3,8 @@ materialized from raw bytes (dtype, shape, bools, views on their base, derived t
 
 from __future__ import annotations
 
+import copy
+
 import math
 import operator
 import threading
@@ -294,8 +296,8 @@ class Checkpoint(Mapping):
         return len(self._file.index.paths)
 
     def metadata(self) -> dict[str, Any]:
-        """The ``metadata=`` dict given to ``save`` (JSON-like; read-only)."""
-        return self._file.index.metadata
+        """The ``metadata=`` dict given to ``save`` (JSON-like), a copy of its own for each call."""
+        return copy.deepcopy(self._file.index.metadata)
 
     def writer(self) -> dict[str, Any]:
         """What wrote the file: {"name", "version", ...} (SPEC 8.2; "nvcomp" when ANS chunks were written)."""
@@ -398,6 +400,12 @@ class Checkpoint(Mapping):
             for fut in futures:
                 fut.result()
         return {tid: self._to_device(t) for tid, t in dests.items()}
+
+    def _caller_rows(self, entry: TensorEntry, first: int, stop: int) -> torch.Tensor:
+        """``_rows`` for a caller (get_slice, read_box): relocated by a callable map_location, as whole
+        tensors are."""
+        rows = self._rows(entry, first, stop)
+        return rows if self._relocate is None else self._relocated({0: rows})[0]
 
     def row_readable(self, entry: TensorEntry) -> bool:
         """Can rows of ``entry`` be read without building it whole?  A stored tensor's can, and so can those of
@@ -523,7 +531,7 @@ class Checkpoint(Mapping):
             whole = self._load([entry.tensor_id])[entry.tensor_id]
             rows = whole.narrow(0, offsets[0], lengths[0])
         else:
-            rows = self._rows(entry, offsets[0], offsets[0] + lengths[0])
+            rows = self._caller_rows(entry, offsets[0], offsets[0] + lengths[0])
         for d in range(1, len(offsets)):
             if lengths[d] != entry.shape[d]:
                 rows = rows.narrow(d, offsets[d], lengths[d])
@@ -564,6 +572,9 @@ class Checkpoint(Mapping):
             loaded = self._load({*index.paths.values(), *(e.tensor_id for e in index.tensors if not e.internal)}, progress)
             return resolve_refs(index.tree, loaded.__getitem__, torch_value)
         one = isinstance(keys, str)
+        if not one and not isinstance(keys, Iterable):
+            raise TypeError(f"keys must be a str path (such as 'model' or '1') or an iterable of str, got "
+                            f"{type(keys).__qualname__} {keys!r}")
         wanted = [keys] if one else list(keys)
         for k in wanted:
             if not isinstance(k, str):

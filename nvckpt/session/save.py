@@ -27,6 +27,7 @@ from ..errors import LeftoverTemporaryWarning, UnsupportedCodecError
 from ..format.frames import FrameWriter, check_index_floor
 from ..io.atomic import TURNS, AtomicReplace, check_target, is_special_file, leftover_temporaries
 from ..io.sink import FileSink
+from ..io.source import forget_position
 from ..options import SaveOptions
 from ..plan.chunking import CPU_CHUNK_SIZE, GPU_CHUNK_SIZE
 from ..plan.walk import PlannedTensor, SavePlan, plan_save
@@ -310,6 +311,7 @@ class SaveSession:
         if stream or special:  # what was written stays written: a cancel stops it before the index, or not at all
             items = _then(items, last_call)
         if stream:
+            forget_position(self.target)  # a load at the stream's end now reads what was written (from the start)
             size = write_items(self.target, items, self.plan, alignment=alignment, info=info, progress=self.progress)
             return self._result(None, raw_bytes, size)
         if special:  # a device or FIFO (/dev/null, a pipe): written through, as torch.save does, never replaced

@@ -61,28 +61,30 @@ class TensorSlice:
                 raise ValueError("step must be greater than zero")  # as torch says
             rows = range(start, stop, step)
             if not rows:
-                return ck._rows(entry, 0, 0)[(slice(None),) + rest]
+                return ck._caller_rows(entry, 0, 0)[(slice(None),) + rest]
             lo, hi = rows[0], rows[-1] + 1
-            return ck._rows(entry, lo, hi)[(slice(0, hi - lo, step),) + rest]
+            return ck._caller_rows(entry, lo, hi)[(slice(0, hi - lo, step),) + rest]
         if isinstance(first, int) or (isinstance(first, torch.Tensor) and first.dim() == 0 and first.dtype != torch.bool):
             i = int(first)
             if not -n <= i < n:
                 raise IndexError(f"index {i} is out of bounds for dimension 0 with size {n}")
             i %= n
-            return ck._rows(entry, i, i + 1)[(0,) + rest]
+            return ck._caller_rows(entry, i, i + 1)[(0,) + rest]
         # Fancy indexing on dim 0: read the span it touches.
         picked = torch.as_tensor(first)
+        if picked.dtype == torch.uint8:  # torch still takes a uint8 tensor as a mask (deprecated): its own rules
+            return ck._load([entry.tensor_id])[entry.tensor_id][index]
         if picked.dtype == torch.bool:
             if tuple(picked.shape) != (n,):  # a mask over several dims, or of the wrong length: torch's own rules
                 return ck._load([entry.tensor_id])[entry.tensor_id][index]
             picked = picked.nonzero().reshape(-1)
         if picked.numel() == 0:
-            return ck._rows(entry, 0, 0)[(picked.long(),) + rest]  # [] is a float tensor
+            return ck._caller_rows(entry, 0, 0)[(picked.long(),) + rest]  # [] is a float tensor
         picked = torch.where(picked < 0, picked + n, picked)
         lo, hi = int(picked.min()), int(picked.max()) + 1
         if lo < 0 or hi > n:
             raise IndexError(f"index out of bounds for dimension 0 with size {n}")
-        return ck._rows(entry, lo, hi)[(picked - lo,) + rest]
+        return ck._caller_rows(entry, lo, hi)[(picked - lo,) + rest]
 
 
 __all__ = ["TensorSlice"]
