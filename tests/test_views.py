@@ -198,3 +198,25 @@ def test_random_views_of_one_storage(data, dtype, chunk_size):
     for i, j in ((i, j) for i in range(len(views)) for j in range(len(views))):
         if views[i] == views[j]:
             assert back[f"v{i}"] is back[f"v{j}"]
+
+
+def test_storages_that_begin_at_one_address_with_different_sizes_are_saved_whole(tmp_path):
+    """torch.from_numpy of an array and of a slice of it (or frombuffer with and without count) are two
+    storage objects at one address: the base is cut from the larger, whichever comes first."""
+    import numpy as np
+
+    arr = np.arange(10, dtype=np.float32)
+    for state in ({"head": torch.from_numpy(arr[:4]), "all": torch.from_numpy(arr)},
+                  {"all": torch.from_numpy(arr), "head": torch.from_numpy(arr[:4])},
+                  {"head": torch.from_numpy(arr[:4]), "tail": torch.from_numpy(arr)[6:], "mid": torch.from_numpy(arr[2:8])}):
+        path = tmp_path / "s.nvckpt"
+        nvckpt.save(state, path)
+        back = nvckpt.load(path)
+        for k, v in state.items():
+            assert torch.equal(back[k], v), k
+
+
+def test_an_int_dict_key_beyond_64_bits_is_named_as_a_key():
+    with pytest.raises(nvckpt.UnsupportedObjectError, match=r"dict key 18446744073709551616 at rng/table is an int"):
+        nvckpt.save({"rng": {"table": {2 ** 64: 1}}}, io.BytesIO())
+    nvckpt.save({"seed": 2 ** 70, "k": {2 ** 64 - 1: 1, -2 ** 63: 2}}, io.BytesIO())  # values, and keys in range

@@ -272,6 +272,10 @@ def plan_save(
                     k = k.item()  # a NumPy scalar key is the Python number it holds, as a value is
                 if not isinstance(k, _KEY_TYPES):
                     raise UnsupportedObjectError(f"dict key {k!r} at {path or '<root>'} has type {type(k).__qualname__}; keys must be str, int, float, bool or None")
+                if isinstance(k, int) and not isinstance(k, bool) and not _INT_MIN <= k <= _INT_MAX:
+                    raise UnsupportedObjectError(
+                        f"dict key {k} at {path or '<root>'} is an int outside [-2**63, 2**64): a map key must fit in "
+                        "64 bits (big ints are stored as values only, SPEC 9.2); store the key as a str")
                 key = _plain_scalar(k, path)  # the name is made of the key as stored (an int enum is its int)
                 out[key] = walk(v, parts + (escape(key),), depth + 1)
             return _Dict(out)
@@ -462,11 +466,14 @@ def _dedupe(leaves: list[tuple[str, torch.Tensor, tuple[str, int]]]) -> tuple[li
                     leaf_ids[i] = tid
             _check_alias_names(leaves, members, names_seen, leaf_ids)
             continue
-        # Several distinct views of one storage: store the spanned elements once.
+        # Several distinct views of one storage: store the spanned elements once.  Two storage objects may
+        # begin at one address with different sizes (torch.from_numpy of an array and of a slice of it,
+        # frombuffer, DLPack): the base is cut from the largest, which holds every view's elements.
         first = leaves[members[0]][1]
+        owner = max((leaves[i][1] for i in members), key=lambda t: t.untyped_storage().nbytes())
         lo = min(k[1] for k in views)
         hi = max(k[1] + sum((s - 1) * st for s, st in zip(k[2], k[3])) + 1 for k in views)
-        base_data = first.as_strided((hi - lo,), (1,), lo)
+        base_data = owner.as_strided((hi - lo,), (1,), lo)
         if paths is None:
             paths = {p for p, _, _ in leaves}
         base_name = _base_name(leaves[members[0]][0], paths, names_seen)
