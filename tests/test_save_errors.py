@@ -115,3 +115,10 @@ def test_nothing_written_to_stream_on_plan_errors():
     with pytest.raises(nvckpt.UnsupportedObjectError):
         nvckpt.save({"a": torch.ones(1000), "b": object()}, stream)
     assert stream.getvalue() == b""
+
+
+def test_a_callers_pipeline_that_does_not_fit_a_tensor_names_the_tensor():
+    from nvckpt.codecs import ByteShuffle, Pipeline, Zstd
+
+    with pytest.raises(nvckpt.NvckptError, match=r"tensor 'h', chunk 0: byteshuffle\(elementsize=4\).*2002 bytes"):
+        nvckpt.save({"h": torch.ones(1001, dtype=torch.float16)}, io.BytesIO(), codec=Pipeline((ByteShuffle(4), Zstd())))

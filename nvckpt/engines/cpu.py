@@ -78,7 +78,10 @@ def encode_chunk(pipeline: Pipeline, raw: memoryview, buffers: _Buffers | None =
         return RAW, raw, xxh3(raw), None
     form = fast.planar_form(pipeline) if pipeline.planar else None
     if form is None:
-        encoded = pipeline.encode(raw)
+        try:
+            encoded = pipeline.encode(raw)
+        except ValueError as exc:  # a caller's pipeline that does not fit the tensor (byteshuffle(4) on fp16)
+            raise NvckptError(f"{pipeline.describe()} cannot encode a chunk of {n} bytes: {exc}") from None
         if memoryview(encoded).nbytes >= n:
             return RAW, raw, xxh3(raw), None
         return pipeline, encoded, xxh3(encoded), None
