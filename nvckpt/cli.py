@@ -84,6 +84,40 @@ def _add_json(p: argparse.ArgumentParser) -> None:
                         '"-inf" and "nan": JSON has no such numbers)')
 
 
+def _add_force(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-f", "--force", action="store_true",
+                   help="replace DST if it exists (without it an existing DST is refused, as zstd and gzip do: it may "
+                        "be the last good checkpoint)")
+
+
+def _refuse_existing(src: str, dst: str, force: bool) -> None:
+    """An existing DST is replaced only with --force: a file, or a directory that holds anything (a device
+    or pipe such as /dev/null or /dev/stdout is written through).  DST that is SRC is the tool's to refuse."""
+    from .tools._util import overwrites_source
+
+    if force or not os.path.lexists(dst) or overwrites_source(src, dst) or _is_stdout(dst):
+        return
+    if os.path.isdir(dst):
+        if not os.listdir(dst):
+            return
+        what = "a directory that is not empty"
+    elif os.path.exists(dst) and not os.path.isfile(dst):
+        return  # a character device or FIFO: written through, never replaced
+    else:
+        what = "a file" if os.path.isfile(dst) else "a broken symbolic link"
+    raise UsageError(f"{dst} exists ({what}): it may be a checkpoint you still need; give another name, or "
+                     "--force to replace it")
+
+
+def _is_stdout(path: str) -> bool:
+    """Does ``path`` name this process's standard output (/dev/stdout, /proc/self/fd/1, or the file it goes to)?"""
+    try:
+        a, b = os.stat(path), os.fstat(sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
 def _add_quiet(p: argparse.ArgumentParser) -> None:
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar (there is none when stderr is not a terminal)")
 
@@ -148,6 +182,7 @@ def main_parser(prog: str = "nvckpt") -> argparse.ArgumentParser:
     p.add_argument("--keep-tree", action="store_true",
                    help="safetensors DST: keep the whole structure (non-tensor values, tuples, ties) in the metadata, "
                         "so that converting back restores it")
+    _add_force(p)
     _add_json(p)
     _add_quiet(p)
     p.set_defaults(run=_convert)
@@ -167,6 +202,7 @@ def main_parser(prog: str = "nvckpt") -> argparse.ArgumentParser:
         p.add_argument("--codec", choices=PRESETS, default="auto",
                        help="codec of nvckpt output (default: auto = " + DESCRIPTIONS["auto"] + ")")
         p.add_argument("--level", type=_int_in(-7, 22), default=1, help="zstd level of nvckpt output (default: 1)")
+        _add_force(p)
         _add_json(p)
         _add_quiet(p)
         p.set_defaults(run=_convert, keep_tree=False, src_format="dcp" if name == "merge" else None,
@@ -180,6 +216,7 @@ def main_parser(prog: str = "nvckpt") -> argparse.ArgumentParser:
                 "nothing and is reported).")
     p.add_argument("src")
     p.add_argument("dst")
+    _add_force(p)
     _add_json(p)
     _add_quiet(p)
     p.set_defaults(run=_recover)
@@ -214,9 +251,9 @@ def main_parser(prog: str = "nvckpt") -> argparse.ArgumentParser:
 
 # -- output helpers ----------------------------------------------------------
 
-def _print_json(data: Any) -> None:
+def _print_json(data: Any, file: Any = None) -> None:
     # allow_nan=False: Infinity and NaN are not JSON (RFC 8259) and strict parsers reject them.
-    print(json.dumps(_json_safe(data), indent=2, ensure_ascii=False, default=repr, allow_nan=False))
+    print(json.dumps(_json_safe(data), indent=2, ensure_ascii=False, default=repr, allow_nan=False), file=file)
 
 
 def _json_safe(value: Any) -> Any:
@@ -339,16 +376,20 @@ def _info(args: argparse.Namespace) -> int:
 def _ls_directory(args: argparse.Namespace) -> int:
     from .tools.dcpdir import list_directory
 
-    rows = list_directory(args.file)
+    problems: list[str] = []
+    rows = list_directory(args.file, problems)
+    for problem in problems:
+        _warn(problem)
+    code = EXIT_PROBLEMS if problems else EXIT_OK  # as ls of a damaged file, and info / verify of this directory
     if args.json:
         _print_json(rows)
-        return EXIT_OK
+        return code
     table = [[printable(r["name"]), r["dtype"], _shape(r["shape"]) if r["kind"] == "tensor" else "-",
               human_bytes(r["nbytes"]), human_bytes(r["stored_bytes"]), ratio_text(r["ratio"]), str(r["shards"]),
               ", ".join(r["files"]), r["kind"]] for r in rows]
     print(render_table(["name", "dtype", "shape", "raw", "stored", "ratio", "shards", "rank files", "kind"], table,
                        right=(3, 4, 5, 6)))
-    return EXIT_OK
+    return code
 
 
 def _ls(args: argparse.Namespace) -> int:
@@ -365,7 +406,7 @@ def _ls(args: argparse.Namespace) -> int:
     for r in rows:
         stored = human_bytes(r["stored_bytes"]) if r["kind"] in ("data", "internal") else "-"
         table.append([printable(r["name"]), r["dtype"], _shape(r["shape"]), human_bytes(r["nbytes"]), stored,
-                      ratio_text(r["ratio"]), ", ".join(r["codecs"]) or "-", r["kind"]])
+                      ratio_text(r["ratio"]), printable(", ".join(r["codecs"])) or "-", r["kind"]])
     print(render_table(["name", "dtype", "shape", "raw", "stored", "ratio", "codec", "kind"], table, right=(3, 4, 5)))
     return EXIT_OK
 
@@ -417,6 +458,8 @@ def _verify(args: argparse.Namespace) -> int:
 def _convert(args: argparse.Namespace) -> int:
     from .tools.convert import convert
 
+    _refuse_existing(args.src, args.dst, args.force)
+    report_out = sys.stderr if _is_stdout(args.dst) else sys.stdout  # the file's bytes go to stdout: not the report
     try:
         report = convert(args.src, args.dst, src_format=args.src_format, dst_format=args.dst_format,
                          codec=args.codec, zstd_level=args.level, keep_tree=args.keep_tree, progress=_bars(args))
@@ -427,22 +470,24 @@ def _convert(args: argparse.Namespace) -> int:
         raise UsageError(f"{exc.reason}; give it one of those extensions") from None
     for note in report.notes:
         _warn(note)
-    if report.dst_format != "nvckpt" and (args.codec != "auto" or args.level != 1):
+    if report.dst_format not in ("nvckpt", "dcp") and (args.codec != "auto" or args.level != 1):
         _warn(f"--codec and --level apply to nvckpt output only; {report.dst_format} output is not compressed")
     if report.dst_format != "safetensors" and args.keep_tree:
         _warn("--keep-tree applies to safetensors output only (nvckpt and torch.save keep the whole tree anyway)")
     if args.json:
-        _print_json(report.to_json())
+        _print_json(report.to_json(), file=report_out)
         return EXIT_OK
     print(f"{report.src} ({report.src_format}, {report.tensors} tensors, {human_bytes(report.raw_bytes)}) -> "
           f"{report.dst} ({report.dst_format}, {human_bytes(report.dst_bytes)}, ratio "
-          f"{ratio_text(report.raw_bytes / report.dst_bytes if report.dst_bytes else None)}) in {seconds_text(report.seconds)}")
+          f"{ratio_text(report.raw_bytes / report.dst_bytes if report.dst_bytes else None)}) in {seconds_text(report.seconds)}",
+          file=report_out)
     return EXIT_OK
 
 
 def _recover(args: argparse.Namespace) -> int:
     from .tools.recover import recover
 
+    _refuse_existing(args.src, args.dst, args.force)
     report = recover(args.src, args.dst, progress=_bars(args))
     code = EXIT_OK if report.complete else EXIT_PROBLEMS
     if args.json:

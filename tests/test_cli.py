@@ -640,3 +640,79 @@ def test_tools_name_what_a_path_is_when_it_is_the_wrong_kind(capsys, tmp_path):
 
     with pytest.raises(FileExistsError, match="is a symlink"):
         Writer(str(link))._check_target()
+
+
+# -- what the CLI must never replace or mix up ---------------------------------------------------------
+def _tiny(path) -> str:
+    nvckpt.save({"w": torch.arange(6.0), "step": 3}, path)
+    return str(path)
+
+
+def test_an_existing_destination_is_replaced_only_with_force(capsys, tmp_path):
+    """As zstd and gzip: DST may be the last good checkpoint (README's recover example wrote over it)."""
+    src = _tiny(tmp_path / "a.nvckpt")
+    good = tmp_path / "ckpt.nvckpt"
+    nvckpt.save({"w": torch.ones(2)}, good)
+    before = good.read_bytes()
+    for argv in (("convert", src, str(good)), ("recover", src, str(good))):
+        code, _, err = run(capsys, *argv)
+        assert code == EXIT_USAGE and "exists (a file)" in one_error_line(err) and "--force" in err
+        assert good.read_bytes() == before
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "x.txt").write_text("mine")
+    code, _, err = run(capsys, "split", src, str(full))
+    assert code == EXIT_USAGE and "a directory that is not empty" in err and (full / "x.txt").read_text() == "mine"
+    assert run(capsys, "convert", src, str(good), "--force")[0] == EXIT_OK
+    assert nvckpt.load(good)["step"] == 3
+    assert run(capsys, "recover", src, str(good), "-f")[0] == EXIT_OK
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert run(capsys, "split", src, str(empty))[0] == EXIT_OK  # an empty directory holds nothing to lose
+    assert run(capsys, "convert", src, os.devnull, "--to", "nvckpt")[0] == EXIT_OK  # a device is written through
+
+
+def test_a_destination_that_is_the_source_by_another_name_is_refused(capsys, tmp_path):
+    src = _tiny(tmp_path / "crashed.nvckpt")
+    before = Path(src).read_bytes()
+    os.symlink(src, tmp_path / "link.nvckpt")
+    os.link(src, tmp_path / "hard.nvckpt")
+    for cmd, dst in (("recover", "link.nvckpt"), ("convert", "link.nvckpt"), ("recover", "hard.nvckpt"),
+                     ("convert", "hard.nvckpt")):
+        code, _, err = run(capsys, cmd, src, str(tmp_path / dst), "--force")
+        assert code == EXIT_USAGE and "overwrite" in one_error_line(err), (cmd, dst, err)
+    assert Path(src).read_bytes() == before
+    ck = str(tmp_path / "ck")
+    assert run(capsys, "split", src, ck)[0] == EXIT_OK
+    rank_file = os.path.join(ck, "__0.nvckpt")
+    rank_bytes = Path(rank_file).read_bytes()
+    code, _, err = run(capsys, "merge", ck, rank_file, "--force")
+    assert code == EXIT_USAGE and "inside the source directory" in err and Path(rank_file).read_bytes() == rank_bytes
+
+
+def test_convert_to_standard_output_keeps_its_report_off_the_file(tmp_path):
+    src = _tiny(tmp_path / "a.nvckpt")
+    out = tmp_path / "piped.nvckpt"
+    for extra in ((), ("--json",)):
+        with open(out, "wb") as f:
+            done = subprocess.run([sys.executable, "-m", "nvckpt", "convert", src, "/dev/stdout", "--to", "nvckpt",
+                                   *extra], stdout=f, stderr=subprocess.PIPE, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert nvckpt.load(out)["step"] == 3 and "a.nvckpt" in done.stderr  # the report went to stderr
+
+
+def test_a_full_device_names_the_file(capsys, tmp_path):
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full here")
+    src = _tiny(tmp_path / "a.nvckpt")
+    code, _, err = run(capsys, "convert", src, "/dev/full", "--to", "nvckpt")
+    assert code == EXIT_IO and "/dev/full" in one_error_line(err)
+
+
+def test_ls_shows_names_in_every_column_escaped(capsys, tmp_path):
+    evil = "\x1b]0;pwned\x07"
+    base = torch.arange(8.0)
+    path = tmp_path / "e.nvckpt"
+    nvckpt.save({evil: base[:4], "v": base[2:5], "alias": None}, path)
+    code, out, _ = run(capsys, "ls", str(path))
+    assert code == EXIT_OK and "\x1b" not in out and "\x07" not in out and "view of" in out

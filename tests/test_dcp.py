@@ -412,6 +412,37 @@ def test_cli_verify_names_missing_and_damaged_rank_files(saved, tmp_path, capsys
     assert code == 1 and f"rank file {other} is missing" in out
     code, out = _cli(capsys, "info", copy)
     assert code == 1 and f"rank file {other} is missing" in out
+    code, out = _cli(capsys, "ls", copy)  # a script that checks with ls learns it too
+    assert code == 1 and f"warning: rank file {other} is missing" in out and "model.0.weight" in out
+
+
+def test_split_takes_codec_and_level_without_a_warning(tmp_path, capsys):
+    src = str(tmp_path / "s.nvckpt")
+    nvckpt.save({"w": torch.arange(4096.0)}, src)
+    code, out = _cli(capsys, "split", src, str(tmp_path / "d"), "--codec", "zstd", "--level", "19")
+    assert code == 0 and "not compressed" not in out
+    (name,) = [f for f in os.listdir(tmp_path / "d") if f.endswith(".nvckpt")]
+    with nvckpt.open(str(tmp_path / "d" / name)) as f:
+        assert "level=19" in f.file.pipelines[-1].describe()
+
+
+def test_a_keyboard_interrupt_in_write_data_is_not_handed_to_torchs_future(tmp_path, monkeypatch):
+    """torch's Future takes Exceptions only: Ctrl-C during a split printed an AssertionError traceback."""
+    from nvckpt.dcp import writer as writer_module
+
+    w = nvckpt.dcp.Writer(str(tmp_path / "ck"))
+    w._staging = str(tmp_path / "staging")
+    os.mkdir(w._staging)
+    marked = []
+    monkeypatch.setattr(writer_module, "live_staging", lambda path, live: marked.append((path, live)))
+
+    def interrupted(plan, planner):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(w, "_write", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        w.write_data(None, None)
+    assert marked == [(w._staging, False)]
 
 
 def test_a_rank_file_of_another_save_and_a_damaged_metadata_are_named(tmp_path, capsys):
@@ -563,6 +594,8 @@ def test_split_into_a_folder_it_must_not_replace_is_one_line(tmp_path, capsys):
     other.mkdir()
     (other / "notes.txt").write_text("mine")
     code, out = _cli(capsys, "split", src, str(other))
+    assert code == 2 and "exists (a directory that is not empty)" in out and "--force" in out, out
+    code, out = _cli(capsys, "split", src, str(other), "--force")
     assert code == 4 and "holding other files" in out and "Traceback" not in out, out
     assert (other / "notes.txt").read_text() == "mine"
 

@@ -146,6 +146,8 @@ class Writer(StorageWriter):
                 # finalizer would say so only once this Writer is freed, and the exception's traceback, held by
                 # DCP's future, can keep it alive for as long as the process runs.)
                 live_staging(self._staging, False)
+            if not isinstance(exc, Exception):
+                raise  # KeyboardInterrupt, SystemExit: torch's Future takes Exceptions only; the caller gets it as is
             future.set_exception(exc)
         return future
 

@@ -315,8 +315,13 @@ class SaveSession:
             size = write_items(self.target, items, self.plan, alignment=alignment, info=info, progress=self.progress)
             return self._result(None, raw_bytes, size)
         if special:  # a device or FIFO (/dev/null, a pipe): written through, as torch.save does, never replaced
-            with open(os.fspath(self.target), "wb") as f:
-                size = write_items(f, items, self.plan, alignment=alignment, info=info, progress=self.progress)
+            try:
+                with open(os.fspath(self.target), "wb") as f:
+                    size = write_items(f, items, self.plan, alignment=alignment, info=info, progress=self.progress)
+            except OSError as exc:
+                if exc.filename is None and exc.errno is not None:  # ENOSPC from /dev/full names no file
+                    raise type(exc)(exc.errno, exc.strerror, os.fspath(self.target)) from None
+                raise
             return self._result(os.fspath(self.target), raw_bytes, size)
         direct = self.options.direct_io
 

@@ -92,6 +92,18 @@ def check_output_folder(path: str | os.PathLike) -> None:
         raise FileNotFoundError(2, "No such directory", os.path.dirname(final))
 
 
+def overwrites_source(src: str | os.PathLike, dst: str | os.PathLike) -> bool:
+    """Would writing ``dst`` replace ``src`` or a file inside it (a DCP directory's rank file)?  Through
+    symlinks and hard links too, not only by the names given."""
+    s, d = os.path.realpath(src), os.path.realpath(dst)
+    if s == d or (os.path.isdir(s) and os.path.commonpath([s, d]) == s):
+        return True
+    try:
+        return os.path.samefile(src, dst)
+    except OSError:  # dst does not exist yet
+        return False
+
+
 def unescape(segment: str) -> str:
     """Inverse of nvckpt.format.tree.escape (RFC 6901: '~1' -> '/', then '~0' -> '~')."""
     return segment.replace("~1", "/").replace("~0", "~")

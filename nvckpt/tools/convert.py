@@ -53,6 +53,7 @@ from ._util import (
     nest_by_name,
     null_bar,
     on_device,
+    overwrites_source,
     sniff_format,
 )
 
@@ -164,10 +165,19 @@ def _import_safetensors():
     return safetensors
 
 
+def _check_readable(path: str) -> None:
+    """The OSError that opening ``path`` for reading gives (missing, a directory, no permission), with its name."""
+    if os.path.isdir(path):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+    with open(path, "rb"):
+        pass
+
+
 def read_safetensors(path: str | os.PathLike, make_bar: ProgressFactory) -> Loaded:
     safetensors = _import_safetensors()
     path = os.fspath(path)
-    size = os.path.getsize(path)  # raises FileNotFoundError with the path
+    _check_readable(path)  # safetensors says "No such file" for a file it may not read
+    size = os.path.getsize(path)
     try:
         handle = safetensors.safe_open(path, framework="pt", device="cpu")
     except safetensors.SafetensorError as exc:
@@ -220,8 +230,7 @@ def _tree_from_metadata(meta: dict[str, str], tensors: dict[str, torch.Tensor], 
 
 def read_torch(path: str | os.PathLike) -> Loaded:
     path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(2, "No such file", path)
+    _check_readable(path)
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
@@ -233,6 +242,8 @@ def read_torch(path: str | os.PathLike) -> Loaded:
                 f"torch.load(weights_only=True) refused it ({reason}); nvckpt converts only files that load "
                 "without running code from the file", path=path) from None
         raise FormatError(f"not a readable torch.save file ({reason})", path=path) from None
+    except OSError:  # the system refused (permissions, I/O): not damage in the file
+        raise
     except Exception as exc:  # torch.load raises many types (KeyError, RuntimeError, EOFError...) on bad input
         text = " ".join(str(exc).split())
         text = text if len(text) <= 160 else text[:160] + "..."
@@ -464,8 +475,9 @@ def convert(
     start = time.perf_counter()
     src_format = format_of(src, src_format, sniff=True)
     dst_format = format_of(dst, dst_format)
-    if os.path.abspath(os.fspath(src)) == os.path.abspath(os.fspath(dst)):
-        raise UsageError("source and destination are the same file")
+    if overwrites_source(src, dst):
+        raise UsageError("the destination would overwrite the source (the same file, or a file inside the source "
+                         "directory)")
     if dst_format == "dcp":
         _check_output_directory(dst)
     else:

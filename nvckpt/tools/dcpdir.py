@@ -72,17 +72,22 @@ def describe_directory(path: str | os.PathLike) -> dict[str, Any]:
     }
 
 
-def list_directory(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """One row per global tensor (and per non-tensor value): `nvckpt ls DIR`."""
+def list_directory(path: str | os.PathLike, problems: list[str] | None = None) -> list[dict[str, Any]]:
+    """One row per global tensor (and per non-tensor value): `nvckpt ls DIR`.  What stops a load (a rank
+    file missing, cut or unreadable; shards that do not cover a tensor) is appended to ``problems``."""
     m = read_manifest(path)
+    if problems is not None:
+        problems.extend(p.message for p in _structural_problems(m))
     stored_of: dict[tuple[str, str], int] = {}
     for name in m.files:
         try:
             with closing(CheckpointFile(os.path.join(m.directory, name), workers=1)) as f:
                 for e in f.index.tensors:
                     stored_of[(name, e.name)] = e.stored_bytes
-        except (NvckptError, OSError):
-            continue  # `verify` names it; ls shows what can be read
+        except (NvckptError, OSError) as exc:  # ls shows what can be read, and says what cannot
+            if problems is not None and os.path.isfile(os.path.join(m.directory, name)):
+                problems.append(f"rank file {name}: {exc.reason if isinstance(exc, NvckptError) else exc.strerror or exc}")
+            continue
     rows = []
     for fqn, t in m.tensors.items():
         raw = t.nbytes

@@ -46,7 +46,7 @@ from ..format.tree import TensorRef, escape, resolve_refs, tree_features
 from ..io.atomic import atomic_output
 from ..io.source import Source
 from ..session.file import CheckpointFile
-from ._util import ProgressFactory, UsageError, check_output_folder, nest_by_name, null_bar
+from ._util import ProgressFactory, UsageError, check_output_folder, nest_by_name, null_bar, overwrites_source
 
 #: Metadata keys a recovered file carries.
 RECOVERED_FROM = "nvckpt.recovered_from"
@@ -371,7 +371,7 @@ def recover(src: str | os.PathLike, dst: str | os.PathLike, *, progress: Progres
     """Write every complete tensor of ``src`` (truncated or damaged) to a new valid file ``dst``."""
     from ..session.save import writer_info
 
-    if os.path.abspath(os.fspath(src)) == os.path.abspath(os.fspath(dst)):
+    if overwrites_source(src, dst):
         raise UsageError("the recovered file must not overwrite its source")
     check_output_folder(dst)
     make_bar = progress or null_bar
