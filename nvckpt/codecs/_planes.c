@@ -15,16 +15,26 @@
 #include <stdint.h>
 #include <string.h>
 
+/* The top byte h and the byte below it l of one element, shifted (*hs, *ls), and back. */
+static inline void shift_up(uint8_t h, uint8_t l, uint8_t *hs, uint8_t *ls)
+{
+    *hs = (uint8_t)((h << 1) | (l >> 7));
+    *ls = (uint8_t)((h & 0x80) | (l & 0x7F));
+}
+
+static inline void shift_down(uint8_t hs, uint8_t ls, uint8_t *h, uint8_t *l)
+{
+    *h = (uint8_t)((ls & 0x80) | (hs >> 1));
+    *l = (uint8_t)((hs << 7) | (ls & 0x7F));
+}
+
 static void split_planes(const uint8_t *restrict raw, uint8_t *restrict planes, size_t m, int k, int shift)
 {
     if (k == 2) {
         uint8_t *restrict p0 = planes, *restrict p1 = planes + m;
         if (shift)
-            for (size_t i = 0; i < m; i++) {
-                uint8_t l = raw[2 * i], h = raw[2 * i + 1];
-                p1[i] = (uint8_t)((h << 1) | (l >> 7));
-                p0[i] = (uint8_t)((h & 0x80) | (l & 0x7F));
-            }
+            for (size_t i = 0; i < m; i++)
+                shift_up(raw[2 * i + 1], raw[2 * i], &p1[i], &p0[i]);
         else
             for (size_t i = 0; i < m; i++) {
                 p0[i] = raw[2 * i];
@@ -37,11 +47,9 @@ static void split_planes(const uint8_t *restrict raw, uint8_t *restrict planes, 
                 *restrict p3 = planes + 3 * m;
         if (shift)
             for (size_t i = 0; i < m; i++) {
-                uint8_t l = raw[4 * i + 2], h = raw[4 * i + 3];
                 p0[i] = raw[4 * i];
                 p1[i] = raw[4 * i + 1];
-                p3[i] = (uint8_t)((h << 1) | (l >> 7));
-                p2[i] = (uint8_t)((h & 0x80) | (l & 0x7F));
+                shift_up(raw[4 * i + 3], raw[4 * i + 2], &p3[i], &p2[i]);
             }
         else
             for (size_t i = 0; i < m; i++) {
@@ -57,11 +65,8 @@ static void split_planes(const uint8_t *restrict raw, uint8_t *restrict planes, 
             planes[(size_t)j * m + i] = raw[i * (size_t)k + j];
     if (shift) {
         uint8_t *restrict hi = planes + (size_t)(k - 1) * m, *restrict lo = planes + (size_t)(k - 2) * m;
-        for (size_t i = 0; i < m; i++) {
-            uint8_t h = hi[i], l = lo[i];
-            hi[i] = (uint8_t)((h << 1) | (l >> 7));
-            lo[i] = (uint8_t)((h & 0x80) | (l & 0x7F));
-        }
+        for (size_t i = 0; i < m; i++)
+            shift_up(hi[i], lo[i], &hi[i], &lo[i]);
     }
 }
 
@@ -70,11 +75,8 @@ static void join_planes(const uint8_t *restrict planes, uint8_t *restrict raw, s
     if (k == 2) {
         const uint8_t *restrict p0 = planes, *restrict p1 = planes + m;
         if (shift)
-            for (size_t i = 0; i < m; i++) {
-                uint8_t hs = p1[i], ls = p0[i];
-                raw[2 * i + 1] = (uint8_t)((ls & 0x80) | (hs >> 1));
-                raw[2 * i] = (uint8_t)((hs << 7) | (ls & 0x7F));
-            }
+            for (size_t i = 0; i < m; i++)
+                shift_down(p1[i], p0[i], &raw[2 * i + 1], &raw[2 * i]);
         else
             for (size_t i = 0; i < m; i++) {
                 raw[2 * i] = p0[i];
@@ -87,11 +89,9 @@ static void join_planes(const uint8_t *restrict planes, uint8_t *restrict raw, s
                       *restrict p3 = planes + 3 * m;
         if (shift)
             for (size_t i = 0; i < m; i++) {
-                uint8_t hs = p3[i], ls = p2[i];
                 raw[4 * i] = p0[i];
                 raw[4 * i + 1] = p1[i];
-                raw[4 * i + 3] = (uint8_t)((ls & 0x80) | (hs >> 1));
-                raw[4 * i + 2] = (uint8_t)((hs << 7) | (ls & 0x7F));
+                shift_down(p3[i], p2[i], &raw[4 * i + 3], &raw[4 * i + 2]);
             }
         else
             for (size_t i = 0; i < m; i++) {
@@ -108,9 +108,7 @@ static void join_planes(const uint8_t *restrict planes, uint8_t *restrict raw, s
     if (shift)
         for (size_t i = 0; i < m; i++) {
             uint8_t *e = raw + i * (size_t)k;
-            uint8_t hs = e[k - 1], ls = e[k - 2];
-            e[k - 1] = (uint8_t)((ls & 0x80) | (hs >> 1));
-            e[k - 2] = (uint8_t)((hs << 7) | (ls & 0x7F));
+            shift_down(e[k - 1], e[k - 2], &e[k - 1], &e[k - 2]);
         }
 }
 

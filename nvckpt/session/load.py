@@ -4,7 +4,6 @@ materialized from raw bytes (dtype, shape, bools, views on their base, derived t
 from __future__ import annotations
 
 import copy
-
 import math
 import operator
 import threading
