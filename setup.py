@@ -1,10 +1,13 @@
-"""The one compiled part of nvckpt: the byte-plane kernel of the portable codec (nvckpt/codecs/_planes.c).
+"""The compiled parts of nvckpt: the byte-plane kernel of the portable codec (nvckpt/codecs/_planes.c)
+and the host checks of derived tensors (nvckpt/plan/_derived.c).
 
-It is optional: where no C compiler is found the install goes on, and the codec uses its numpy
-version of the same steps (the same bytes, 2.5-3.5x slower).  Everything else is in pyproject.toml.
+Both are optional: where no C compiler is found the install goes on, and nvckpt uses its numpy and
+torch versions of the same steps (the same bytes and decisions, slower).  Everything else is in
+pyproject.toml.
 """
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("nvckpt.codecs._planes", ["nvckpt/codecs/_planes.c"], optional=True,
-                             extra_compile_args=["-O3"])])
+setup(ext_modules=[Extension(name, [source], optional=True, extra_compile_args=["-O3"])
+                   for name, source in (("nvckpt.codecs._planes", "nvckpt/codecs/_planes.c"),
+                                        ("nvckpt.plan._derived", "nvckpt/plan/_derived.c"))])

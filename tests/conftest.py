@@ -25,6 +25,16 @@ def pytest_configure(config: pytest.Config) -> None:
 
 # -- bit-exact comparison ----------------------------------------------------------------------
 
+@pytest.fixture(autouse=True)
+def _fresh_layouts():
+    """Each test plans its states from scratch: a layout an earlier test saved (same names, shapes and, by
+    the allocator's reuse, addresses) would hand it that test's derived tensors as candidates."""
+    from nvckpt.plan import layout
+
+    layout.forget()
+    yield
+
+
 def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
     """The raw bytes of ``t`` in C order, as a 1-D uint8 CPU tensor."""
     t = t.detach().cpu().resolve_conj().resolve_neg()

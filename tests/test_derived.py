@@ -7,7 +7,7 @@ import io
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import nvckpt
@@ -80,14 +80,80 @@ def test_bf16_rounding_of_master_is_stored_derived(rounding_check):
     assert_tree_equal(nvckpt.load(io.BytesIO(plain)), state)
 
 
-@pytest.fixture(params=["cast", "integer"])
+@pytest.fixture(params=["kernel", "cast", "integer"])
 def rounding_check(request, monkeypatch):
-    """Both ways find_derived compares: torch's cast first (where it is the SPEC rounding), or integers only."""
+    """Every way find_derived compares: the compiled check of CPU pairs (_derived.c), torch's cast first
+    (where it is the SPEC rounding), or integers only."""
     from nvckpt.plan import derived
 
+    if request.param == "kernel":
+        if derived._kernel is None:
+            pytest.skip("nvckpt/plan/_derived.c is not built here")
+    else:
+        monkeypatch.setattr(derived, "_kernel", None)
     if request.param == "integer":
         monkeypatch.setattr(derived, "_cast_is_rne", lambda device: False)
     return request.param
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def copy_check(request, monkeypatch):
+    """Both ways copies are compared on the host: the compiled memcmp, or torch ops."""
+    from nvckpt.plan import derived
+
+    if request.param == "kernel" and derived._kernel is None:
+        pytest.skip("nvckpt/plan/_derived.c is not built here")
+    if request.param == "torch":
+        monkeypatch.setattr(derived, "_kernel", None)
+    return request.param
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=9000), st.integers(0, 8999), st.integers(1, 0xFFFF))
+def test_the_compiled_check_agrees_with_the_spec_rounding(words, at, flip):
+    """_derived.rne_differs against SPEC 14.2 written out in numpy, for any bits (NaNs, ties, inf, denormals),
+    with the candidate equal and with one word changed anywhere (across the kernel's 4096-element blocks)."""
+    from nvckpt.plan import derived
+
+    if derived._kernel is None:
+        pytest.skip("nvckpt/plan/_derived.c is not built here")
+    src = torch.from_numpy(np.array(words, dtype=np.uint32).view(np.int32).copy()).view(torch.float32)
+    cand = spec_bf16_rne(src)
+    k = derived._kernel
+    assert not k.rne_differs(src.view(torch.int32).numpy(), cand.view(torch.int16).numpy())
+    bad = cand.view(torch.int16).clone()
+    i = at % len(words)
+    bad[i] = int(np.int16(np.uint16((int(bad[i]) & 0xFFFF) ^ flip)))
+    assert k.rne_differs(src.view(torch.int32).numpy(), bad.numpy())
+    raw = src.view(torch.uint8).numpy()
+    assert not k.differ(raw, raw.copy()) and k.differ(raw, raw[:-1].copy())
+    other = raw.copy()
+    other[(4 * i) % raw.size] ^= 1
+    assert k.differ(raw, other)
+
+
+def test_the_compiled_checks_refuse_mismatched_buffers():
+    from nvckpt.plan import derived
+
+    if derived._kernel is None:
+        pytest.skip("nvckpt/plan/_derived.c is not built here")
+    with pytest.raises(ValueError, match="same number of elements"):
+        derived._kernel.rne_differs(np.zeros(4, np.int32), np.zeros(3, np.int16))
+    with pytest.raises(ValueError, match="contiguous"):
+        derived._kernel.differ(np.zeros(8, np.uint8)[::2], np.zeros(4, np.uint8))
+
+
+def test_the_compiled_checks_are_built_where_a_compiler_is():
+    """An install that found a C compiler must not fall back to torch's checks without a word."""
+    import shutil
+    import sysconfig
+
+    from nvckpt.plan import derived
+
+    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if not shutil.which(compiler):
+        pytest.skip(f"no C compiler ({compiler}) here")
+    assert derived._kernel is not None, "nvckpt/plan/_derived.c was not built: pip install -e . builds it"
 
 
 @pytest.mark.parametrize("change", ["one_ulp", "nan_payload", "sign_of_zero", "truncated_not_rounded", "shape",
@@ -184,7 +250,7 @@ def test_transposed_master():
     assert_tree_equal(nvckpt.load(io.BytesIO(data)), {"m": m, "w": w})
 
 
-def test_exact_copies_are_stored_once_and_load_as_tensors_of_their_own():
+def test_exact_copies_are_stored_once_and_load_as_tensors_of_their_own(copy_check):
     w = torch.randn(64, 32)
     nan = torch.full((16,), float("nan"))
     state = {"w": w, "w_clone": w.clone(), "other": w + 1, "ids": torch.arange(40), "ids2": torch.arange(40),
@@ -233,7 +299,7 @@ def test_bf16_rne_is_the_spec_rounding_for_any_bits(words, upper):
     assert np.array_equal(heads.view(np.int16), expected.numpy())
 
 
-def test_copies_among_tensors_whose_first_bytes_agree():
+def test_copies_among_tensors_whose_first_bytes_agree(copy_check):
     """Same shape, same first 64 bytes: equal ones become copies of the first stored equal one, the others
     are stored (the comparison runs in rounds over what is still undecided)."""
     base = torch.zeros(4, 100)
@@ -249,7 +315,7 @@ def test_copies_among_tensors_whose_first_bytes_agree():
     assert_tree_equal(nvckpt.load(io.BytesIO(data)), state)
 
 
-def test_many_step_counts_and_large_copies():
+def test_many_step_counts_and_large_copies(copy_check):
     """An optimizer's hundreds of equal step counts are compared a group at a time; a group with one that
     differs is decided pair by pair; tensors above the group size are compared alone."""
     steps = {f"p{i}": torch.tensor(30.0) for i in range(120)}
@@ -266,10 +332,10 @@ def test_many_step_counts_and_large_copies():
     assert_tree_equal(nvckpt.load(io.BytesIO(data)), state)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(st.integers(1, 400), st.sampled_from(["rne", "ulp", "nan", "cast", "alone"])), min_size=1,
                 max_size=24), st.integers(0, 2**31 - 1))
-def test_derived_found_exactly_whatever_the_grouping(pairs, seed):
+def test_derived_found_exactly_whatever_the_grouping(rounding_check, pairs, seed):
     """Property: a bf16 tensor is stored derived iff some fp32 tensor of its shape rounds to it bit for bit
     (checked here by numpy), however the pairs fall into comparison groups."""
     gen = torch.Generator().manual_seed(seed)

@@ -22,6 +22,11 @@ import torch
 
 from ..format.constants import BF16_RNE, COPY
 
+try:
+    from . import _derived as _kernel  # type: ignore[attr-defined]
+except ImportError:  # installed without a C compiler: torch ops decide every pair
+    _kernel = None
+
 if TYPE_CHECKING:
     from .walk import PlannedTensor
 
@@ -148,12 +153,23 @@ class DerivedSearch:
     equal (different storages: tensors of one storage are views already, walk._dedupe).  Tensors of one
     dtype and shape with equal first bytes are compared in rounds: all still undecided ones against their
     class's newest stored tensor at once; the first that differs is stored and is the next round's
-    tensor to compare with.  Usually one round."""
+    tensor to compare with.  Usually one round.
 
-    def __init__(self, tensors: list[PlannedTensor], *, bf16: bool, copies: bool) -> None:
+    hints: (pairs, classes) by tensor id, what an earlier save of the same layout found (plan.layout):
+    those are the candidates, and nothing else is searched for (no heads are read)."""
+
+    def __init__(self, tensors: list[PlannedTensor], *, bf16: bool, copies: bool,
+                 hints: tuple[list[tuple[int, int]], list[list[int]]] | None = None) -> None:
         self.tensors = tensors
         self.pairs: list[tuple[PlannedTensor, PlannedTensor]] = []  # (bf16 candidate, fp32 source), source order
         self.classes: list[list[PlannedTensor]] = []  # possible copies: same dtype, shape, device, first bytes
+        self.hinted = hints is not None
+        if hints is not None:
+            pairs, classes = hints
+            self.pairs = [(tensors[c], tensors[s]) for c, s in pairs] if bf16 else []
+            self.classes = [[tensors[i] for i in c] for c in classes] if copies else []
+            self.undecided = {t.tensor_id for t, _ in self.pairs} | {t.tensor_id for c in self.classes for t in c}
+            return
         # (tensor, dtype name, shape, device) of every stored tensor that may be a source or a candidate:
         # computed once (a state has thousands of tensors; each attribute costs host time).
         stored = [(t, t.entry["dtype"], tuple(t.entry["shape"]), t.data.device) for t in tensors
@@ -212,7 +228,8 @@ class DerivedSearch:
         # A flag (a difference, or NaNs, which the cast alone cannot decide) is decided exactly, pair by pair.
         differs = _differing(pairs, _rne_may_differ, lambda p: _differs_from_rne(p[0].data, p[1].data), quick_is_exact=False,
                              size=lambda p: p[1].data.numel(),
-                             small=lambda p: p[1].data.numel() <= _GROUP_PAIR and _cast_is_rne(p[1].data.device))
+                             small=lambda p: p[1].data.numel() <= _GROUP_PAIR and _cast_is_rne(p[1].data.device),
+                             host=_rne_differs_on_host)
         for (t, src), bad in zip(pairs, differs):
             if t.data is not None and not bad:  # verified bit for bit; the first matching source wins
                 t.entry["derived"] = {"function": BF16_RNE, "source": src.tensor_id}
@@ -230,7 +247,8 @@ class DerivedSearch:
         while work:
             pairs = [(t, rep) for rep, rest in work for t in rest]
             differs = _differing(pairs, _bytes_differ, lambda p: _bytes_differ([p]), quick_is_exact=True,
-                                 size=lambda p: p[0].nbytes, small=lambda p: p[0].nbytes <= _GROUP_PAIR)
+                                 size=lambda p: p[0].nbytes, small=lambda p: p[0].nbytes <= _GROUP_PAIR,
+                                 host=_bytes_differ_on_host)
             decided = {id(t): rep for (t, rep), bad in zip(pairs, differs) if not bad}
             next_work = []
             for rep, rest in work:
@@ -439,19 +457,24 @@ Pairs = list[tuple["PlannedTensor", "PlannedTensor"]]
 
 
 def _differing(pairs: Pairs, quick: Callable[[Pairs], torch.Tensor], exact: Callable[[Any], torch.Tensor], *,
-               quick_is_exact: bool, size: Callable[[Any], int], small: Callable[[Any], bool]) -> list[bool]:
+               quick_is_exact: bool, size: Callable[[Any], int], small: Callable[[Any], bool],
+               host: Callable[[Any], bool] | None = None) -> list[bool]:
     """Which pairs differ.  ``quick(group)``: a 0-d bool tensor, True when some pair of the group may differ;
     ``exact(pair)``: whether one pair does.  Small pairs (biases, norms, an optimizer's step counts: most of
     a model's tensors) are flagged a group at a time, up to _GROUP_ELEMENTS of ``size`` per group and device:
     a handful of kernels per group instead of several per pair, which in a read-ahead async_save run beside
     the engine's own host work (each kernel launch takes the GIL).  Only the pairs of a flagged group (and a
     flagged pair itself, unless ``quick`` is exact) are then decided one by one.  One synchronisation per
-    device and step."""
+    device and step.  ``host(pair)``: decides a pair of CPU tensors exactly in one compiled pass
+    (_derived.c), where it is built."""
     flags: list[torch.Tensor] = []
     members: list[list[int]] = []
     grouped: dict[torch.device, list[int]] = {}
+    differs = [False] * len(pairs)
     for k, pair in enumerate(pairs):
-        if small(pair):
+        if host is not None and _kernel is not None and pair[0].data.device.type == "cpu" == pair[1].data.device.type:
+            differs[k] = host(pair)
+        elif small(pair):
             grouped.setdefault(pair[0].data.device, []).append(k)
         else:
             flags.append(quick([pair]))
@@ -460,7 +483,6 @@ def _differing(pairs: Pairs, quick: Callable[[Pairs], torch.Tensor], exact: Call
         for group in _groups(ks, lambda k: size(pairs[k]), _GROUP_ELEMENTS):
             flags.append(quick([pairs[k] for k in group]))
             members.append(group)
-    differs = [False] * len(pairs)
     again = []
     for flag, ks in zip(_all_on_host(flags), members):
         if flag and quick_is_exact and len(ks) == 1:
@@ -470,6 +492,21 @@ def _differing(pairs: Pairs, quick: Callable[[Pairs], torch.Tensor], exact: Call
     for k, d in zip(again, _all_on_host([exact(pairs[k]) for k in again])):
         differs[k] = d
     return differs
+
+
+def _host_words(t: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
+    """A CPU tensor's elements in C order as a numpy array of same-sized integer words (a view where it is
+    contiguous)."""
+    return t.detach().contiguous().view(dtype).numpy()
+
+
+def _rne_differs_on_host(pair: tuple[PlannedTensor, PlannedTensor]) -> bool:
+    candidate, source = pair
+    return _kernel.rne_differs(_host_words(source.data, torch.int32), _host_words(candidate.data, torch.int16))
+
+
+def _bytes_differ_on_host(pair: tuple[PlannedTensor, PlannedTensor]) -> bool:
+    return _kernel.differ(pair[0].flat_bytes().numpy(), pair[1].flat_bytes().numpy())
 
 
 def _rne_may_differ(group: Pairs) -> torch.Tensor:

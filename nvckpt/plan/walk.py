@@ -17,11 +17,12 @@ import numpy as np
 import torch
 
 from ..errors import LimitError, UnsupportedObjectError
-from ..format.constants import MAX_BIGINT_BYTES, MAX_NAME_BYTES, MAX_RANK, MAX_TENSOR_BYTES, MAX_TENSORS, MAX_TREE_DEPTH
+from ..format.constants import FEATURE_TYPED_TREE, MAX_BIGINT_BYTES, MAX_NAME_BYTES, MAX_RANK, MAX_TENSOR_BYTES, MAX_TENSORS, MAX_TREE_DEPTH
 from ..format.dtypes import DTYPES
-from ..format.tree import (BigInt, DeviceName, DtypeName, TensorRef, bigint_bytes, escape, same_value, set_item_problem,
-                           tree_features)
-from .chunking import CPU_CHUNK_SIZE, check_chunk_size, chunk_ranges
+from ..format.tree import (BigInt, DeviceName, DtypeName, TensorRef, bigint_bytes, escape, is_typed, same_value,
+                           set_item_problem)
+from . import layout as layout_of
+from .chunking import CPU_CHUNK_SIZE, check_chunk_size
 from .derived import DerivedSearch
 from .dtypes import name_of
 
@@ -69,6 +70,9 @@ class SavePlan:
     _decided: threading.Event = field(default_factory=threading.Event, repr=False)
     _decide_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _decide_error: BaseException | None = field(default=None, repr=False)
+    _layout: Any = field(default=None, repr=False)  # the _Layout this plan was made from (learns what decide() found)
+    searched: bool = False  # the derived tensors were searched for (False: the pairs of an earlier save were checked)
+    layout_reused: bool = False  # entries and chunks taken from an earlier save of the same layout (plan.layout)
 
     @property
     def undecided(self) -> set[int]:
@@ -84,6 +88,8 @@ class SavePlan:
                 try:
                     if self._search is not None:
                         self._search.verify()
+                        if self._layout is not None:
+                            self._layout.learn(self.tensors, self._search)
                 except BaseException as exc:
                     self._decide_error = exc
                     raise
@@ -250,113 +256,132 @@ def plan_save(
         check_chunk_size(chunk_size)
     started = time.perf_counter()
     leaves: list[tuple[str, torch.Tensor, tuple[str, int]]] = []  # (path, tensor, (dtype name, element size)) in tree order
+    typed = False  # a value only SPEC 9.2's typed extensions store (FEATURE_TYPED_TREE)
 
+    # The tree is built as it is walked, a tensor as TensorRef(its leaf index) (renumbered below where two
+    # leaves are one tensor).  A path is joined only where it is used (a tensor's name, an error): this
+    # runs once per container, key and tensor of the state, thousands of times per save.
     def walk(node: Any, parts: tuple[str, ...], depth: int) -> Any:
-        path = "/".join(parts)
-        if depth > MAX_TREE_DEPTH and isinstance(node, (dict, list, tuple)):  # SPEC 9: containers count, not leaves
-            raise LimitError(f"object nesting at {path} exceeds the limit of {MAX_TREE_DEPTH}")
+        nonlocal typed
         if isinstance(node, torch.Tensor):
+            path = "/".join(parts)
             facts = _check_tensor(node, path)
             if node.is_conj() or node.is_neg():
                 # A lazy conjugate/negative view shares bytes with its source but shows other values:
                 # store the values it shows, as a tensor of its own.
                 node = node.detach().resolve_conj().resolve_neg()
             leaves.append((path, node, facts))
-            return len(leaves) - 1  # replaced by a TensorRef below
+            return TensorRef(len(leaves) - 1)
         if isinstance(node, dict):
-            if sum(isinstance(k, float) and k != k for k in node) > 1:  # SPEC 1: every NaN is the same key
-                raise UnsupportedObjectError(f"dict at {path or '<root>'} has two NaN keys; a map may hold at most one")
+            if depth > MAX_TREE_DEPTH:  # SPEC 9: containers count, not leaves
+                raise LimitError(f"object nesting at {'/'.join(parts)} exceeds the limit of {MAX_TREE_DEPTH}")
             out = {}
+            nans = 0
             for k, v in node.items():
-                if isinstance(k, np.generic) and k.dtype.kind in "biuf":
-                    k = k.item()  # a NumPy scalar key is the Python number it holds, as a value is
-                if not isinstance(k, _KEY_TYPES):
-                    raise UnsupportedObjectError(f"dict key {k!r} at {path or '<root>'} has type {type(k).__qualname__}; keys must be str, int, float, bool or None")
-                if isinstance(k, int) and not isinstance(k, bool) and not _INT_MIN <= k <= _INT_MAX:
-                    raise UnsupportedObjectError(
-                        f"dict key {k} at {path or '<root>'} is an int outside [-2**63, 2**64): a map key must fit in "
-                        "64 bits (big ints are stored as values only, SPEC 9.2); store the key as a str")
-                key = _plain_scalar(k, path)  # the name is made of the key as stored (an int enum is its int)
-                out[key] = walk(v, parts + (escape(key),), depth + 1)
-            return _Dict(out)
+                if type(k) is str and k.isascii():  # the common key: valid UTF-8, stored as it is
+                    key = k
+                else:
+                    key = _dict_key(k, "/".join(parts))
+                    if isinstance(key, float) and key != key:
+                        nans += 1
+                        if nans > 1:  # SPEC 1: every NaN is the same key
+                            raise UnsupportedObjectError(f"dict at {'/'.join(parts) or '<root>'} has two NaN keys; a map "
+                                                         "may hold at most one")
+                seg = key if type(key) is str and "~" not in key and "/" not in key else escape(key)
+                out[key] = walk(v, parts + (seg,), depth + 1)
+            return out
         if isinstance(node, (list, tuple)):
+            if depth > MAX_TREE_DEPTH:
+                raise LimitError(f"object nesting at {'/'.join(parts)} exceeds the limit of {MAX_TREE_DEPTH}")
             items = [walk(v, parts + (str(i),), depth + 1) for i, v in enumerate(node)]
-            return _List(items) if isinstance(node, list) else _Tuple(items)
+            return items if isinstance(node, list) else tuple(items)
+        path = "/".join(parts)
         if node is None or isinstance(node, (bool, int, float, str, bytes, complex)):
-            return _Scalar(_scalar_leaf(node, path))
-        if isinstance(node, (set, frozenset)):
+            value = _scalar_leaf(node, path)
+        elif isinstance(node, (set, frozenset)):
             value = _set_value(node, path)
             if depth + _nesting(value) - 1 > MAX_TREE_DEPTH:
                 raise LimitError(f"object nesting at {path} exceeds the limit of {MAX_TREE_DEPTH}")
-            return _Scalar(value)
-        typed = typed_leaf(node, path)
-        if typed is not None:
-            return _Scalar(typed)
-        hint = " (convert it with torch.from_numpy)" if isinstance(node, np.ndarray) else ""
-        raise UnsupportedObjectError(
-            f"cannot store {type(node).__module__}.{type(node).__qualname__} at {path or '<root>'}{hint}: "
-            "nvckpt stores tensors, dicts, lists, tuples, sets, str, bytes, int, float, complex, bool, None, "
-            "torch.dtype and torch.device (no pickle)"
-        )
+        else:
+            value = typed_leaf(node, path)
+            if value is None:
+                hint = " (convert it with torch.from_numpy)" if isinstance(node, np.ndarray) else ""
+                raise UnsupportedObjectError(
+                    f"cannot store {type(node).__module__}.{type(node).__qualname__} at {path or '<root>'}{hint}: "
+                    "nvckpt stores tensors, dicts, lists, tuples, sets, str, bytes, int, float, complex, bool, None, "
+                    "torch.dtype and torch.device (no pickle)"
+                )
+        if not typed and is_typed(value):
+            typed = True
+        return value
 
-    skeleton = walk(obj, (), 1)  # the root container is level 1, as in check_tree
+    tree = walk(obj, (), 1)  # the root container is level 1, as in check_tree
     if metadata is not None:
         _check_metadata(metadata)
     _normalize_bools(leaves)
 
-    plan_tensors, leaf_ids = _dedupe(leaves)
+    key = (derive, copies, layout_of.fingerprint(leaves))
+    layout = layout_of.known(key)
+    reused = layout is not None
+    if layout is None:
+        plan_tensors, leaf_ids, sources = _dedupe(leaves)
+        layout = layout_of.Layout(key, plan_tensors, leaf_ids, sources)
+    else:
+        plan_tensors, leaf_ids = layout.instantiate(leaves)
     size = check_chunk_size(chunk_size(plan_tensors)) if callable(chunk_size) else chunk_size
-    for t in plan_tensors:
-        if t.data is not None:
-            t.chunks = chunk_ranges(tuple(t.entry["shape"]), DTYPES[t.entry["dtype"]].itemsize, size)
+    layout.cut(plan_tensors, size)
     walked = time.perf_counter()
-    search = DerivedSearch(plan_tensors, bf16=derive, copies=copies) if derive or copies else None
+    search = None
+    if derive or copies:
+        hints = layout.hints()
+        search = DerivedSearch(plan_tensors, bf16=derive, copies=copies, hints=hints)
     derived = time.perf_counter()
     if len(plan_tensors) > MAX_TENSORS:
         raise LimitError(f"{len(plan_tensors)} tensors exceed the limit of {MAX_TENSORS}")
-    tree = _finish(skeleton, leaf_ids)
+    if leaf_ids != list(range(len(leaves))):  # tied weights or views: leaves that are one tensor, bases
+        tree = _renumber(tree, leaf_ids)
     # A copy, as the tree is: an async_save must not see the caller change its metadata afterwards.
-    plan = SavePlan(tree, plan_tensors, copy.deepcopy(metadata) if metadata else {}, tree_features(tree))
+    plan = SavePlan(tree, plan_tensors, copy.deepcopy(metadata) if metadata else {}, FEATURE_TYPED_TREE if typed else 0)
     plan.seconds.update(walk=walked - started + time.perf_counter() - derived, derived=derived - walked)
     plan._search = search
+    plan._layout = layout if search is not None else None
+    plan.searched = search is not None and not search.hinted
+    plan.layout_reused = reused
     if not defer:
         plan.decide()
     return plan
 
 
-# Skeleton nodes keep plain Python values apart from leaf indices.
-class _Scalar:
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-
-class _Dict(dict):
-    pass
-
-
-class _List(list):
-    pass
+def _renumber(node: Any, leaf_ids: list[int]) -> Any:
+    """The tree with each TensorRef(leaf index) made TensorRef(that leaf's tensor id)."""
+    if isinstance(node, TensorRef):
+        return TensorRef(leaf_ids[node.tensor_id])
+    if isinstance(node, dict):
+        return {k: _renumber(v, leaf_ids) for k, v in node.items()}
+    if isinstance(node, tuple):
+        return tuple(_renumber(v, leaf_ids) for v in node)
+    if isinstance(node, list):
+        return [_renumber(v, leaf_ids) for v in node]
+    return node  # a scalar, a set of scalars
 
 
-class _Tuple(list):
-    pass
-
-
-def _finish(node: Any, leaf_ids: list[int]) -> Any:
-    if isinstance(node, _Scalar):
-        return node.value
-    if isinstance(node, int):
-        return TensorRef(leaf_ids[node])
-    if isinstance(node, _Dict):
-        return {k: _finish(v, leaf_ids) for k, v in node.items()}
-    if isinstance(node, _Tuple):
-        return tuple(_finish(v, leaf_ids) for v in node)
-    return [_finish(v, leaf_ids) for v in node]
+def _dict_key(k: Any, path: str) -> Any:
+    """A dict key as the file stores it, or UnsupportedObjectError (the common str key never comes here)."""
+    if isinstance(k, np.generic) and k.dtype.kind in "biuf":
+        k = k.item()  # a NumPy scalar key is the Python number it holds, as a value is
+    if not isinstance(k, _KEY_TYPES):
+        raise UnsupportedObjectError(f"dict key {k!r} at {path or '<root>'} has type {type(k).__qualname__}; keys must "
+                                     "be str, int, float, bool or None")
+    if isinstance(k, int) and not isinstance(k, bool) and not _INT_MIN <= k <= _INT_MAX:
+        raise UnsupportedObjectError(
+            f"dict key {k} at {path or '<root>'} is an int outside [-2**63, 2**64): a map key must fit in "
+            "64 bits (big ints are stored as values only, SPEC 9.2); store the key as a str")
+    return _plain_scalar(k, path)  # the name is made of the key as stored (an int enum is its int)
 
 
 def _check_str(value: str, path: str) -> None:
+    if value.isascii():
+        return
     try:
         value.encode("utf-8")  # msgpack str must be UTF-8: a lone surrogate cannot be stored
     except UnicodeEncodeError:
@@ -415,8 +440,10 @@ def _view_key(t: torch.Tensor) -> tuple:
     return (t.dtype, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
 
 
-def _dedupe(leaves: list[tuple[str, torch.Tensor, tuple[str, int]]]) -> tuple[list[PlannedTensor], list[int]]:
-    """One entry per distinct tensor; views of one storage share a base entry (chunks not cut yet)."""
+def _dedupe(leaves: list[tuple[str, torch.Tensor, tuple[str, int]]]) -> tuple[list[PlannedTensor], list[int], list[Any]]:
+    """One entry per distinct tensor; views of one storage share a base entry (chunks not cut yet).  Also
+    returns where each entry's data comes from (_Layout.instantiate): a leaf's index, (leaf, length, offset)
+    for a base cut from a leaf's storage, or None (a view)."""
     groups: dict[tuple, list[int]] = {}  # in order of each group's first leaf (dicts keep insertion order)
     for i, (_, t, (_, size)) in enumerate(leaves):
         if t.numel() == 0:
@@ -429,9 +456,11 @@ def _dedupe(leaves: list[tuple[str, torch.Tensor, tuple[str, int]]]) -> tuple[li
     tensors: list[PlannedTensor] = []
     leaf_ids = [0] * len(leaves)
     paths: set[str] | None = None  # every leaf's name, made once, if a base needs a name
+    sources: list[Any] = []
 
-    def add(entry: dict[str, Any], data: torch.Tensor | None) -> int:
+    def add(entry: dict[str, Any], data: torch.Tensor | None, source: Any) -> int:
         tid = len(tensors)
+        sources.append(source)
         name = entry["name"]
         if len(name) * 4 > MAX_NAME_BYTES and len(name.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
             raise LimitError(f"tensor name {name[:80]!r}... is longer than {MAX_NAME_BYTES} bytes")
@@ -451,7 +480,7 @@ def _dedupe(leaves: list[tuple[str, torch.Tensor, tuple[str, int]]]) -> tuple[li
     for members in groups.values():
         if len(members) == 1:  # the common case: a tensor that shares its storage with no other leaf
             path, t, facts = leaves[members[0]]
-            leaf_ids[members[0]] = add(base_entry(path, t, facts), t)
+            leaf_ids[members[0]] = add(base_entry(path, t, facts), t, members[0])
             continue
         views: dict[tuple, list[int]] = {}
         for i in members:
@@ -461,7 +490,7 @@ def _dedupe(leaves: list[tuple[str, torch.Tensor, tuple[str, int]]]) -> tuple[li
             # (stored as separate copies: the format's views share one dtype).
             for same in views.values():
                 path, t, facts = leaves[same[0]]
-                tid = add(base_entry(path, t, facts), t)
+                tid = add(base_entry(path, t, facts), t, same[0])
                 for i in same:
                     leaf_ids[i] = tid
             _check_alias_names(leaves, members, names_seen, leaf_ids)
@@ -470,25 +499,27 @@ def _dedupe(leaves: list[tuple[str, torch.Tensor, tuple[str, int]]]) -> tuple[li
         # begin at one address with different sizes (torch.from_numpy of an array and of a slice of it,
         # frombuffer, DLPack): the base is cut from the largest, which holds every view's elements.
         first = leaves[members[0]][1]
-        owner = max((leaves[i][1] for i in members), key=lambda t: t.untyped_storage().nbytes())
+        owner_leaf = max(members, key=lambda i: leaves[i][1].untyped_storage().nbytes())
+        owner = leaves[owner_leaf][1]
         lo = min(k[1] for k in views)
         hi = max(k[1] + sum((s - 1) * st for s, st in zip(k[2], k[3])) + 1 for k in views)
         base_data = owner.as_strided((hi - lo,), (1,), lo)
         if paths is None:
             paths = {p for p, _, _ in leaves}
         base_name = _base_name(leaves[members[0]][0], paths, names_seen)
-        base = add({"name": base_name, "dtype": name_of(first.dtype), "shape": [hi - lo], "internal": True}, base_data)
+        base = add({"name": base_name, "dtype": name_of(first.dtype), "shape": [hi - lo], "internal": True}, base_data,
+                   (owner_leaf, hi - lo, lo))
         for key, same in views.items():
             path, t, facts = leaves[same[0]]
             entry = base_entry(path, t, facts)
             entry["view"] = {"base": base, "offset": key[1] - lo, "stride": list(key[3])}
             if max(key[3], default=0) > MAX_TENSOR_BYTES or key[1] - lo > MAX_TENSOR_BYTES:  # SPEC 16
                 raise LimitError(f"view at {path or '<root>'} has a stride or offset above {MAX_TENSOR_BYTES} elements")
-            tid = add(entry, None)
+            tid = add(entry, None, None)
             for i in same:
                 leaf_ids[i] = tid
         _check_alias_names(leaves, members, names_seen, leaf_ids)
-    return tensors, leaf_ids
+    return tensors, leaf_ids, sources
 
 
 def _base_name(first: str, paths: set[str], taken: dict[str, int]) -> str:

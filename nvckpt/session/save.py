@@ -336,6 +336,7 @@ class SaveSession:
     def _result(self, path: str | None, raw_bytes: int, size: int) -> SaveResult:
         stats = dict(self.stats)
         stats["phases"] = {k: round(v, 6) for k, v in {**self.plan.seconds, **self.phases}.items()}
+        stats["plan"] = {"layout_reused": self.plan.layout_reused, "derived_searched": self.plan.searched}
         return SaveResult(path, raw_bytes, size, time.perf_counter() - self.start, self.engine, stats)
 
 

@@ -1,0 +1,139 @@
+"""What planning learned about one layout of a state, reused by the next save of the same layout.
+
+A training loop saves the same tensors again and again: the same names, dtypes, shapes and storages,
+new values.  The entries, the shared-storage groups and the chunks follow from that layout alone, so a
+save whose leaves match an earlier save's (``fingerprint``) takes them from it instead of working them
+out again; and the derived tensors the earlier save found (bf16 roundings, copies) are the candidates,
+verified in full as always, instead of a search that reads every tensor's first bytes.  A candidate
+that no longer holds is stored as it is, and the next save of that layout searches again, as does every
+``SEARCH_EVERY``-th save (a pair that appears later is found then).  Nothing here holds a tensor.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from ..format.constants import BF16_RNE
+from ..format.dtypes import DTYPES
+from .chunking import chunk_ranges
+
+KEPT = 4  # layouts remembered (a process saves one or two states: the model, the training state)
+SEARCH_EVERY = 8  # a save of a known layout still searches for derived tensors once in this many
+
+_layouts: OrderedDict[tuple, "Layout"] = OrderedDict()
+_lock = threading.Lock()
+
+Leaves = list[tuple[str, torch.Tensor, tuple[str, int]]]
+Hints = tuple[list[tuple[int, int]], list[list[int]]]
+
+
+def fingerprint(leaves: Leaves) -> tuple | None:
+    """Everything the entries, the shared-storage groups and the chunks depend on, per leaf in tree order:
+    its path, dtype, shape, strides and where its bytes are (device, address, storage size).  None where a
+    tensor will not say (a subclass without storage): such a state is planned afresh each time."""
+    try:
+        return tuple((path, t.dtype, t.shape, t.stride(), t.storage_offset(), t.data_ptr(), t.get_device(),
+                      t.untyped_storage().nbytes()) for path, t, _ in leaves)
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+        return None
+
+
+def known(key: tuple) -> "Layout | None":
+    if key[-1] is None:
+        return None
+    with _lock:
+        layout = _layouts.get(key)
+        if layout is not None:
+            _layouts.move_to_end(key)
+        return layout
+
+
+def forget() -> None:
+    """Drop every remembered layout (tests; a process that wants each save planned from scratch)."""
+    with _lock:
+        _layouts.clear()
+
+
+class Layout:
+    """The plan of one layout: entries as _dedupe made them (before any derived-tensor decision), where
+    each entry's data comes from, the leaves' tensor ids, the chunks per chunk size, the derived tensors
+    last found."""
+
+    def __init__(self, key: tuple, tensors: list[Any], leaf_ids: list[int], sources: list[Any]) -> None:
+        self.entries = [_copy_entry(t.entry) for t in tensors]
+        self.sources = sources
+        self.leaf_ids = leaf_ids
+        self.size: int | None = None
+        self.chunks: list[list[tuple[int, int]]] = []
+        self._hints: Hints | None = None
+        self._since_search = 0
+        if key[-1] is not None:
+            with _lock:
+                _layouts[key] = self
+                while len(_layouts) > KEPT:
+                    _layouts.popitem(last=False)
+
+    def instantiate(self, leaves: Leaves) -> tuple[list[Any], list[int]]:
+        """The planned tensors of ``leaves`` (a state of this layout): fresh entries, the leaves' tensors."""
+        from .walk import PlannedTensor
+
+        tensors = []
+        for tid, (entry, source) in enumerate(zip(self.entries, self.sources)):
+            if source is None:
+                data = None
+            elif type(source) is int:
+                data = leaves[source][1]
+            else:  # a base: the spanned elements of the largest storage (walk._dedupe)
+                owner, length, offset = source
+                data = leaves[owner][1].as_strided((length,), (1,), offset)
+            tensors.append(PlannedTensor(tid, _copy_entry(entry), data))
+        return tensors, self.leaf_ids
+
+    def cut(self, tensors: list[Any], size: int) -> None:
+        """Cut every stored tensor's chunks (the lists are shared between saves: nothing changes one)."""
+        if size != self.size:
+            self.chunks = [chunk_ranges(tuple(e["shape"]), DTYPES[e["dtype"]].itemsize, size) if s is not None else []
+                           for e, s in zip(self.entries, self.sources)]
+            self.size = size
+        for t, chunks in zip(tensors, self.chunks):
+            if t.data is not None:
+                t.chunks = chunks
+
+    def hints(self) -> Hints | None:
+        """The derived tensors to check this time, or None: search."""
+        if self._hints is None or self._since_search + 1 >= SEARCH_EVERY:
+            return None
+        self._since_search += 1
+        return self._hints
+
+    def learn(self, tensors: list[Any], search: Any) -> None:
+        """What ``search`` (verified) found: the next save's candidates.  A hinted search that lost a pair
+        leaves none, so that the next save searches."""
+        pairs: list[tuple[int, int]] = []
+        classes: dict[int, list[int]] = {}
+        for t in tensors:
+            d = t.entry.get("derived")
+            if d is None:
+                continue
+            if d["function"] == BF16_RNE:
+                pairs.append((t.tensor_id, d["source"]))
+            else:
+                classes.setdefault(d["source"], [d["source"]]).append(t.tensor_id)
+        found = (pairs, list(classes.values()))
+        if not search.hinted:
+            self._hints, self._since_search = found, 0
+        elif found != self._hints:
+            self._hints = None
+
+
+def _copy_entry(entry: dict[str, Any]) -> dict[str, Any]:
+    e = dict(entry)
+    e["shape"] = list(entry["shape"])
+    view = entry.get("view")
+    if view is not None:
+        e["view"] = {**view, "stride": list(view["stride"])}
+    return e
