@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import platform
@@ -185,6 +186,19 @@ def run(tr: Any, name: str, level: str, k: int, n_ckpt: int, base_step: float, w
     phases: list[dict[str, Any] | None] = []
     expected, pending = None, None
     steps = k * n_ckpt
+    # Python's full (generation 2) collections during the run: each holds the GIL, so a pass started by
+    # any thread stalls the training loop; counted to tell a save's stalls from the collector's.
+    gc_passes: list[float] = []
+    gc_started: list[float] = []
+
+    def on_gc(phase: str, info: dict[str, Any]) -> None:
+        if info.get("generation") == 2:
+            if phase == "start":
+                gc_started.append(time.perf_counter())
+            elif gc_started:
+                gc_passes.append(time.perf_counter() - gc_started.pop())
+
+    gc.callbacks.append(on_gc)
     with Sampler() as s:
         t_all = time.perf_counter()
         for i in range(steps):
@@ -222,6 +236,9 @@ def run(tr: Any, name: str, level: str, k: int, n_ckpt: int, base_step: float, w
             out["phases"] = phases  # per checkpoint: where the save's time went before and while it read
         torch.cuda.synchronize()
         wall = time.perf_counter() - t_all
+    gc.callbacks.remove(on_gc)
+    out["gc_full_passes"] = {"count": len(gc_passes), "seconds": round(sum(gc_passes), 4),
+                             "longest_s": round(max(gc_passes, default=0.0), 4)}
     out.update(
         blocked_s=[round(b, 4) for b in blocked], blocked_median_s=round(statistics.median(blocked), 4) if blocked else 0.0,
         wall_s=round(wall, 3), lost_per_checkpoint_s=round((wall - steps * base_step) / n_ckpt, 3) if start else 0.0,
@@ -314,22 +331,24 @@ def markdown() -> str:
              f"AdamW steps, bf16 weights + fp32 master + moments = **{R.get('state', {}).get('bytes', 0) / GB:.2f} GB**; "
              f"training step {R.get('base_step_s', 0):.3f} s without checkpoints. 'free' = GPU memory left free beyond "
              "what the training step needs (a filler tensor takes the rest).", "",
-             "| free | method | K | blocked s: first ckpt / later (median) | lost per ckpt s | step while saving s (slowdown vs steps without a save) | slowdown paired per checkpoint: median (each) | extra GPU GB (allocator / device) | nvckpt pinned GB | bit-exact |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| free | method | K | blocked s: first ckpt / later (median) | lost per ckpt s | step while saving s (slowdown vs steps without a save) | slowdown paired per checkpoint: median (each) | extra GPU GB (allocator / device) | nvckpt pinned GB | bit-exact | full GC passes (s in all) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in R["runs"]:
         if "error" in r:
-            lines.append(f"| {r['free']} | {r['method']} | {r['K']} | error: {r['error'][:80]} | | | | | | |")
+            lines.append(f"| {r['free']} | {r['method']} | {r['K']} | error: {r['error'][:80]} | | | | | | | |")
             continue
         slow = "-" if r["step_s_while_saving_median"] is None else f"{r['step_s_while_saving_median']:.3f} ({100 * r['slowdown_while_saving']:+.1f} %)"
         b = r["blocked_s"]
         blocked = "-" if not b else f"{b[0]:.4f}" + (f" / {statistics.median(b[1:]):.4f}" if len(b) > 1 else "")
         each = r.get("slowdown_per_checkpoint") or []
+        gcs = r.get("gc_full_passes") or {"count": 0, "seconds": 0.0}
         paired = "-" if r.get("slowdown_paired") is None else (
             f"{100 * r['slowdown_paired']:+.1f} % ({', '.join(f'{100 * x:+.1f}' for x in each)})"
             + (f" noise: steps 1-{round(r['noise_split'] * r['K'])} vs the rest" if "noise_split" in r else ""))
         lines.append(f"| {r['free']} | {r['method']} | {r['K']} | {blocked} | {r['lost_per_checkpoint_s']:.2f} | "
                      f"{slow} | {paired} | {r['extra_gpu_allocated_GB']:.2f} / {r['extra_gpu_device_GB']:.2f} | "
-                     f"{r['nvckpt_pinned_cached_GB']:.2f} | {r.get('bit_exact_first_checkpoint', '')} |")
+                     f"{r['nvckpt_pinned_cached_GB']:.2f} | {r.get('bit_exact_first_checkpoint', '')} | "
+                     f"{gcs['count']} ({gcs['seconds']:.3f}) |")
     if R.get("profile"):
         keys = ["blocked_s", "walk", "derived", "prepare", "thread_start", "start_engine", "setup_seconds",
                 "tensors_read_seconds", "pinned_bytes"]

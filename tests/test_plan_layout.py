@@ -63,9 +63,21 @@ def test_a_pair_that_no_longer_holds_is_stored_and_the_next_save_searches():
     assert "model/2" not in derived_of(data)
     assert_tree_equal(nvckpt.load(io.BytesIO(data)), state)
     weights[2].copy_(master[2].to(torch.bfloat16))
-    data, r = save(state)
-    assert r.stats["plan"] == {"layout_reused": True, "derived_searched": True}  # the lost pair: searched again
+    data, r = save(state)  # model/2 is no hint now: it alone is searched for, and found
+    assert r.stats["plan"] == {"layout_reused": True, "derived_searched": False}
     assert derived_of(data) == derived_of(first)
+    assert_tree_equal(nvckpt.load(io.BytesIO(data)), state)
+
+
+def test_a_hinted_pair_that_fails_finds_another_source():
+    state, master, weights = training_like()
+    save(state)
+    master[4].copy_(master[0])  # model/4 is the rounding of master/0 (and master/4) now, no longer of its old master
+    weights[4].copy_(master[0].to(torch.bfloat16))
+    master[4].add_(1)
+    data, r = save(state)
+    assert r.stats["plan"]["derived_searched"] is False
+    assert derived_of(data)["model/4"] == ("bf16_rne", "master/0")
     assert_tree_equal(nvckpt.load(io.BytesIO(data)), state)
 
 
@@ -81,18 +93,32 @@ def test_a_copy_that_no_longer_holds_is_stored_exactly():
     assert r.stats["plan"]["derived_searched"] is True
 
 
-def test_a_pair_that_appears_later_is_found_by_a_periodic_search():
+def test_a_pair_that_appears_later_is_found_at_once():
     state, master, weights = training_like()
     weights[0].view(torch.int16)[0, 0] += 1
     save(state)
     weights[0].copy_(master[0].to(torch.bfloat16))
+    data, r = save(state)
+    assert r.stats["plan"]["derived_searched"] is False
+    assert derived_of(data)["model/0"] == ("bf16_rne", "master/0")
+    assert_tree_equal(nvckpt.load(io.BytesIO(data)), state)
+
+
+def test_a_copy_that_appears_later_is_found_by_a_periodic_search():
+    state, master, weights = training_like()
+    state["step"][5].fill_(9.0)
+    save(state)
+    state["step"][5].fill_(3.0)  # a copy of step/0 again
     searched = []
     for _ in range(layout.SEARCH_EVERY):
         data, r = save(state)
         searched.append(r.stats["plan"]["derived_searched"])
         assert_tree_equal(nvckpt.load(io.BytesIO(data)), state)
     assert searched == [False] * (layout.SEARCH_EVERY - 1) + [True]
-    assert derived_of(data)["model/0"] == ("bf16_rne", "master/0")
+    assert derived_of(data)["step/5"] == ("copy", "step/0")
+    _, r = save(state, derive_bf16=True)  # bf16 roundings only: found exactly, so no periodic search
+    for _ in range(layout.SEARCH_EVERY + 1):
+        assert save(state, derive_bf16=True)[1].stats["plan"] == {"layout_reused": True, "derived_searched": False}
 
 
 def test_views_of_one_storage_and_tied_tensors_through_a_reused_layout():
@@ -128,11 +154,24 @@ def test_derive_options_are_separate_layouts():
     assert r.stats["plan"] == {"layout_reused": True, "derived_searched": False} and derived_of(data) == {}
 
 
-def test_a_changed_tree_is_a_new_layout():
+def test_tensors_that_moved_keep_the_layout():
+    """Addresses are not the layout (a lazy save copies small tensors afresh each time; a model built again)."""
+    state, master, weights = training_like()
+    first, _ = save(state)
+    state["step"] = [s.clone() for s in state["step"]]
+    state["master"] = [m.clone() for m in master]
+    data, r = save(state)
+    assert r.stats["plan"] == {"layout_reused": True, "derived_searched": False}
+    assert derived_of(data) == derived_of(first)
+    assert_tree_equal(nvckpt.load(io.BytesIO(data)), state)
+
+
+def test_a_changed_tree_or_sharing_is_a_new_layout():
     state, _, _ = training_like()
     save(state)
     for change in (lambda s: s["model"].append(torch.zeros(2)), lambda s: s.update(extra=torch.ones(3)),
-                   lambda s: s["master"].__setitem__(0, s["master"][0].clone())):
+                   lambda s: s["master"].__setitem__(1, s["master"][0]),  # tied now
+                   lambda s: s["master"].__setitem__(2, s["master"][3].view(-1)[:16])):  # a view of another
         change(state)
         data, r = save(state)
         assert r.stats["plan"]["layout_reused"] is False

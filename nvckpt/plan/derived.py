@@ -155,46 +155,51 @@ class DerivedSearch:
     class's newest stored tensor at once; the first that differs is stored and is the next round's
     tensor to compare with.  Usually one round.
 
-    hints: (pairs, classes) by tensor id, what an earlier save of the same layout found (plan.layout):
-    those are the candidates, and nothing else is searched for (no heads are read)."""
+    hints: (pairs, classes) by tensor id, what an earlier save of the same layout found (plan.layout).
+    Those pairs are checked first, and only the bf16 tensors they leave out (or that no longer match
+    their hinted source) are searched for, so bf16 roundings are found exactly as without hints; the
+    copies are the hinted classes only (a copy that appears later is found by the next full search)."""
 
     def __init__(self, tensors: list[PlannedTensor], *, bf16: bool, copies: bool,
                  hints: tuple[list[tuple[int, int]], list[list[int]]] | None = None) -> None:
         self.tensors = tensors
+        self.bf16 = bf16
         self.pairs: list[tuple[PlannedTensor, PlannedTensor]] = []  # (bf16 candidate, fp32 source), source order
         self.classes: list[list[PlannedTensor]] = []  # possible copies: same dtype, shape, device, first bytes
         self.hinted = hints is not None
+        self._hinted_pairs = 0
         if hints is not None:
             pairs, classes = hints
-            self.pairs = [(tensors[c], tensors[s]) for c, s in pairs] if bf16 else []
+            if bf16:
+                self.pairs = [(tensors[c], tensors[s]) for c, s in pairs]
+                self._hinted_pairs = len(self.pairs)
+                hinted = {c for c, _ in pairs}
+                rest = [t for t in tensors if t.data is not None and t.entry["dtype"] == "bfloat16"
+                        and t.tensor_id not in hinted and not t.entry.get("internal") and t.data.numel() > 0]
+                if rest:
+                    self.pairs += self._bf16_search(rest)
             self.classes = [[tensors[i] for i in c] for c in classes] if copies else []
-            self.undecided = {t.tensor_id for t, _ in self.pairs} | {t.tensor_id for c in self.classes for t in c}
-            return
-        # (tensor, dtype name, shape, device) of every stored tensor that may be a source or a candidate:
-        # computed once (a state has thousands of tensors; each attribute costs host time).
-        stored = [(t, t.entry["dtype"], tuple(t.entry["shape"]), t.data.device) for t in tensors
-                  if t.data is not None and not t.entry.get("internal") and t.data.numel() > 0]
-        self._heads = _Heads(stored)
-        if bf16:
-            self._bf16_candidates(stored)
-        if copies:
-            self._copy_candidates(stored)
+        else:
+            # (tensor, dtype name, shape, device) of every stored tensor that may be a source or a candidate:
+            # computed once (a state has thousands of tensors; each attribute costs host time).
+            stored = _stored(tensors)
+            heads = _Heads(stored)
+            if bf16:
+                self.pairs = _bf16_pairs(stored, heads)
+            if copies:
+                self._copy_candidates(stored, heads)
         self.undecided = {t.tensor_id for t, _ in self.pairs} | {t.tensor_id for c in self.classes for t in c}
-        self._heads = None  # host copies, no longer needed
 
-    def _bf16_candidates(self, stored: list[tuple]) -> None:
-        candidates = [s for s in stored if s[1] == "bfloat16"]
-        shapes = {s[2] for s in candidates}
-        sources = [s for s in stored if s[1] == "float32" and s[2] in shapes]  # (an optimizer's step counts: none)
-        if not sources or not candidates:
-            return
-        index: dict[tuple, list[PlannedTensor]] = {}
-        for t, _, shape, device in sources:
-            index.setdefault((shape, device, self._heads.rne(t)), []).append(t)
-        self.pairs = [(t, src) for t, _, shape, device in candidates
-                      for src in index.get((shape, device, self._heads.bits(t)), [])]
+    def _bf16_search(self, candidates: list[PlannedTensor]) -> list[tuple[PlannedTensor, PlannedTensor]]:
+        """The pairs of a full search for ``candidates`` only: their heads and those of the fp32 tensors of
+        their shapes are read, no others."""
+        shapes = {tuple(t.entry["shape"]) for t in candidates}
+        wanted = {t.tensor_id for t in candidates}
+        stored = _stored([t for t in self.tensors if t.tensor_id in wanted or (
+            t.data is not None and t.entry["dtype"] == "float32" and tuple(t.entry["shape"]) in shapes)])
+        return _bf16_pairs(stored, _Heads(stored))
 
-    def _copy_candidates(self, stored: list[tuple]) -> None:
+    def _copy_candidates(self, stored: list[tuple], heads: "_Heads") -> None:
         groups: dict[tuple, list[PlannedTensor]] = {}
         for t, dtype, shape, device in stored:
             groups.setdefault((dtype, shape, device), []).append(t)
@@ -202,7 +207,7 @@ class DerivedSearch:
         for key, g in groups.items():
             if len(g) > 1:
                 for t in g:
-                    classes.setdefault((key, self._heads.raw(t)), []).append(t)
+                    classes.setdefault((key, heads.raw(t)), []).append(t)
         self.classes = [c for c in classes.values() if len(c) > 1]
 
     def verify(self) -> None:
@@ -219,12 +224,18 @@ class DerivedSearch:
                     stream.wait_stream(torch.cuda.current_stream(device))
                     stack.enter_context(torch.cuda.stream(stream))
             if self.pairs:
-                self._verify_bf16()
+                self._verify_bf16(self.pairs)
+                # A hinted pair that no longer holds: its bf16 tensor is searched for as without hints.
+                lost = {id(t): t for t, _ in self.pairs[: self._hinted_pairs] if t.data is not None}
+                if lost:
+                    tried = {(id(t), id(src)) for t, src in self.pairs}
+                    again = [p for p in self._bf16_search(list(lost.values())) if (id(p[0]), id(p[1])) not in tried]
+                    if again:
+                        self._verify_bf16(again)
             if self.classes:
                 self._verify_copies()
 
-    def _verify_bf16(self) -> None:
-        pairs = self.pairs
+    def _verify_bf16(self, pairs: list[tuple[PlannedTensor, PlannedTensor]]) -> None:
         # A flag (a difference, or NaNs, which the cast alone cannot decide) is decided exactly, pair by pair.
         differs = _differing(pairs, _rne_may_differ, lambda p: _differs_from_rne(p[0].data, p[1].data), quick_is_exact=False,
                              size=lambda p: p[1].data.numel(),
@@ -367,6 +378,26 @@ def _gather_heads(tensors: list[torch.Tensor], device: torch.device, n: int) -> 
     except (TypeError, ValueError, OverflowError, RuntimeError):
         return None  # a torch, numpy or ctypes that will not make the span: the views of other devices
     return memory[index].cpu().numpy(), counts
+
+
+def _stored(tensors: list[PlannedTensor]) -> list[tuple]:
+    """(tensor, dtype name, shape, device) of each stored tensor that may be a source or a candidate."""
+    return [(t, t.entry["dtype"], tuple(t.entry["shape"]), t.data.device) for t in tensors
+            if t.data is not None and not t.entry.get("internal") and t.data.numel() > 0]
+
+
+def _bf16_pairs(stored: list[tuple], heads: "_Heads") -> list[tuple[PlannedTensor, PlannedTensor]]:
+    """(bf16 candidate, fp32 source) of ``stored`` whose shapes, devices and rounded first elements agree, in
+    candidate order and, per candidate, in source order."""
+    candidates = [s for s in stored if s[1] == "bfloat16"]
+    shapes = {s[2] for s in candidates}
+    sources = [s for s in stored if s[1] == "float32" and s[2] in shapes]  # (an optimizer's step counts: none)
+    if not sources or not candidates:
+        return []
+    index: dict[tuple, list[PlannedTensor]] = {}
+    for t, _, shape, device in sources:
+        index.setdefault((shape, device, heads.rne(t)), []).append(t)
+    return [(t, src) for t, _, shape, device in candidates for src in index.get((shape, device, heads.bits(t)), [])]
 
 
 class _Heads:

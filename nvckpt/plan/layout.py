@@ -1,12 +1,14 @@
 """What planning learned about one layout of a state, reused by the next save of the same layout.
 
-A training loop saves the same tensors again and again: the same names, dtypes, shapes and storages,
-new values.  The entries, the shared-storage groups and the chunks follow from that layout alone, so a
+A training loop saves the same tensors again and again: the same names, dtypes, shapes and storage
+sharing, new values.  The entries, the shared-storage groups and the chunks follow from that layout alone, so a
 save whose leaves match an earlier save's (``fingerprint``) takes them from it instead of working them
-out again; and the derived tensors the earlier save found (bf16 roundings, copies) are the candidates,
-verified in full as always, instead of a search that reads every tensor's first bytes.  A candidate
-that no longer holds is stored as it is, and the next save of that layout searches again, as does every
-``SEARCH_EVERY``-th save (a pair that appears later is found then).  Nothing here holds a tensor.
+out again; and the derived tensors the earlier save found (bf16 roundings, copies) are checked first,
+in full as always, instead of a search that reads every tensor's first bytes.  bf16 roundings are still
+found exactly: only the bf16 tensors the hints leave out, or whose hinted source no longer matches, are
+searched for.  Copies are the hinted ones: one that no longer holds is stored as it is and the next save
+of that layout searches again, as does every ``SEARCH_EVERY``-th save (a copy that appears later is found
+then).  Nothing here holds a tensor.
 """
 
 from __future__ import annotations
@@ -33,13 +35,21 @@ Hints = tuple[list[tuple[int, int]], list[list[int]]]
 
 def fingerprint(leaves: Leaves) -> tuple | None:
     """Everything the entries, the shared-storage groups and the chunks depend on, per leaf in tree order:
-    its path, dtype, shape, strides and where its bytes are (device, address, storage size).  None where a
-    tensor will not say (a subclass without storage): such a state is planned afresh each time."""
+    its path, dtype, shape, strides, offset, device, storage size, and which earlier leaf (if any) starts
+    at the same storage address (walk._dedupe's groups) -- not the address itself, so that a state whose
+    tensors moved (a lazy save's fresh copies of small tensors, a model built again) is the same layout.
+    None where a tensor will not say (a subclass without storage): such a state is planned afresh."""
+    first: dict[tuple, int] = {}
+    out = []
     try:
-        return tuple((path, t.dtype, t.shape, t.stride(), t.storage_offset(), t.data_ptr(), t.get_device(),
-                      t.untyped_storage().nbytes()) for path, t, _ in leaves)
+        for i, (path, t, (_, size)) in enumerate(leaves):
+            offset = t.storage_offset()
+            device = t.get_device()
+            group = first.setdefault((device, t.data_ptr() - offset * size), i) if t.numel() else i
+            out.append((path, t.dtype, t.shape, t.stride(), offset, device, t.untyped_storage().nbytes(), group))
     except (RuntimeError, NotImplementedError, TypeError, AttributeError):
         return None
+    return tuple(out)
 
 
 def known(key: tuple) -> "Layout | None":
@@ -71,6 +81,7 @@ class Layout:
         self.chunks: list[list[tuple[int, int]]] = []
         self._hints: Hints | None = None
         self._since_search = 0
+        self.copies = bool(key[1])
         if key[-1] is not None:
             with _lock:
                 _layouts[key] = self
@@ -104,15 +115,15 @@ class Layout:
                 t.chunks = chunks
 
     def hints(self) -> Hints | None:
-        """The derived tensors to check this time, or None: search."""
-        if self._hints is None or self._since_search + 1 >= SEARCH_EVERY:
+        """The derived tensors to check first this time, or None: search them all."""
+        if self._hints is None or (self.copies and self._since_search + 1 >= SEARCH_EVERY):
             return None
         self._since_search += 1
         return self._hints
 
     def learn(self, tensors: list[Any], search: Any) -> None:
-        """What ``search`` (verified) found: the next save's candidates.  A hinted search that lost a pair
-        leaves none, so that the next save searches."""
+        """What ``search`` (verified) found: the next save's candidates.  A hinted search that lost a copy
+        leaves none, so that the next save searches (bf16 roundings a hinted search finds exactly)."""
         pairs: list[tuple[int, int]] = []
         classes: dict[int, list[int]] = {}
         for t in tensors:
@@ -126,8 +137,10 @@ class Layout:
         found = (pairs, list(classes.values()))
         if not search.hinted:
             self._hints, self._since_search = found, 0
-        elif found != self._hints:
+        elif self._hints is not None and found[1] != self._hints[1]:
             self._hints = None
+        else:
+            self._hints = found
 
 
 def _copy_entry(entry: dict[str, Any]) -> dict[str, Any]:

@@ -453,8 +453,12 @@ class SaveFuture(Future):
             if self.done() or self._published:
                 return False  # done, or at its final rename: the new file is (being) published
             self._stop.set()
-            self._set_cancelled()
-            return True
+            notify = self._set_cancelled()
+        # The done-callbacks run after the lock is let go: one that asks for the outcome (exception(),
+        # result()) waits for the save's thread, which takes the lock on its way out (_publish).
+        if notify:
+            self._invoke_callbacks()
+        return True
 
     def _publish(self) -> None:
         """The save's last step before its rename: honour a cancel that came in time, refuse later ones."""
@@ -463,18 +467,19 @@ class SaveFuture(Future):
                 raise CancelledError("the save was cancelled; the file at the target path was not changed")
             self._published = True
 
-    def _set_cancelled(self) -> None:
-        """cancel() stops the running save: cancelled() is True and result() raises CancelledError."""
+    def _set_cancelled(self) -> bool:
+        """cancel() stops the running save: cancelled() is True and result() raises CancelledError.  True when
+        this call made it so (its caller then runs the done-callbacks)."""
         from concurrent.futures._base import CANCELLED_AND_NOTIFIED
 
         with self._condition:
             if self._state == CANCELLED_AND_NOTIFIED:
-                return
+                return False
             self._state = CANCELLED_AND_NOTIFIED
             for waiter in self._waiters:  # concurrent.futures.wait / as_completed already waiting on it
                 waiter.add_cancelled(self)
             self._condition.notify_all()
-        self._invoke_callbacks()
+        return True
 
     def _finish(self, result: Any = None, exc: BaseException | None = None) -> None:
         """The save's thread's outcome, unless cancel() already decided it."""
@@ -639,8 +644,16 @@ def start_async(obj: Any, target: Any, options: SaveOptions, fence: Any = None) 
             def begin() -> SaveSession:
                 for event in copied or ():  # the copies into host memory, queued on the caller's stream
                     event.synchronize()
-                session = SaveSession(skeleton, target, options)
-                session.prepare_lazy(ready, future._read)
+                # As in a plain async_save's call: no collection pass while planning (it would hold the GIL
+                # that the caller's forward and backward need, for longer than the whole plan takes).
+                pausing = gc.isenabled()
+                gc.disable()
+                try:
+                    session = SaveSession(skeleton, target, options)
+                    session.prepare_lazy(ready, future._read)
+                finally:
+                    if pausing:
+                        gc.enable()
                 future.snapshot = dict(session.stats.get("snapshot", {}))
                 return session
         else:
@@ -670,7 +683,8 @@ def start_async(obj: Any, target: Any, options: SaveOptions, fence: Any = None) 
                 if running.killed:
                     pass  # SIGTERM past its grace: the process exits 143 next; waking result() would run user code
                 elif future._stop.is_set():
-                    future._set_cancelled()
+                    if future._set_cancelled():
+                        future._invoke_callbacks()
                 else:
                     future._finish(exc=exc)
             except BaseException as exc:
