@@ -132,3 +132,48 @@ def test_save_into_missing_directory_or_onto_directory(tmp_path):
     with pytest.raises(IsADirectoryError):
         nvckpt.save(OLD, tmp_path / "adir")
     assert os.listdir(tmp_path) == ["adir"] and os.listdir(tmp_path / "adir") == []
+
+
+def test_a_read_only_filesystem_is_named_as_such_and_the_error_names_the_target(tmp_path, monkeypatch):
+    """On a read-only filesystem the temporary file cannot be created nor unlinked: the unlink's error replaced
+    the first one (naming the temporary file), and an existing file was called write-protected."""
+    import errno
+
+    from nvckpt.io import atomic
+
+    new = tmp_path / "new.nvckpt"
+    real_open = os.open
+
+    def refuse(path, flags, *a, **k):
+        if str(path).endswith(".nvckpt-tmp"):
+            raise OSError(errno.EROFS, "Read-only file system", path)
+        return real_open(path, flags, *a, **k)
+
+    def unlink(path, *a, **k):
+        raise OSError(errno.EROFS, "Read-only file system", path)
+
+    monkeypatch.setattr(os, "open", refuse)
+    monkeypatch.setattr(os, "unlink", unlink)
+    with pytest.raises(OSError) as err:
+        nvckpt.save({"x": torch.ones(3)}, new)
+    assert err.value.errno == errno.EROFS and err.value.filename == str(new) and "nvckpt-tmp" not in str(err.value)
+    monkeypatch.undo()
+
+    old = tmp_path / "old.nvckpt"
+    nvckpt.save({"x": torch.ones(3)}, old)
+    monkeypatch.setattr(os, "access", lambda *a, **k: False)
+    monkeypatch.setattr(atomic, "_read_only_filesystem", lambda folder: True)
+    with pytest.raises(OSError, match="Read-only file system") as err:
+        nvckpt.save({"x": torch.zeros(3)}, old)
+    assert err.value.errno == errno.EROFS
+    monkeypatch.setattr(atomic, "_read_only_filesystem", lambda folder: False)
+    with pytest.raises(PermissionError, match="write-protected"):
+        nvckpt.save({"x": torch.zeros(3)}, old)
+
+
+def test_a_target_ending_in_a_separator_is_refused(tmp_path):
+    with pytest.raises(IsADirectoryError, match="ends with a separator"):
+        nvckpt.save({"x": 1}, str(tmp_path / "ckpts") + "/")
+    assert not (tmp_path / "ckpts").exists()
+    with pytest.raises(IsADirectoryError, match="ends with a separator"):
+        nvckpt.async_save({"x": 1}, str(tmp_path / "ckpts") + "/")

@@ -122,3 +122,10 @@ def test_a_callers_pipeline_that_does_not_fit_a_tensor_names_the_tensor():
 
     with pytest.raises(nvckpt.NvckptError, match=r"tensor 'h', chunk 0: byteshuffle\(elementsize=4\).*2002 bytes"):
         nvckpt.save({"h": torch.ones(1001, dtype=torch.float16)}, io.BytesIO(), codec=Pipeline((ByteShuffle(4), Zstd())))
+
+
+def test_an_uninitialized_parameter_of_a_lazy_module_is_refused_by_name():
+    import io
+
+    with pytest.raises(nvckpt.UnsupportedObjectError, match="weight is an uninitialized parameter"):
+        nvckpt.save(torch.nn.LazyLinear(4).state_dict(), io.BytesIO())

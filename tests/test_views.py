@@ -220,3 +220,19 @@ def test_an_int_dict_key_beyond_64_bits_is_named_as_a_key():
     with pytest.raises(nvckpt.UnsupportedObjectError, match=r"dict key 18446744073709551616 at rng/table is an int"):
         nvckpt.save({"rng": {"table": {2 ** 64: 1}}}, io.BytesIO())
     nvckpt.save({"seed": 2 ** 70, "k": {2 ** 64 - 1: 1, -2 ** 63: 2}}, io.BytesIO())  # values, and keys in range
+
+
+def test_get_tensor_of_a_slice_of_a_flat_buffer_decodes_only_its_elements(tmp_path):
+    """f[k] for every view of a flat buffer (the safe_open idiom) decoded the whole base once per view and kept
+    a copy of it alive in each: N views, N x the buffer in memory."""
+    flat = torch.arange(1 << 18, dtype=torch.float32)
+    state = {f"p{i}": flat[i * 1024:(i + 1) * 1024].view(32, 32) for i in range(256)}
+    path = tmp_path / "flat.nvckpt"
+    nvckpt.save(state, path, chunk_size=16 << 10)
+    with nvckpt.open(path) as f:
+        got = {k: f[k] for k in f.keys()}
+        assert all(t.untyped_storage().nbytes() == 4096 for t in got.values())
+        for k, t in got.items():
+            assert torch.equal(t, state[k])
+        transposed_ok = f.get_tensor("p3")
+        assert torch.equal(transposed_ok, state["p3"])

@@ -106,13 +106,25 @@ def check_target(given: str) -> str:
     path = os.path.realpath(os.path.abspath(given))
     if os.path.isdir(path):
         raise IsADirectoryError(errno.EISDIR, "Is a directory", given)
+    if given.endswith(("/", os.sep)):  # realpath drops the separator: "ckpts/" would become a file "ckpts"
+        raise IsADirectoryError(errno.EISDIR, "Is a directory (the path ends with a separator; name the file in it)",
+                                given)
     if is_special_file(path):
         raise OSError(errno.EINVAL, "not a regular file (a device, FIFO or socket): it is not replaced", given)
     if not os.path.isdir(os.path.dirname(path)):
         raise FileNotFoundError(errno.ENOENT, "No such directory", given)
     if os.path.exists(path) and not os.access(path, os.W_OK):
+        if _read_only_filesystem(os.path.dirname(path)):
+            raise OSError(errno.EROFS, "Read-only file system (the file is not replaced)", given)
         raise PermissionError(errno.EACCES, "Permission denied (the file is write-protected; it is not replaced)", given)
     return path
+
+
+def _read_only_filesystem(folder: str) -> bool:
+    try:
+        return bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    except (OSError, AttributeError):
+        return False
 
 
 def _named(exc: OSError, given: str) -> OSError:
@@ -255,11 +267,13 @@ class AtomicReplace:
             except FileExistsError:
                 continue
             except OSError as exc:
-                with contextlib.suppress(FileNotFoundError):  # created, then the writer failed to start
+                # Created, then the writer failed to start; or never created (a read-only filesystem, where
+                # the unlink fails too): the error that counts is the first, naming the user's path.
+                with contextlib.suppress(OSError):
                     os.unlink(self.tmp)
                 raise _named(exc, self.given) from None
             except BaseException:
-                with contextlib.suppress(FileNotFoundError):
+                with contextlib.suppress(OSError):
                     os.unlink(self.tmp)
                 raise
         else:

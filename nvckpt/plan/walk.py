@@ -209,6 +209,9 @@ def _normalize_bools(leaves: list[tuple[str, torch.Tensor, tuple[str, int]]]) ->
 def refuse_without_bytes(t: torch.Tensor, path: str) -> None:
     """Refuses a tensor that has no plain bytes to store: nested, sparse (any layout but strided), quantized,
     or on the meta device (save, and convert for every destination format)."""
+    if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
+        raise UnsupportedObjectError(f"tensor at {path or '<root>'} is an uninitialized parameter or buffer of a lazy "
+                                     "module (it has no shape or data yet): run a forward pass first, or leave it out")
     if t.is_nested:
         raise UnsupportedObjectError(f"tensor at {path or '<root>'} is a nested tensor; store its components "
                                      "(a list: t.unbind()) instead")

@@ -508,8 +508,14 @@ class Checkpoint(Mapping):
     def get_tensor(self, name: str) -> torch.Tensor:
         """The tensor named ``name`` (one of ``keys()``), on this checkpoint's device; raises
         TensorNotFoundError (a KeyError) for an unknown name."""
-        tid = self._file.entry(name).tensor_id
-        return self._load([tid])[tid]
+        entry = self._file.entry(name)
+        if entry.view is not None and entry.shape and self.row_readable(entry):
+            # A slice of a flat buffer: only its own elements are decoded, into memory of its own, not the whole
+            # base once per view ({k: f[k] for k in f.keys()} over a flat parameter buffer).
+            out = self._rows(entry, 0, entry.shape[0])
+            _check_elements(entry, out, self.path)
+            return out if self._relocate is None else self._relocated({0: out})[0]
+        return self._load([entry.tensor_id])[entry.tensor_id]
 
     def read_box(self, name: str, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
         """The n-d box ``[offsets[d], offsets[d] + lengths[d])`` of every dim ``d`` of a stored tensor.

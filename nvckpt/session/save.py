@@ -133,7 +133,11 @@ def save_target(target: Any, *, absolute: bool = False) -> Any:
     if isinstance(path, bytes):
         raise TypeError("a checkpoint is saved to a path (str or os.PathLike) or a binary file object, not "
                         "bytes: use os.fsdecode(path) for a bytes path")
-    return os.path.abspath(path) if absolute else path
+    if not absolute:
+        return path
+    absolute_path = os.path.abspath(path)
+    # abspath drops a trailing separator, which says the path names a folder (refused by check_target)
+    return absolute_path + os.sep if path.endswith(("/", os.sep)) and not absolute_path.endswith(os.sep) else absolute_path
 
 
 class SaveSession:
