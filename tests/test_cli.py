@@ -716,3 +716,30 @@ def test_ls_shows_names_in_every_column_escaped(capsys, tmp_path):
     nvckpt.save({evil: base[:4], "v": base[2:5], "alias": None}, path)
     code, out, _ = run(capsys, "ls", str(path))
     assert code == EXIT_OK and "\x1b" not in out and "\x07" not in out and "view of" in out
+
+
+def test_convert_to_safetensors_writes_every_dtype_safetensors_writes(capsys, tmp_path):
+    """float8_e8m0fnu and float4_e2m1fn_x2 (MX formats) were refused: the dtype table read was load_file's."""
+    from safetensors.torch import load_file
+
+    state = {"scale": torch.tensor([1, 2, 127, 255], dtype=torch.uint8).view(torch.float8_e8m0fnu),
+             "fp4": torch.tensor([0x12, 0x34, 0xAB], dtype=torch.uint8).view(torch.float4_e2m1fn_x2)}
+    src, dst = str(tmp_path / "mx.nvckpt"), str(tmp_path / "mx.safetensors")
+    nvckpt.save(state, src)
+    code, _, err = run(capsys, "convert", src, dst)
+    assert code == 0, err
+    back = load_file(dst)
+    for k, t in state.items():
+        assert back[k].dtype == t.dtype and torch.equal(back[k].view(torch.uint8), t.view(torch.uint8))
+
+
+def test_convert_of_a_folder_says_what_the_folder_is(capsys, tmp_path):
+    fs = tmp_path / "torchdcp"
+    fs.mkdir()
+    (fs / ".metadata").write_bytes(b"\0")
+    code, _, err = run(capsys, "convert", str(fs), str(tmp_path / "out.pt"))
+    assert code != 0 and "FileSystemWriter" in err and "extension" not in err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, _, err = run(capsys, "convert", str(empty), str(tmp_path / "out2.pt"))
+    assert code != 0 and "Is a directory" in err and "extension" not in err

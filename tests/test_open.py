@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import random
 from concurrent.futures import ThreadPoolExecutor
 
@@ -168,3 +169,30 @@ def test_max_tensor_bytes_refuses_before_allocating(tmp_path, monkeypatch):
     with pytest.raises(ValueError):
         nvckpt.open(path, max_tensor_bytes=-1)
     assert nvckpt.load(path, max_tensor_bytes=None)["big"].shape == (512, 1024)
+
+
+def test_a_path_that_is_a_pipe_is_refused_as_one(tmp_path):
+    """A FIFO path (a shell's <(cat f), /dev/stdin from a pipe) was reported as a damaged 0-byte file."""
+    import errno
+    import threading
+
+    fifo = str(tmp_path / "pipe")
+    os.mkfifo(fifo)
+    data = io.BytesIO()
+    nvckpt.save({"x": torch.ones(4)}, data)
+
+    def feed() -> None:
+        fd = os.open(fifo, os.O_WRONLY)  # waits for the reader's open
+        try:
+            os.write(fd, data.getvalue())
+        except BrokenPipeError:  # the reader refused the pipe and closed it
+            pass
+        finally:
+            os.close(fd)
+
+    writer = threading.Thread(target=feed, daemon=True)
+    writer.start()
+    with pytest.raises(OSError, match="does not seek") as err:
+        nvckpt.load(fifo)
+    assert err.value.errno == errno.ESPIPE and err.value.filename == fifo
+    writer.join(5)

@@ -191,3 +191,38 @@ def test_native_window_check_agrees_with_the_python_parser(case, monkeypatch):
     assert (outcomes[0][0] == "ok") == (case in ("one frame", "two frames", "skippable first"))
     if case == "window over the bound":
         assert outcomes[0][0] == "window"
+
+
+def test_the_zstd_level_is_honoured_and_integers_are_matched():
+    """portable ignored zstd_level (every level wrote the same bytes, the index naming another), and coded
+    integer and byte planes as literals only, missing their repeats (a counter, text)."""
+    import io
+
+    import torch
+
+    import nvckpt
+
+    state = {"counter": torch.arange(200_000) % 1000,
+             "text": torch.tensor(list(b"hello world, this is text " * 4000), dtype=torch.uint8)}
+    raw = sum(t.numel() * t.element_size() for t in state.values())
+
+    def size(level: int) -> int:
+        out = io.BytesIO()
+        nvckpt.save(state, out, codec="portable", zstd_level=level)
+        assert_equal = nvckpt.load(io.BytesIO(out.getvalue()))
+        assert all(torch.equal(assert_equal[k], v) for k, v in state.items())
+        return len(out.getvalue())
+
+    level1, level19 = size(1), size(19)
+    assert level1 * 40 < raw  # matched, not literals only (those left ~7x of the counter)
+    assert level19 < level1
+    weights = {"w": torch.randn(300_000).to(torch.bfloat16)}
+    sizes = []
+    for level in (1, 3):
+        out = io.BytesIO()
+        nvckpt.save(weights, out, codec="portable", zstd_level=level)
+        sizes.append(len(out.getvalue()))
+        with nvckpt.open(io.BytesIO(out.getvalue())) as ck:
+            assert any(step.get("configuration", {}).get("level") == level
+                       for codec in ck.index.codecs for step in codec)
+    assert sizes[1] <= sizes[0]  # a level above 1 keeps the literals frame where it is the smaller

@@ -79,10 +79,13 @@ class Pipeline:
 
     ``planar``: a writer-side choice, not recorded in the file (two pipelines that differ only in
     it are the same codec): encode as one zstd frame per byte plane (nvckpt.codecs.planes), as the
-    portable preset does.  False: run the steps one after the other."""
+    portable preset does.  False: run the steps one after the other.  ``matches`` (planar only, not
+    recorded either): also try zstd's match finder on every plane, for integers and bytes, whose repeats
+    (a counter, text, a mask) literals alone miss; float weights have none worth the time."""
 
     steps: tuple[Codec, ...]
     planar: bool = field(default=False, compare=False)
+    matches: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.steps:

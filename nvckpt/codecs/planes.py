@@ -14,6 +14,8 @@ its own choice, and this module makes them in the way that wins on model weights
   does not gain 1/64 (the random low mantissa planes), which also makes them decode at memcpy
   speed.  A plane that literals shrink below a quarter (near-constant exponents, integer
   tensors, zeros) is also tried with zstd level 1's match finder, and the smaller frame is kept;
+  so is every plane of an integer or bool tensor (a counter, text, a mask: repeats that literals
+  miss), and every plane at a ``zstd_level`` other than 1 (coded by libzstd at that level);
 * decoding writes the planes into a per-thread scratch buffer (or, for a pipeline without filters,
   straight into the destination) and puts the elements back into the destination tensor.
 
@@ -132,14 +134,16 @@ def _cctx_literals(ffi: Any, lib: Any) -> Any:
     return c
 
 
-def _cctx_matches(ffi: Any, lib: Any) -> Any:
-    c = _tls.cctx_lz
+def _cctx_matches(ffi: Any, lib: Any, level: int) -> Any:
+    if _tls.cctx_lz is None:
+        _tls.cctx_lz = {}
+    c = _tls.cctx_lz.get(level)
     if c is None:
         c = ffi.gc(lib.ZSTD_createCCtx(), lib.ZSTD_freeCCtx)
-        for param, value in ((lib.ZSTD_c_compressionLevel, 1), (lib.ZSTD_c_contentSizeFlag, 1),
+        for param, value in ((lib.ZSTD_c_compressionLevel, level), (lib.ZSTD_c_contentSizeFlag, 1),
                              (lib.ZSTD_c_checksumFlag, 0), (lib.ZSTD_c_dictIDFlag, 0)):
             _check(lib, ffi, lib.ZSTD_CCtx_setParameter(c, param, value), "parameter")
-        _tls.cctx_lz = c
+        _tls.cctx_lz[level] = c
     return c
 
 
@@ -167,9 +171,12 @@ def _frame_literals(ffi: Any, lib: Any, src: Any, m: int, dst: Any, cap: int) ->
                   "compressSequences")
 
 
-def encode_planes(planes: np.ndarray, k: int, out: np.ndarray) -> int:
+def encode_planes(planes: np.ndarray, k: int, out: np.ndarray, level: int = 1, matches: bool = False) -> int:
     """Code ``planes`` (k planes of n/k bytes, contiguous) as one zstd frame per plane into ``out``
-    (at least ``k * plane_bound(n/k)`` bytes); returns the bytes written."""
+    (at least ``k * plane_bound(n/k)`` bytes); returns the bytes written.  At the default ``level`` 1 a plane
+    is literals only unless they shrink it below a quarter (then level 1's matches are tried too); at any
+    other level asked for, or with ``matches`` (integers, bytes), the plane is also coded by libzstd at that
+    level, and the smaller frame is kept."""
     n = planes.nbytes
     m = n // k
     native = _load_native()
@@ -183,9 +190,9 @@ def encode_planes(planes: np.ndarray, k: int, out: np.ndarray) -> int:
             dst = dst_all + at
             cap = out.nbytes - at
             size = _frame_literals(ffi, lib, src, m, dst, cap)
-            if size * _LZ_BELOW < m:
+            if matches or level != 1 or size * _LZ_BELOW < m:
                 scratch = _tls.buffer("lz", plane_bound(m))
-                alt = _check(lib, ffi, lib.ZSTD_compress2(_cctx_matches(ffi, lib), ffi.from_buffer("char[]", scratch, require_writable=True),
+                alt = _check(lib, ffi, lib.ZSTD_compress2(_cctx_matches(ffi, lib, level), ffi.from_buffer("char[]", scratch, require_writable=True),
                                                           scratch.nbytes, src, m), "compress2")
                 if alt < size:
                     out[at: at + alt] = scratch[:alt]
@@ -194,11 +201,14 @@ def encode_planes(planes: np.ndarray, k: int, out: np.ndarray) -> int:
         return at
     import zstandard
 
-    c = _tls.public_c
+    if _tls.public_c is None:
+        _tls.public_c = {}
+    c = _tls.public_c.get(level)
     if c is None:
-        params = zstandard.ZstdCompressionParameters.from_level(1, min_match=7, hash_log=6, write_content_size=1,
-                                                                 write_checksum=0, write_dict_id=0)
-        c = _tls.public_c = zstandard.ZstdCompressor(compression_params=params)
+        tuned = {"min_match": 7, "hash_log": 6} if level == 1 else {}  # level 1's parameters for byte planes
+        params = zstandard.ZstdCompressionParameters.from_level(level, write_content_size=1, write_checksum=0,
+                                                                 write_dict_id=0, **tuned)
+        c = _tls.public_c[level] = zstandard.ZstdCompressor(compression_params=params)
     for j in range(k):
         frame = c.compress(planes[j * m: (j + 1) * m])
         out[at: at + len(frame)] = np.frombuffer(frame, dtype=np.uint8)
@@ -380,15 +390,15 @@ def planar_form(pipeline: Any) -> tuple[int, bool] | None:
     return None
 
 
-def encode_chunk(raw: Any, k: int, signshift: bool, out: np.ndarray) -> int:
+def encode_chunk(raw: Any, k: int, signshift: bool, out: np.ndarray, level: int = 1, matches: bool = False) -> int:
     """A chunk's raw bytes -> its stored bytes in ``out`` (at least ``chunk_bound(len, k)``); returns the length."""
     src = np.frombuffer(raw, dtype=np.uint8)
     n = src.nbytes
     if k == 1:
-        return encode_planes(src, 1, out)
+        return encode_planes(src, 1, out, level, matches)
     planes = _tls.buffer("planes", n)[:n]
     split(src, k, signshift, planes)
-    return encode_planes(planes, k, out)
+    return encode_planes(planes, k, out, level, matches)
 
 
 def chunk_bound(n: int, k: int) -> int:

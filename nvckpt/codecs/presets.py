@@ -29,6 +29,7 @@ DESCRIPTIONS = {
 # What the GPU engine encodes; "raw", "zstd" and "portable" go to the CPU engine (for GPU tensors too), so a
 # portable file is the same bytes whichever device held the state (nvckpt.codecs.planes).
 GPU_PRESETS = ("auto", "ans")
+INTEGER_DTYPES = ("bool", "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64")
 SIGNSHIFT_DTYPES = ("bfloat16", "float32")  # measured on MiniLM: +0.013 / +0.004 of ratio; none on float16, less on float64
 
 
@@ -43,9 +44,10 @@ def portable(dtype: str | int, level: int = 1) -> Pipeline:
     itemsize = dtype if isinstance(dtype, int) else DTYPES[dtype].itemsize
     if dtype in SIGNSHIFT_DTYPES:
         return Pipeline((SignShift(itemsize), ByteShuffle(itemsize), Zstd(level)), planar=True)
+    matches = dtype in INTEGER_DTYPES
     if itemsize > 1:
-        return Pipeline((ByteShuffle(itemsize), Zstd(level)), planar=True)
-    return Pipeline((Zstd(level),), planar=True)
+        return Pipeline((ByteShuffle(itemsize), Zstd(level)), planar=True, matches=matches)
+    return Pipeline((Zstd(level),), planar=True, matches=matches)
 
 
 def portable_v1(itemsize: int, level: int = 1) -> Pipeline:

@@ -88,7 +88,7 @@ def encode_chunk(pipeline: Pipeline, raw: memoryview, buffers: _Buffers | None =
     k, signshift = form
     buffers = buffers or _Buffers()
     out = buffers.take(fast.chunk_bound(n, k))
-    size = fast.encode_chunk(raw, k, signshift, out)
+    size = fast.encode_chunk(raw, k, signshift, out, pipeline.steps[-1].level, pipeline.matches)
     if size >= n:
         buffers.give(out)
         return RAW, raw, xxh3(raw), None

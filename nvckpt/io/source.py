@@ -43,6 +43,15 @@ class Source:
                 self._fd = None
                 raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), self.name)
             self.size = st.st_size
+            if not stat.S_ISREG(st.st_mode):  # a block device has a size only lseek tells; a pipe has none
+                try:
+                    self.size = os.lseek(self._fd, 0, os.SEEK_END)
+                except OSError:
+                    os.close(self._fd)
+                    self._fd = None
+                    raise OSError(errno.ESPIPE, "a pipe or socket, which does not seek: the index is at the end of the "
+                                  "file, so a checkpoint is read from a file (save the stream to one first)",
+                                  self.name) from None
         elif isinstance(target, (bytes, bytearray, memoryview)):
             raise TypeError("a checkpoint is opened from a path (str or os.PathLike) or a binary file object, "
                             f"not {type(target).__name__}: wrap a checkpoint's bytes in io.BytesIO(data); "

@@ -192,11 +192,15 @@ class DerivedSearch:
 
     def _bf16_search(self, candidates: list[PlannedTensor]) -> list[tuple[PlannedTensor, PlannedTensor]]:
         """The pairs of a full search for ``candidates`` only: their heads and those of the fp32 tensors of
-        their shapes are read, no others."""
-        shapes = {tuple(t.entry["shape"]) for t in candidates}
-        wanted = {t.tensor_id for t in candidates}
-        stored = _stored([t for t in self.tensors if t.tensor_id in wanted or (
-            t.data is not None and t.entry["dtype"] == "float32" and tuple(t.entry["shape"]) in shapes)])
+        their shapes on their devices are read, no others (none at all where no such fp32 tensor is: a lazy
+        save's host copies of small bf16 tensors whose masters stay on the GPU)."""
+        keys = {(tuple(t.entry["shape"]), t.data.device) for t in candidates}
+        sources = {t.tensor_id for t in self.tensors if t.data is not None and t.entry["dtype"] == "float32"
+                   and not t.entry.get("internal") and (tuple(t.entry["shape"]), t.data.device) in keys}
+        if not sources:
+            return []
+        wanted = sources | {t.tensor_id for t in candidates}
+        stored = _stored([t for t in self.tensors if t.tensor_id in wanted])  # in tensor order, as a full search
         return _bf16_pairs(stored, _Heads(stored))
 
     def _copy_candidates(self, stored: list[tuple], heads: "_Heads") -> None:

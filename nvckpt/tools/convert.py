@@ -80,6 +80,10 @@ def format_of(path: str | os.PathLike, explicit: str | None = None, *, sniff: bo
         return "dcp"
     if sniff and not os.path.exists(path):  # a source that is not there: say so, not "cannot tell the format"
         raise FileNotFoundError(errno.ENOENT, "No such file or directory", os.fspath(path))
+    if sniff and os.path.isdir(path):  # a folder that is no nvckpt DCP directory: what it is, as info says it
+        from ..dcp.layout import read_manifest
+
+        read_manifest(path)
     found = sniff_format(path) if sniff else None
     if found is not None:
         return found
@@ -397,10 +401,12 @@ def write_safetensors(loaded: Loaded, dst: str | os.PathLike, *, keep_tree: bool
 
 
 def _safetensors_dtypes(st) -> set[torch.dtype]:
-    # safetensors keeps its dtype table private; probe it the way it checks (a lookup by dtype).
-    table = getattr(st, "_TYPES", None)
-    if isinstance(table, dict):
-        return set(table.values())
+    # safetensors keeps its dtype tables private: _SIZE holds every dtype save_file writes (_TYPES, the
+    # names load_file reads, leaves out float8_e8m0fnu and float4_e2m1fn_x2, which it writes and reads).
+    for name in ("_SIZE", "_TYPES"):
+        table = getattr(st, name, None)
+        if isinstance(table, dict) and table:
+            return set(table) if name == "_SIZE" else set(table.values())
     return {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
             torch.int16, torch.int8, torch.uint8, torch.bool}
 
