@@ -144,7 +144,7 @@ def test_max_tensor_bytes_refuses_before_allocating(tmp_path, monkeypatch):
     """A caller's limit on what one read materializes (SPEC 16, 20): a small file may declare a huge tensor."""
     path = tmp_path / "limit.nvckpt"
     nvckpt.save({"big": torch.zeros(512, 1024), "small": torch.arange(10)}, path, chunk_size=4096)
-    assert path.stat().st_size < 64 * 1024  # zeros: 2 MiB of tensor in a small file
+    assert path.stat().st_size < 128 * 1024  # zeros: 2 MiB of tensor in a small file (with either zstd backend)
     allocated = []
     real_empty = torch.empty
 
