@@ -129,3 +129,14 @@ def test_an_uninitialized_parameter_of_a_lazy_module_is_refused_by_name():
 
     with pytest.raises(nvckpt.UnsupportedObjectError, match="weight is an uninitialized parameter"):
         nvckpt.save(torch.nn.LazyLinear(4).state_dict(), io.BytesIO())
+
+
+def test_a_text_mode_file_is_refused_naming_the_mode(tmp_path):
+    """save into open(p, 'w') failed in the writer with 'write() argument must be str'; load from open(p) with a
+    bare UnicodeDecodeError."""
+    path = tmp_path / "t.nvckpt"
+    with open(path, "w") as text, pytest.raises(TypeError, match="text mode.*'wb'"):
+        nvckpt.save({"x": torch.ones(2)}, text)
+    nvckpt.save({"x": torch.ones(2)}, path)
+    with open(path) as text, pytest.raises(TypeError, match="text mode.*'rb'"):
+        nvckpt.load(text)

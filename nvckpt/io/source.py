@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import os
 import stat
 import threading
@@ -57,6 +58,9 @@ class Source:
                             f"not {type(target).__name__}: wrap a checkpoint's bytes in io.BytesIO(data); "
                             "decode a bytes path with os.fsdecode(path)")
         else:
+            if isinstance(target, io.TextIOBase):
+                raise TypeError(f"{getattr(target, 'name', 'the file')!r} is open in text mode: a checkpoint is "
+                                "read from a binary file object (open(path, 'rb')) or from the path itself")
             if not all(hasattr(target, a) for a in ("seek", "read")):
                 raise TypeError("a checkpoint is opened from a path (str or os.PathLike) or a binary file object "
                                 f"(with read and seek), not {type(target).__qualname__}")

@@ -118,9 +118,13 @@ class CheckpointFile:
     def entry(self, name: str) -> TensorEntry:
         tid = self.index.paths.get(name)
         if tid is None:
-            for e in self.index.tensors:  # internal bases are reachable by name too
-                if e.name == name:
-                    return e
+            others = self.__dict__.get("_unpathed")
+            if others is None:  # internal bases are reachable by name too (made once: a miss is not a scan)
+                others = self.__dict__["_unpathed"] = {e.name: e for e in self.index.tensors
+                                                       if e.name not in self.index.paths}
+            e = others.get(name)
+            if e is not None:
+                return e
             raise TensorNotFoundError(f"no tensor named {name!r}", path=self.path)
         return self.index.tensors[tid]
 

@@ -7,6 +7,7 @@ import contextlib
 import copy
 import dataclasses
 import gc
+import io
 import os
 import platform
 import sys
@@ -124,6 +125,9 @@ def save_target(target: Any, *, absolute: bool = False) -> Any:
     (made absolute with ``absolute``: an async_save's path means the folder of the call, whatever the
     process's working folder is when the save's thread opens it)."""
     if hasattr(target, "write"):
+        if isinstance(target, io.TextIOBase):
+            raise TypeError(f"{getattr(target, 'name', 'the file')!r} is open in text mode: a checkpoint is "
+                            "written to a binary file object (open(path, 'wb')) or to a path")
         return target
     try:
         path = os.fspath(target)
