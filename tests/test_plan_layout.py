@@ -226,3 +226,25 @@ def test_saves_of_one_layout_in_several_threads_and_async():
     assert all(derived_of(f) == derived_of(expected) for f in files)
     for f in files:
         assert_tree_equal(nvckpt.load(io.BytesIO(f)), state)
+
+
+def test_a_plan_made_only_to_check_is_not_remembered():
+    plan_save({"t": torch.ones(3)}, remember=False)
+    assert len(layout._layouts) == 0
+    state = {"t": torch.ones(3)}
+    plan_save(state)
+    assert not plan_save(state, remember=False).layout_reused and len(layout._layouts) == 1
+
+
+def test_threads_cutting_one_layout_at_other_chunk_sizes_each_get_their_own():
+    from concurrent.futures import ThreadPoolExecutor
+
+    state = {f"w{i}": torch.randn(64, 64) for i in range(30)}
+
+    def cut(size: int) -> bool:
+        plan = plan_save(state, chunk_size=size)
+        return all(all(n <= size for _, n in t.chunks) and sum(n for _, n in t.chunks) == t.data.nbytes
+                   for t in plan.tensors)
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(cut, [1024, 4096, 2048, 16384] * 25))

@@ -236,3 +236,18 @@ def test_get_tensor_of_a_slice_of_a_flat_buffer_decodes_only_its_elements(tmp_pa
             assert torch.equal(t, state[k])
         transposed_ok = f.get_tensor("p3")
         assert torch.equal(transposed_ok, state["p3"])
+
+
+def test_bool_tensors_with_odd_bytes_stay_tied_and_views_of_one_another():
+    """Each odd bool leaf was normalized into a copy of its own: a tied pair and a view came back as three."""
+    m = torch.tensor([0, 2, 1, 5, 0, 9], dtype=torch.uint8).view(torch.bool)
+    state = {"a": m, "b": m, "v": m[1:], "t": m.view(2, 3).t(), "src": m.view(torch.uint8)}
+    data = io.BytesIO()
+    nvckpt.save(state, data)
+    out = nvckpt.load(io.BytesIO(data.getvalue()))
+    assert out["a"] is out["b"]
+    assert out["v"].untyped_storage().data_ptr() == out["a"].untyped_storage().data_ptr()
+    assert out["t"].untyped_storage().data_ptr() == out["a"].untyped_storage().data_ptr()
+    for k in ("a", "v", "t"):
+        assert torch.equal(out[k], state[k]) and set(out[k].view(torch.uint8).flatten().tolist()) <= {0, 1}
+    assert torch.equal(out["src"], state["src"])  # the bytes as bytes: another dtype, stored as they are

@@ -162,7 +162,7 @@ def _storable(node: Any, parts: tuple[str, ...] = ()) -> tuple[Any, list[str]]:
         if isinstance(value, torch.Tensor):
             return value
         try:
-            plan_save([value])  # the one authority on what the tree holds
+            plan_save([value], remember=False)  # the one authority on what the tree holds
         except UnsupportedObjectError:
             dropped.append("/".join(where))
             return _DROP
@@ -178,7 +178,7 @@ def _storable_key(key: Any) -> bool:
     from ..plan.walk import plan_save
 
     try:
-        plan_save({key: None})  # the tree's own rule for keys (str, int, float, bool, None; their enums)
+        plan_save({key: None}, remember=False)  # the tree's own rule for keys (str, int, float, bool, None; their enums)
     except UnsupportedObjectError:
         return False
     return True

@@ -77,8 +77,7 @@ class Layout:
         self.entries = [_copy_entry(t.entry) for t in tensors]
         self.sources = sources
         self.leaf_ids = leaf_ids
-        self.size: int | None = None
-        self.chunks: list[list[tuple[int, int]]] = []
+        self._cut: tuple[int, list[list[tuple[int, int]]]] | None = None  # (chunk size, each entry's chunks)
         self._hints: Hints | None = None
         self._since_search = 0
         self.copies = bool(key[1])
@@ -106,11 +105,11 @@ class Layout:
 
     def cut(self, tensors: list[Any], size: int) -> None:
         """Cut every stored tensor's chunks (the lists are shared between saves: nothing changes one)."""
-        if size != self.size:
-            self.chunks = [chunk_ranges(tuple(e["shape"]), DTYPES[e["dtype"]].itemsize, size) if s is not None else []
-                           for e, s in zip(self.entries, self.sources)]
-            self.size = size
-        for t, chunks in zip(tensors, self.chunks):
+        cut = self._cut  # (size, chunks), replaced whole: two saves of this layout may cut at once
+        if cut is None or cut[0] != size:
+            cut = self._cut = (size, [chunk_ranges(tuple(e["shape"]), DTYPES[e["dtype"]].itemsize, size)
+                                      if s is not None else [] for e, s in zip(self.entries, self.sources)])
+        for t, chunks in zip(tensors, cut[1]):
             if t.data is not None:
                 t.chunks = chunks
 

@@ -192,7 +192,9 @@ def _set_item(item: Any, path: str) -> Any:
 def _normalize_bools(leaves: list[tuple[str, torch.Tensor, tuple[str, int]]]) -> None:
     """Bool tensors holding bytes other than 0 and 1 (a uint8 tensor viewed as bool, torch.empty) stored as
     what torch reads them as: any nonzero byte is True, stored as 1 (SPEC 10: a file with another byte is
-    invalid).  One check per device for all bool tensors; a copy only of a tensor that needs it."""
+    invalid).  One check per device for all bool tensors; a storage holding such a byte is normalized once,
+    and every bool leaf of it becomes the same view of the normalized copy (tied tensors and views of it stay
+    tied)."""
     by_device: dict[torch.device, list[int]] = {}
     for k, (_, t, facts) in enumerate(leaves):
         if facts[0] == "bool" and t.numel():
@@ -200,10 +202,19 @@ def _normalize_bools(leaves: list[tuple[str, torch.Tensor, tuple[str, int]]]) ->
     for ks in by_device.values():
         with torch.no_grad():
             odd = torch.stack([(leaves[k][1].view(torch.uint8) > 1).any() for k in ks]).cpu().tolist()
+            fixed: dict[int, torch.Tensor] = {}
             for k, bad in zip(ks, odd):
-                if bad:
-                    path, t, facts = leaves[k]
-                    leaves[k] = (path, t.view(torch.uint8).ne(0), facts)
+                storage = leaves[k][1].untyped_storage()
+                if bad and storage.data_ptr() not in fixed:
+                    whole = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+                    fixed[storage.data_ptr()] = whole.ne(0)
+            if not fixed:
+                continue
+            for k in ks:
+                path, t, facts = leaves[k]
+                normalized = fixed.get(t.untyped_storage().data_ptr())
+                if normalized is not None:
+                    leaves[k] = (path, normalized.as_strided(t.shape, t.stride(), t.storage_offset()), facts)
 
 
 def refuse_without_bytes(t: torch.Tensor, path: str) -> None:
@@ -247,6 +258,7 @@ def plan_save(
     derive: bool = False,
     copies: bool = False,
     defer: bool = False,
+    remember: bool = True,
 ) -> SavePlan:
     """The plan of saving ``obj``: its tree, one PlannedTensor per distinct tensor, their chunks.
 
@@ -254,7 +266,8 @@ def plan_save(
     engine that will run depends on where they live: each tensor is then cut once).  ``derive``: find
     bf16 tensors that are the rounding of a stored fp32 one; ``copies``: find exact copies.  ``defer``:
     only pick the candidates; ``SavePlan.decide()`` verifies them later (until then ``undecided`` names
-    the tensors whose storage may change)."""
+    the tensors whose storage may change).  ``remember``: take the plan of a layout saved before, and keep
+    this one's (plan.layout); False for a plan made only to check an object."""
     if not callable(chunk_size):
         check_chunk_size(chunk_size)
     started = time.perf_counter()
@@ -323,7 +336,7 @@ def plan_save(
         _check_metadata(metadata)
     _normalize_bools(leaves)
 
-    key = (derive, copies, layout_of.fingerprint(leaves))
+    key = (derive, copies, layout_of.fingerprint(leaves) if remember else None)
     layout = layout_of.known(key)
     reused = layout is not None
     if layout is None:
