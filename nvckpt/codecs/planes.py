@@ -99,10 +99,12 @@ class _Contexts(threading.local):
 
     def __init__(self) -> None:
         self.buffers: dict[str, np.ndarray] = {}
-        self.cctx_lit = self.cctx_lz = self.dctx = None
+        self.cctx_lit = self.dctx = None
+        self.cctx_lz: dict[int, Any] = {}  # a match-finding context per zstd level
         self.seqs = None
         self.nseqs = 0
-        self.public_c = self.public_d = None
+        self.public_d = None
+        self.public_c: dict[int, Any] = {}  # python-zstandard's compressor per zstd level
         self.frame_header = None
 
     def buffer(self, name: str, n: int) -> np.ndarray:
@@ -135,8 +137,6 @@ def _cctx_literals(ffi: Any, lib: Any) -> Any:
 
 
 def _cctx_matches(ffi: Any, lib: Any, level: int) -> Any:
-    if _tls.cctx_lz is None:
-        _tls.cctx_lz = {}
     c = _tls.cctx_lz.get(level)
     if c is None:
         c = ffi.gc(lib.ZSTD_createCCtx(), lib.ZSTD_freeCCtx)
@@ -201,8 +201,6 @@ def encode_planes(planes: np.ndarray, k: int, out: np.ndarray, level: int = 1, m
         return at
     import zstandard
 
-    if _tls.public_c is None:
-        _tls.public_c = {}
     c = _tls.public_c.get(level)
     if c is None:
         tuned = {"min_match": 7, "hash_log": 6} if level == 1 else {}  # level 1's parameters for byte planes

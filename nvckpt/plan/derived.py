@@ -163,7 +163,6 @@ class DerivedSearch:
     def __init__(self, tensors: list[PlannedTensor], *, bf16: bool, copies: bool,
                  hints: tuple[list[tuple[int, int]], list[list[int]]] | None = None) -> None:
         self.tensors = tensors
-        self.bf16 = bf16
         self.pairs: list[tuple[PlannedTensor, PlannedTensor]] = []  # (bf16 candidate, fp32 source), source order
         self.classes: list[list[PlannedTensor]] = []  # possible copies: same dtype, shape, device, first bytes
         self.hinted = hints is not None
@@ -174,8 +173,7 @@ class DerivedSearch:
                 self.pairs = [(tensors[c], tensors[s]) for c, s in pairs]
                 self._hinted_pairs = len(self.pairs)
                 hinted = {c for c, _ in pairs}
-                rest = [t for t in tensors if t.data is not None and t.entry["dtype"] == "bfloat16"
-                        and t.tensor_id not in hinted and not t.entry.get("internal") and t.data.numel() > 0]
+                rest = [t for t in tensors if _may_derive(t) and t.entry["dtype"] == "bfloat16" and t.tensor_id not in hinted]
                 if rest:
                     self.pairs += self._bf16_search(rest)
             self.classes = [[tensors[i] for i in c] for c in classes] if copies else []
@@ -195,8 +193,8 @@ class DerivedSearch:
         their shapes on their devices are read, no others (none at all where no such fp32 tensor is: a lazy
         save's host copies of small bf16 tensors whose masters stay on the GPU)."""
         keys = {(tuple(t.entry["shape"]), t.data.device) for t in candidates}
-        sources = {t.tensor_id for t in self.tensors if t.data is not None and t.entry["dtype"] == "float32"
-                   and not t.entry.get("internal") and (tuple(t.entry["shape"]), t.data.device) in keys}
+        sources = {t.tensor_id for t in self.tensors if _may_derive(t) and t.entry["dtype"] == "float32"
+                   and (tuple(t.entry["shape"]), t.data.device) in keys}
         if not sources:
             return []
         wanted = sources | {t.tensor_id for t in candidates}
@@ -384,10 +382,14 @@ def _gather_heads(tensors: list[torch.Tensor], device: torch.device, n: int) -> 
     return memory[index].cpu().numpy(), counts
 
 
+def _may_derive(t: PlannedTensor) -> bool:
+    """Is ``t`` a stored tensor that may be a source or a candidate (not a view, an internal base, empty)?"""
+    return t.data is not None and not t.entry.get("internal") and t.data.numel() > 0
+
+
 def _stored(tensors: list[PlannedTensor]) -> list[tuple]:
     """(tensor, dtype name, shape, device) of each stored tensor that may be a source or a candidate."""
-    return [(t, t.entry["dtype"], tuple(t.entry["shape"]), t.data.device) for t in tensors
-            if t.data is not None and not t.entry.get("internal") and t.data.numel() > 0]
+    return [(t, t.entry["dtype"], tuple(t.entry["shape"]), t.data.device) for t in tensors if _may_derive(t)]
 
 
 def _bf16_pairs(stored: list[tuple], heads: "_Heads") -> list[tuple[PlannedTensor, PlannedTensor]]:

@@ -33,6 +33,12 @@ Leaves = list[tuple[str, torch.Tensor, tuple[str, int]]]
 Hints = tuple[list[tuple[int, int]], list[list[int]]]
 
 
+def storage_start(t: torch.Tensor, size: int) -> tuple[int, int]:
+    """(device index, address where the storage of ``t`` begins; ``size``: its element size): what tells leaves
+    of one storage apart from others (walk._dedupe groups by it), without making a storage object."""
+    return t.get_device(), t.data_ptr() - t.storage_offset() * size
+
+
 def fingerprint(leaves: Leaves) -> tuple | None:
     """Everything the entries, the shared-storage groups and the chunks depend on, per leaf in tree order:
     its path, dtype, shape, strides, offset, device, storage size, and which earlier leaf (if any) starts
@@ -43,10 +49,10 @@ def fingerprint(leaves: Leaves) -> tuple | None:
     out = []
     try:
         for i, (path, t, (_, size)) in enumerate(leaves):
-            offset = t.storage_offset()
-            device = t.get_device()
-            group = first.setdefault((device, t.data_ptr() - offset * size), i) if t.numel() else i
-            out.append((path, t.dtype, t.shape, t.stride(), offset, device, t.untyped_storage().nbytes(), group))
+            start = storage_start(t, size)
+            group = first.setdefault(start, i) if t.numel() else i
+            out.append((path, t.dtype, t.shape, t.stride(), t.storage_offset(), start[0], t.untyped_storage().nbytes(),
+                        group))
     except (RuntimeError, NotImplementedError, TypeError, AttributeError):
         return None
     return tuple(out)

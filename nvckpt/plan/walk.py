@@ -464,8 +464,8 @@ def _dedupe(leaves: list[tuple[str, torch.Tensor, tuple[str, int]]]) -> tuple[li
     for i, (_, t, (_, size)) in enumerate(leaves):
         if t.numel() == 0:
             key: tuple = ("leaf", i)
-        else:  # the storage's start address, without making a storage object (this loop runs once per tensor)
-            key = ("storage", t.get_device(), t.data_ptr() - t.storage_offset() * size)
+        else:  # where its storage starts (this loop runs once per tensor)
+            key = ("storage", *layout_of.storage_start(t, size))
         groups.setdefault(key, []).append(i)
 
     names_seen: dict[str, int] = {}
