@@ -10,8 +10,8 @@ them alike), each followed by as many steps with nothing running (its paired bas
 - ``lazy``: ``nvckpt.async_save(fence=optimizer)``;
 - ``X_sampled``: variant X with bench_training's memory Sampler running beside it (a thread asking for the
   device's free memory and reading this process's RSS every 5 ms), as it runs in bench_training;
-- ``async_h1`` / ``async_8m``: the plain save with one chunk-checksum worker (``GpuSaveOptions(hash_workers=1)``)
-  / with 8 MiB chunks (half as many frames);
+- ``async_h1`` / ``async_8m`` / ``async_16m``: the plain save with one chunk-checksum worker
+  (``GpuSaveOptions(hash_workers=1)``) / with 8 MiB chunks (half as many frames) / 16 MiB (a quarter);
 - ``null``: the same save into a stream that drops what it is given (no sink copy, no disk): the engine's and
   the frame writer's host work alone;
 - ``disk``: the disk alone: the same number of bytes written from pinned host memory with O_DIRECT by two
@@ -227,6 +227,8 @@ def main() -> int:
                 fut = nvckpt.async_save(tr.checkpoint(), path, gpu=nvckpt.GpuSaveOptions(hash_workers=1))
             elif v == "async_8m":
                 fut = nvckpt.async_save(tr.checkpoint(), path, chunk_size=8 << 20)
+            elif v == "async_16m":
+                fut = nvckpt.async_save(tr.checkpoint(), path, chunk_size=16 << 20)
             elif v == "lazy":
                 fut = nvckpt.async_save(tr.checkpoint(), path, fence=tr.opt)
             elif v == "null":
