@@ -274,6 +274,34 @@ def run(tr: Any, name: str, level: str, k: int, n_ckpt: int, base_step: float, w
     return out, (keep, expected)
 
 
+def prefill_disk(workdir: str, gb: float) -> dict[str, float]:
+    """Write ``gb`` GB of random bytes into ``workdir`` (O_DIRECT, 64 MiB per write), then delete them.
+
+    Why: on a fresh cloud disk a block's first write is slower than later ones (the host allocates it),
+    and here that showed as training steps slowed only in whichever saving method ran first: runs 16-17
+    of bench_training_h200.md, the same two methods in both orders.  A checkpoint disk of a training job
+    has been written before; this puts the benchmark's disk in that state for every method alike."""
+    import mmap
+
+    import numpy as np
+
+    block = mmap.mmap(-1, 64 << 20)  # page-aligned, as O_DIRECT needs
+    np.frombuffer(block, dtype=np.uint8)[:] = np.random.default_rng(0).integers(0, 256, 64 << 20, dtype=np.uint8)
+    path = os.path.join(workdir, "prefill")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0)
+    t0 = time.perf_counter()
+    fd = os.open(path, flags, 0o600)
+    try:
+        for i in range(int(gb * GB) // (64 << 20)):
+            os.pwrite(fd, block, i * (64 << 20))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    seconds = time.perf_counter() - t0
+    return {"GB": round(gb, 1), "seconds": round(seconds, 1), "GB_per_s": round(gb / seconds, 2)}
+
+
 def profile_saves(tr: Any, n: int, workdir: str) -> None:
     """``n`` plain async_saves, the blocked call of each under cProfile: where the blocked time goes.
 
@@ -327,6 +355,9 @@ def markdown() -> str:
     lines = ["# What a training job loses to checkpoints (H200, GPU memory pressure)", "",
              f"Date: {e.get('date')}. Hardware: {e.get('gpu')}, {e.get('cpus')} CPUs. Software: torch {e.get('torch')}, "
              f"nvCOMP {e.get('nvcomp')}.", "", f"Command: `{e.get('command')}`", "",
+             *([f"Disk prefilled before the runs: {R['prefill_disk']['GB']} GB written and deleted in "
+                f"{R['prefill_disk']['seconds']} s ({R['prefill_disk']['GB_per_s']} GB/s; see prefill_disk).", ""]
+               if R.get("prefill_disk") else []),
              f"State: {R.get('state', {}).get('params', 0) / 1e6:.0f}M-parameter GPT after {R.get('state', {}).get('steps')} "
              f"AdamW steps, bf16 weights + fp32 master + moments = **{R.get('state', {}).get('bytes', 0) / GB:.2f} GB**; "
              f"training step {R.get('base_step_s', 0):.3f} s without checkpoints. 'free' = GPU memory left free beyond "
@@ -376,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoints", type=int, default=2)
     ap.add_argument("--methods", default="none,torch.save,dcp.async_save,nvckpt.save,nvckpt.async_save,nvckpt.async_save(fence=opt)")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--prefill-disk", type=float, default=0,
+                    help="GB to write and delete in --workdir before the runs (see prefill_disk); 0: none")
     ap.add_argument("--profile", type=int, default=0,
                     help="before the runs, profile this many async_saves at the first level (OUT/bench_training_profile.txt)")
     args = ap.parse_args(argv)
@@ -405,6 +438,9 @@ def main(argv: list[str] | None = None) -> int:
     log("state", R["state"], "step", round(base_step, 4))
     dump()
     methods = args.methods.split(",")
+    if args.prefill_disk:
+        R["prefill_disk"] = prefill_disk(args.workdir, args.prefill_disk)
+        log("prefilled", R["prefill_disk"])
     for level in args.levels.split(","):
         free = None if level == "plenty" else float(level) * GB
         filler = fill_gpu(tr, free)
