@@ -277,10 +277,10 @@ def run(tr: Any, name: str, level: str, k: int, n_ckpt: int, base_step: float, w
 def prefill_disk(workdir: str, gb: float) -> dict[str, float]:
     """Write ``gb`` GB of random bytes into ``workdir`` (O_DIRECT, 64 MiB per write), then delete them.
 
-    Why: on a fresh cloud disk a block's first write is slower than later ones (the host allocates it),
-    and here that showed as training steps slowed only in whichever saving method ran first: runs 16-17
-    of bench_training_h200.md, the same two methods in both orders.  A checkpoint disk of a training job
-    has been written before; this puts the benchmark's disk in that state for every method alike."""
+    Why: on a fresh cloud disk a block's first write can be slower than later ones (the host allocates
+    it); runs 16-17 of bench_training_h200.md read as if only the saving method that ran first were
+    slowed.  Run 18 prefilled 45 GB and the pattern did not hold (bench_training_h200.md): the option
+    stays so that the disk's state can be ruled out again, not because it changes the result."""
     import mmap
 
     import numpy as np
