@@ -236,6 +236,23 @@ def test_repeats_counts_bytes_equal_to_the_one_before(n, kernel):
     assert planes.repeats(data) == sum(int(data[i] == data[i - 1]) for i in range(1, n))
     if n > 8:  # a view at an odd offset: the kernel reads any alignment
         assert planes.repeats(data[3:]) == int(np.count_nonzero(data[4:] == data[3:-1]))
+    zeros = np.zeros(n, np.uint8)  # every byte repeats: the kernel's byte lanes count 255 steps, not 256
+    assert planes.repeats(zeros) == max(n - 1, 0) == planes.repeats(bytes(n))
+    assert planes.repeats(np.zeros(max(n // 4, 1), np.float32)) == max(n // 4, 1) * 4 - 1  # bytes, not elements
+
+
+def test_a_kernel_without_repeats_falls_back_to_numpy(monkeypatch):
+    """An editable install whose compiled kernel predates repeats() (built before a pull) must still encode."""
+    if planes.kernel() != "c":
+        pytest.skip("the compiled kernel is not built here")
+    old = type("OldKernel", (), {"split": staticmethod(planes._kernel.split), "join": staticmethod(planes._kernel.join)})
+    monkeypatch.setattr(planes, "_kernel", old)
+    raw = np.zeros(4096, np.uint8)
+    out = np.empty(planes.chunk_bound(raw.nbytes, 4), np.uint8)
+    size = planes.encode_chunk(raw, 4, True, out)
+    back = np.empty_like(raw)
+    planes.decode_chunk(out[:size], 4, True, back)
+    assert np.array_equal(back, raw) and planes.repeats(raw) == 4095
 
 
 def test_low_planes_with_runs_are_matched_and_random_ones_are_not(kernel):
@@ -263,4 +280,9 @@ def test_low_planes_with_runs_are_matched_and_random_ones_are_not(kernel):
         assert size + 10_000 < lit  # the zero runs of planes 0 and 1 matched (literals coded each zero in ~2 bits)
     noise = torch.from_numpy(rng.standard_normal(65536, dtype=np.float32)).view(torch.uint8).numpy()
     planes.split(noise, 4, True, split[: noise.nbytes])
-    assert not any(planes._runs(split[j * 16384: (j + 1) * 16384]) for j in range(3))
+    assert not any(planes._runs(split[j * 65536: (j + 1) * 65536]) for j in range(3))
+    # the bar: 1 in 50 repeats; 1 in 30 is a run, 1 in 100 is not
+    for every, runs in ((30, True), (100, False)):
+        plane = np.arange(30_000, dtype=np.uint8) * 7  # no byte equals the one before
+        plane[::every] = plane[np.arange(0, 30_000, every) - 1]
+        assert planes._runs(plane) is runs

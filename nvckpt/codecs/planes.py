@@ -161,11 +161,13 @@ def _sequences(ffi: Any, n: int) -> Any:
     return _tls.seqs
 
 
-def repeats(plane: np.ndarray) -> int:
-    """How many bytes of ``plane`` equal the byte before them."""
-    if _kernel is not None:
-        return _kernel.repeats(plane)
-    return int(np.count_nonzero(plane[1:] == plane[:-1]))
+def repeats(plane: Any) -> int:
+    """How many bytes of ``plane`` (a contiguous buffer) equal the byte before them."""
+    counter = getattr(_kernel, "repeats", None)  # None also for a kernel built before it had repeats()
+    if counter is not None:
+        return counter(plane)
+    data = np.frombuffer(memoryview(plane).cast("B"), dtype=np.uint8)  # bytes, whatever the element type
+    return int(np.count_nonzero(data[1:] == data[:-1]))
 
 
 def _runs(plane: np.ndarray) -> bool:
