@@ -41,16 +41,25 @@ def save(state: dict, **kw) -> tuple[bytes, nvckpt.SaveResult]:
     return out.getvalue(), result
 
 
+REUSED = {"layout_reused": True, "derived_searched": False}  # a known layout, its hints checked, no search
+
+
+def save_reused(state: dict, **kw) -> bytes:
+    """A save that must reuse the known layout without a search; its file must load back as ``state``."""
+    data, r = save(state, **kw)
+    assert r.stats["plan"] == REUSED
+    assert_tree_equal(nvckpt.load(io.BytesIO(data)), state)
+    return data
+
+
 def test_later_saves_reuse_the_layout_and_check_the_pairs_found():
     state, master, weights = training_like()
     first, r1 = save(state)
     assert r1.stats["plan"] == {"layout_reused": False, "derived_searched": True}
     for k in range(1, 4):
         step(master, weights, k)
-        data, r = save(state)
-        assert r.stats["plan"] == {"layout_reused": True, "derived_searched": False}
+        data = save_reused(state)
         assert derived_of(data) == derived_of(first)  # every bf16 a rounding, every step count a copy
-        assert_tree_equal(nvckpt.load(io.BytesIO(data)), state)
     assert len(derived_of(first)) == 2 * len(master) - 1
 
 
@@ -58,15 +67,11 @@ def test_a_pair_that_no_longer_holds_is_stored_and_the_next_save_searches():
     state, master, weights = training_like()
     first, _ = save(state)
     weights[2].view(torch.int16)[0, 0] += 1  # in place: the same layout, no longer the rounding of its master
-    data, r = save(state)
-    assert r.stats["plan"] == {"layout_reused": True, "derived_searched": False}
+    data = save_reused(state)
     assert "model/2" not in derived_of(data)
-    assert_tree_equal(nvckpt.load(io.BytesIO(data)), state)
     weights[2].copy_(master[2].to(torch.bfloat16))
-    data, r = save(state)  # model/2 is no hint now: it alone is searched for, and found
-    assert r.stats["plan"] == {"layout_reused": True, "derived_searched": False}
+    data = save_reused(state)  # model/2 is no hint now: it alone is searched for, and found
     assert derived_of(data) == derived_of(first)
-    assert_tree_equal(nvckpt.load(io.BytesIO(data)), state)
 
 
 def test_a_hinted_pair_that_fails_finds_another_source():
@@ -118,7 +123,7 @@ def test_a_copy_that_appears_later_is_found_by_a_periodic_search():
     assert derived_of(data)["step/5"] == ("copy", "step/0")
     _, r = save(state, derive_bf16=True)  # bf16 roundings only: found exactly, so no periodic search
     for _ in range(layout.SEARCH_EVERY + 1):
-        assert save(state, derive_bf16=True)[1].stats["plan"] == {"layout_reused": True, "derived_searched": False}
+        assert save(state, derive_bf16=True)[1].stats["plan"] == REUSED
 
 
 def test_views_of_one_storage_and_tied_tensors_through_a_reused_layout():
@@ -151,7 +156,7 @@ def test_derive_options_are_separate_layouts():
     data, r = save(state, derive=False)
     assert r.stats["plan"]["layout_reused"] is False and derived_of(data) == {}
     data, r = save(state, derive=False)
-    assert r.stats["plan"] == {"layout_reused": True, "derived_searched": False} and derived_of(data) == {}
+    assert r.stats["plan"] == REUSED and derived_of(data) == {}
 
 
 def test_tensors_that_moved_keep_the_layout():
@@ -160,10 +165,7 @@ def test_tensors_that_moved_keep_the_layout():
     first, _ = save(state)
     state["step"] = [s.clone() for s in state["step"]]
     state["master"] = [m.clone() for m in master]
-    data, r = save(state)
-    assert r.stats["plan"] == {"layout_reused": True, "derived_searched": False}
-    assert derived_of(data) == derived_of(first)
-    assert_tree_equal(nvckpt.load(io.BytesIO(data)), state)
+    assert derived_of(save_reused(state)) == derived_of(first)
 
 
 def test_a_changed_tree_or_sharing_is_a_new_layout():
