@@ -55,6 +55,21 @@ def dump() -> None:
         json.dump(R, f, indent=1, default=str)
 
 
+def cpu_ticks() -> tuple[int, int]:
+    """(steal, all) jiffies of every CPU so far (/proc/stat): the share a hypervisor gave other guests over a
+    window tells a shared host's slow minutes from a save's cost (0, 0 where /proc/stat is not there)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
+
+
+def steal_share(a: tuple[int, int], b: tuple[int, int]) -> float | None:
+    return round((b[0] - a[0]) / (b[1] - a[1]), 4) if b[1] > a[1] else None
+
+
 class Sampler:
     """Samples the device's free memory and this process's RSS every few ms (peaks of a run)."""
 
@@ -185,6 +200,8 @@ def run(tr: Any, name: str, level: str, k: int, n_ckpt: int, base_step: float, w
     during: list[list[float]] = [[] for _ in range(n_ckpt)]
     after: list[list[float]] = [[] for _ in range(n_ckpt)]
     phases: list[dict[str, Any] | None] = []
+    # cpu_ticks() at each interval's start and where its steps stop being "during" (steal per window)
+    marks: list[list[tuple[int, int]]] = [[] for _ in range(n_ckpt)]
     expected, pending = None, None
     steps = k * n_ckpt
     # Python's full (generation 2) collections during the run: each holds the GIL, so a pass started by
@@ -214,6 +231,8 @@ def run(tr: Any, name: str, level: str, k: int, n_ckpt: int, base_step: float, w
                     phases.append(_phases(pending.result()))
                 pending = start(tr, n)
                 blocked.append(time.perf_counter() - t0)
+            if i % k == 0:
+                marks[i // k].append(cpu_ticks())
             t0 = time.perf_counter()
             tr.step()  # returns the loss as a float: synchronises, as training loops that log do
             dt = time.perf_counter() - t0
@@ -227,6 +246,8 @@ def run(tr: Any, name: str, level: str, k: int, n_ckpt: int, base_step: float, w
             else:
                 step_times_idle.append(dt)
                 after[n].append(dt)
+            if len(marks[n]) == 1 and (after[n] or i % k == k - 1):
+                marks[n].append(cpu_ticks())  # the boundary: the first step after the save (or the interval's end)
         if pending is not None:
             result = pending.result()
             phases.append(_phases(result))
@@ -237,7 +258,11 @@ def run(tr: Any, name: str, level: str, k: int, n_ckpt: int, base_step: float, w
             out["phases"] = phases  # per checkpoint: where the save's time went before and while it read
         torch.cuda.synchronize()
         wall = time.perf_counter() - t_all
+        end_ticks = cpu_ticks()
     gc.callbacks.remove(on_gc)
+    bounds = [m + [marks[j + 1][0] if j + 1 < n_ckpt and marks[j + 1] else end_ticks] for j, m in enumerate(marks)]
+    out["steal_per_checkpoint"] = [{"during": steal_share(b[0], b[1]), "after": steal_share(b[1], b[2])}
+                                   for b in bounds if len(b) == 3]
     out["gc_full_passes"] = {"count": len(gc_passes), "seconds": round(sum(gc_passes), 4),
                              "longest_s": round(max(gc_passes, default=0.0), 4)}
     out.update(
@@ -389,6 +414,13 @@ def markdown() -> str:
                      f"{slow} | {paired} | {r['extra_gpu_allocated_GB']:.2f} / {r['extra_gpu_device_GB']:.2f} | "
                      f"{r['nvckpt_pinned_cached_GB']:.2f} | {r.get('bit_exact_first_checkpoint', '')} | "
                      f"{gcs['count']} ({gcs['seconds']:.3f}) |")
+    steals = [(r["method"], r["steal_per_checkpoint"]) for r in R["runs"] if r.get("steal_per_checkpoint")]
+    if steals:
+        lines += ["", "CPU time the hypervisor gave other guests (steal, /proc/stat) per checkpoint interval, while its "
+                  "save ran / after it (for `none`: the same split of steps), in %:", ""]
+        pct = lambda x: "-" if x is None else f"{100 * x:.1f}"  # noqa: E731
+        for name, each in steals:
+            lines.append(f"- {name}: " + ", ".join(f"{pct(w['during'])} / {pct(w['after'])}" for w in each))
     if R.get("profile"):
         keys = ["blocked_s", "walk", "derived", "prepare", "thread_start", "start_engine", "setup_seconds",
                 "tensors_read_seconds", "pinned_bytes"]

@@ -423,6 +423,16 @@ def test_convert_dtypes_bit_exact(capsys, tmp_path, dtype):
         assert_tree_equal(nvckpt.load(back), dict(sorted(state.items())) if fmt.endswith(".safetensors") else state)
 
 
+def test_convert_with_a_wrong_from_says_what_the_file_is(capsys, ckpt, tmp_path):
+    torch.save({"a": torch.ones(3)}, tmp_path / "a.pt")
+    for fmt, src, what in (("safetensors", ckpt, "an nvckpt file"), ("torch", ckpt, "an nvckpt file"),
+                           ("nvckpt", str(tmp_path / "a.pt"), "a torch.save file")):
+        code, _, err = run(capsys, "convert", "--from", fmt, src, str(tmp_path / "out.safetensors"))
+        line = one_error_line(err)
+        assert code != EXIT_OK and f"its content is {what}: drop --from" in line, line
+        assert not os.path.exists(tmp_path / "out.safetensors")
+
+
 def test_convert_errors(capsys, ckpt, tmp_path):
     code, _, err = run(capsys, "convert", ckpt, str(tmp_path / "out.xyz"))
     assert code == EXIT_USAGE and "cannot tell the format of" in one_error_line(err) and "--from/--to" in err

@@ -633,3 +633,42 @@ def test_a_cancel_wakes_whoever_waits_on_the_future(tmp_path):
     thread.join(30)
     assert woke and woke[0] < 5
     assert list(cf.as_completed([future], timeout=5)) == [future]
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["plain", "lazy"])
+def test_a_failed_async_save_does_not_keep_its_snapshot_alive(tmp_path, monkeypatch, lazy):
+    """A failed save's future holds its exception, and a traceback would keep the frames of the save's thread
+    (their locals and their functions' closures: the session and its snapshot of the state): keeping the
+    future (a list of pending saves) must not keep a copy of the state in memory.  The stack stays as text."""
+    import gc
+    import weakref
+
+    import nvckpt.session.save as save_mod
+
+    sessions = []
+    session_cls = save_mod.SaveSession
+
+    def failing(*a, **k):
+        s = session_cls(*a, **k)
+        sessions.append(weakref.ref(s))
+
+        def broken(cancel, turn=None):
+            snapshot = s  # noqa: F841  (a local of a frame in the traceback, as the engine's are)
+            raise OSError(28, "No space left on device")
+        s._run = broken
+        return s
+
+    monkeypatch.setattr(save_mod, "SaveSession", failing)
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = {"model": model.state_dict(), "w": torch.zeros(1 << 16)}
+    future = nvckpt.async_save(state, tmp_path / "f.nvckpt", **({"fence": opt} if lazy else {}))
+    exc = future.exception(timeout=60)
+    assert isinstance(exc, OSError)
+    if sys.version_info >= (3, 11):  # the thread's stack, as text
+        assert "in broken" in "".join(exc.__notes__) and "async save thread" in "".join(exc.__notes__)
+    future._ended.wait(10)
+    monkeypatch.undo()
+    gc.collect()
+    assert sessions and sessions[0]() is None, "the failed save's session (and its snapshot) is still referenced"
+    assert "No space left" in str(future.exception())

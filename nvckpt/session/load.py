@@ -286,7 +286,15 @@ class Checkpoint(Mapping):
         return self.get_tensor(name)
 
     def __contains__(self, name: object) -> bool:
-        return name in self._file.index.paths
+        """``name in ck`` exactly when ``ck[name]`` finds it: the saved object's tensors (``keys()``) and the
+        internal bases of views (SPEC 14.3, "<first view>@base"), which ``keys()`` leaves out."""
+        if not isinstance(name, str):
+            return False
+        try:
+            self._file.entry(name)
+        except TensorNotFoundError:
+            return False
+        return True
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.keys())

@@ -12,6 +12,7 @@ import os
 import platform
 import sys
 import threading
+import traceback
 import time
 import warnings
 from collections import deque
@@ -494,9 +495,27 @@ class SaveFuture(Future):
         if self.cancelled():
             return
         if exc is not None:
+            _detach_traceback(exc)
             self.set_exception(exc)
         else:
             self.set_result(result)
+
+
+def _detach_traceback(exc: BaseException) -> None:
+    """The future keeps the exception for as long as the caller keeps the future, and a traceback keeps every
+    frame of the save's thread alive (their functions' closures too, which frame.clear() leaves): the session
+    and its snapshot of the state.  So the tracebacks go, and the thread's stack stays as text in a note of
+    the exception (as ProcessPoolExecutor gives a worker's), printed with it."""
+    text = "".join(traceback.format_exception(exc))
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)  # their locals, for whoever still holds a frame
+        e.__traceback__ = None
+        e = e.__cause__ or e.__context__
+    if hasattr(exc, "add_note"):  # Python 3.11+
+        exc.add_note("in nvckpt's async save thread:\n" + text.rstrip())
 
 
 def _register(target: Any, options: SaveOptions, cancel: threading.Event, future: Any = None) -> lifecycle.Running:
@@ -681,7 +700,9 @@ def start_async(obj: Any, target: Any, options: SaveOptions, fence: Any = None) 
                 return prepared
 
         def work() -> None:
+            nonlocal begin
             started_after = time.perf_counter() - launched
+            session = None
             try:
                 session = begin()
                 session.publishing = future._publish
@@ -702,6 +723,9 @@ def start_async(obj: Any, target: Any, options: SaveOptions, fence: Any = None) 
             else:
                 future._finish(result)
             finally:
+                # A failed save's traceback keeps this frame (the frames below it point back at it): what it
+                # holds of the state goes now, or the future would keep the snapshot alive (_detach_traceback).
+                session = begin = None
                 lifecycle.end(running)
                 if future._read is not None:
                     future._read.set()  # also when it failed before reading: whoever waits sees the outcome

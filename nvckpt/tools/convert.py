@@ -64,6 +64,7 @@ CODECS = PRESETS
 
 # safetensors metadata keys written by nvckpt (SPEC-independent convention of this tool).
 META_JSON = "nvckpt.metadata"  # the whole nvckpt metadata, as JSON
+_WHAT = {"nvckpt": "an nvckpt file", "torch": "a torch.save file", "safetensors": "a safetensors file"}
 META_TREE = "nvckpt.tree"  # base64 of the msgpack tree (as in the index), tensors referenced by position in...
 META_TREE_NAMES = "nvckpt.tree_names"  # ...this JSON list of safetensors tensor names
 
@@ -479,6 +480,7 @@ def convert(
 ) -> ConvertReport:
     """Convert ``src`` to ``dst``; formats from the extensions unless given."""
     start = time.perf_counter()
+    told = src_format
     src_format = format_of(src, src_format, sniff=True)
     dst_format = format_of(dst, dst_format)
     if overwrites_source(src, dst):
@@ -489,14 +491,21 @@ def convert(
     else:
         check_output_folder(dst)
     make_bar = progress or null_bar
-    if src_format == "nvckpt":
-        loaded = read_nvckpt(src, make_bar)
-    elif src_format == "dcp":
-        loaded = read_dcp(src, make_bar)
-    elif src_format == "safetensors":
-        loaded = read_safetensors(src, make_bar)
-    else:
-        loaded = read_torch(src)
+    try:
+        if src_format == "nvckpt":
+            loaded = read_nvckpt(src, make_bar)
+        elif src_format == "dcp":
+            loaded = read_dcp(src, make_bar)
+        elif src_format == "safetensors":
+            loaded = read_safetensors(src, make_bar)
+        else:
+            loaded = read_torch(src)
+    except NvckptError as exc:
+        found = sniff_format(src) if told is not None else None
+        if found is not None and found != src_format:  # a wrong --from: say what the file is
+            exc.reason += f" (its content is {_WHAT[found]}: drop --from, or say --from {found})"
+            exc.located()  # the message again, with the reason
+        raise
     notes = list(loaded.notes)
     _check_convertible(loaded.tree, os.fspath(src))
     if dst_format != "nvckpt":
