@@ -700,9 +700,7 @@ def start_async(obj: Any, target: Any, options: SaveOptions, fence: Any = None) 
                 return prepared
 
         def work() -> None:
-            nonlocal begin
             started_after = time.perf_counter() - launched
-            session = None
             try:
                 session = begin()
                 session.publishing = future._publish
@@ -723,9 +721,6 @@ def start_async(obj: Any, target: Any, options: SaveOptions, fence: Any = None) 
             else:
                 future._finish(result)
             finally:
-                # A failed save's traceback keeps this frame (the frames below it point back at it): what it
-                # holds of the state goes now, or the future would keep the snapshot alive (_detach_traceback).
-                session = begin = None
                 lifecycle.end(running)
                 if future._read is not None:
                     future._read.set()  # also when it failed before reading: whoever waits sees the outcome

@@ -212,12 +212,15 @@ def sniff_format(path: str | os.PathLike) -> str | None:
     return None
 
 
+# What a file of each format sniff_format tells is, in a message.
+WHAT_FORMAT = {"nvckpt": "an nvckpt file", "torch": "a torch.save file", "safetensors": "a safetensors file"}
+
+
 def convert_hint(path: str | os.PathLike) -> str:
     """For an error about a file that is not an nvckpt file: what it is and the command that reads it."""
     fmt = sniff_format(path)
     if fmt in ("torch", "safetensors"):
         name = os.fspath(path)
         stem = os.path.splitext(name)[0]
-        what = "a torch.save file" if fmt == "torch" else "a safetensors file"
-        return f"; it is {what}: `nvckpt convert {name} {stem}.nvckpt` converts it"
+        return f"; it is {WHAT_FORMAT[fmt]}: `nvckpt convert {name} {stem}.nvckpt` converts it"
     return ""

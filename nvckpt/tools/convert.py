@@ -49,6 +49,7 @@ from ._util import (
     ProgressFactory,
     UnknownFormatError,
     UsageError,
+    WHAT_FORMAT,
     check_output_folder,
     nest_by_name,
     null_bar,
@@ -64,7 +65,6 @@ CODECS = PRESETS
 
 # safetensors metadata keys written by nvckpt (SPEC-independent convention of this tool).
 META_JSON = "nvckpt.metadata"  # the whole nvckpt metadata, as JSON
-_WHAT = {"nvckpt": "an nvckpt file", "torch": "a torch.save file", "safetensors": "a safetensors file"}
 META_TREE = "nvckpt.tree"  # base64 of the msgpack tree (as in the index), tensors referenced by position in...
 META_TREE_NAMES = "nvckpt.tree_names"  # ...this JSON list of safetensors tensor names
 
@@ -503,7 +503,7 @@ def convert(
     except NvckptError as exc:
         found = sniff_format(src) if told is not None else None
         if found is not None and found != src_format:  # a wrong --from: say what the file is
-            exc.reason += f" (its content is {_WHAT[found]}: drop --from, or say --from {found})"
+            exc.reason += f" (its content is {WHAT_FORMAT[found]}: drop --from, or say --from {found})"
             exc.located()  # the message again, with the reason
         raise
     notes = list(loaded.notes)
