@@ -141,6 +141,12 @@ def test_the_compiled_checks_refuse_mismatched_buffers():
         derived._kernel.rne_differs(np.zeros(4, np.int32), np.zeros(3, np.int16))
     with pytest.raises(ValueError, match="contiguous"):
         derived._kernel.differ(np.zeros(8, np.uint8)[::2], np.zeros(4, np.uint8))
+    with pytest.raises(ValueError, match="same number of elements"):
+        derived._kernel.rne(np.zeros(4, np.int32), np.zeros(3, np.int16))
+    with pytest.raises(ValueError, match="contiguous"):
+        derived._kernel.rne(np.zeros(8, np.int32)[::2], np.zeros(4, np.int16))
+    with pytest.raises(TypeError):  # the output must be writable
+        derived._kernel.rne(np.zeros(4, np.int32), bytes(8))
 
 
 def test_the_compiled_checks_are_built_where_a_compiler_is():
@@ -290,9 +296,12 @@ def test_bf16_rne_is_the_spec_rounding_for_any_bits(words, upper):
     from nvckpt.plan import derived
 
     expected = spec_bf16_rne(m).view(torch.int16)
-    assert torch.equal(bf16_rne(m).view(torch.int16), expected)  # torch's cast, NaNs fixed
-    with pytest.MonkeyPatch.context() as mp:  # integer arithmetic only
-        mp.setattr(derived, "_cast_is_rne", lambda device: False)
+    assert torch.equal(bf16_rne(m).view(torch.int16), expected)  # the compiled kernel, where it is built
+    assert torch.equal(bf16_rne(m.reshape(-1, 1).expand(-1, 2)[:, 0]).view(torch.int16), expected)  # strided
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(derived, "_kernel", None)
+        assert torch.equal(bf16_rne(m).view(torch.int16), expected)  # torch's cast, NaNs fixed
+        mp.setattr(derived, "_cast_is_rne", lambda device: False)  # integer arithmetic only
         assert torch.equal(bf16_rne(m).view(torch.int16), expected)
     # the candidates' heads are rounded on the host in numpy (uint32 arithmetic)
     heads = derived._rne_bits_numpy(m.view(torch.int32).numpy().view("<u4"))

@@ -196,3 +196,40 @@ def test_a_path_that_is_a_pipe_is_refused_as_one(tmp_path):
         nvckpt.load(fifo)
     assert err.value.errno == errno.ESPIPE and err.value.filename == fifo
     writer.join(5)
+
+
+def test_large_loaded_tensors_are_advised_to_huge_pages(tmp_path, monkeypatch):
+    """A load fills fresh memory: tensors of 4 MiB and more get madvise(MADV_HUGEPAGE) on their whole
+    page-aligned range before they are written (as numpy does), smaller ones none; the bytes are unchanged."""
+    from nvckpt.io import memory
+
+    calls = []
+
+    def fake_madvise(addr, length, advice):
+        calls.append((addr, length, advice))
+        return 0
+
+    monkeypatch.setattr(memory, "_madvise", fake_madvise)
+    big = torch.arange(5 << 18, dtype=torch.float32)  # 5 MiB
+    small = torch.arange(1000, dtype=torch.float32)
+    nvckpt.save({"big": big, "small": small}, tmp_path / "c.nvckpt", codec="portable")
+    out = nvckpt.load(tmp_path / "c.nvckpt")
+    assert_tensor_equal(out["big"], big)
+    assert_tensor_equal(out["small"], small)
+    start = out["big"].untyped_storage().data_ptr()
+    end = start + out["big"].untyped_storage().nbytes()
+    assert len(calls) == 1, calls
+    addr, length, advice = calls[0]
+    assert advice == 14 and addr % 4096 == 0 and length % 4096 == 0
+    assert start <= addr < start + 4096 and end - 4096 < addr + length <= end
+
+
+def test_huge_page_advice_is_only_for_large_host_tensors():
+    from nvckpt.io import memory
+
+    assert not memory.advise_huge_pages(torch.empty(1 << 20, dtype=torch.uint8))
+    assert not memory.advise_huge_pages(torch.empty(8 << 20, dtype=torch.uint8, device="meta"))
+    t = memory.host_empty(8 << 20)
+    assert t.dtype == torch.uint8 and t.shape == (8 << 20,)
+    if os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"):  # a kernel with THP: the advice is taken
+        assert memory.advise_huge_pages(torch.empty(8 << 20, dtype=torch.uint8))

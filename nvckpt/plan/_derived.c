@@ -4,7 +4,10 @@
  * source (SPEC 14.2: round to nearest even; a NaN keeps its upper half with the quiet bit set)?  The
  * torch version of the same test (plan/derived.py) makes a rounded copy, a comparison, a NaN mask and
  * a reduction: five passes and four temporaries per pair.  differ(a, b): do two byte buffers differ?
- * Both read elements in the machine's byte order, as the tensors hold them.
+ * rne(source, out): bf16_rne of the float32 source written into out, the load's computation of a
+ * derived tensor in one pass (torch's cast, a NaN mask and its reduction are three, and wake torch's
+ * intra-op threads, which then spin on the cores the decoders need).
+ * All read and write elements in the machine's byte order, as the tensors hold them.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -12,6 +15,13 @@
 #include <string.h>
 
 #define BLOCK 4096 /* elements per check of the accumulated difference: the loop within it vectorizes */
+
+/* SPEC 14.2's bf16_rne of one float32 word */
+static inline uint16_t rne_word(uint32_t u)
+{
+    /* no overflow: the largest non-NaN word is 0xFF800000 (-inf) */
+    return (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? ((u >> 16) | 0x0040u) : (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
 
 static int rne_differs_impl(const uint8_t *src, const uint8_t *cand, size_t n)
 {
@@ -23,16 +33,22 @@ static int rne_differs_impl(const uint8_t *src, const uint8_t *cand, size_t n)
             uint16_t c;
             memcpy(&u, src + 4 * i, 4);
             memcpy(&c, cand + 2 * i, 2);
-            uint32_t hi = u >> 16;
-            /* no overflow: the largest non-NaN word is 0xFF800000 (-inf) */
-            uint32_t rounded = (u + 0x7FFFu + (hi & 1u)) >> 16;
-            uint32_t r = (u & 0x7FFFFFFFu) > 0x7F800000u ? (hi | 0x0040u) : rounded;
-            diff |= (r ^ c) & 0xFFFFu;
+            diff |= (uint32_t)(rne_word(u) ^ c);
         }
         if (diff)
             return 1;
     }
     return 0;
+}
+
+static void rne_impl(const uint8_t *src, uint8_t *out, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, src + 4 * i, 4);
+        uint16_t r = rne_word(u);
+        memcpy(out + 2 * i, &r, 2);
+    }
 }
 
 static int get(PyObject *args, Py_buffer *a, Py_buffer *b)
@@ -85,7 +101,30 @@ static PyObject *differ(PyObject *self, PyObject *args)
     return PyBool_FromLong(d);
 }
 
+static PyObject *rne(PyObject *self, PyObject *args)
+{
+    Py_buffer src, out;
+    if (!PyArg_ParseTuple(args, "y*w*", &src, &out))
+        return NULL;
+    PyObject *result = NULL;
+    if (!PyBuffer_IsContiguous(&src, 'C') || !PyBuffer_IsContiguous(&out, 'C'))
+        PyErr_SetString(PyExc_ValueError, "buffers must be contiguous");
+    else if (src.len % 4 || out.len * 2 != src.len)
+        PyErr_Format(PyExc_ValueError, "a source of %zd bytes (float32) and an output of %zd bytes (bfloat16) "
+                     "do not hold the same number of elements", src.len, out.len);
+    else {
+        Py_BEGIN_ALLOW_THREADS
+        rne_impl(src.buf, out.buf, (size_t)out.len / 2);
+        Py_END_ALLOW_THREADS
+        result = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&out);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"rne", rne, METH_VARARGS, "rne(source, out): the bfloat16 words of bf16_rne of the float32 words of source, into out"},
     {"rne_differs", rne_differs, METH_VARARGS,
      "rne_differs(source, candidate): True when the bfloat16 words of candidate differ anywhere from "
      "bf16_rne of the float32 words of source"},
