@@ -18,7 +18,6 @@ from ..format.constants import BF16_RNE, COPY
 from ..format.entry import TensorEntry
 from ..format.structs import xxh3
 from ..format.tree import DeviceName, DtypeName, TensorRef, find_path, resolve_refs, tensor_refs
-from ..io.memory import host_empty
 from ..options import LoadOptions, index_memory_limit
 from ..plan.derived import bf16_rne
 from ..plan.walk import flat_bytes
@@ -71,8 +70,6 @@ def allocate(nbytes: int, entry: TensorEntry, path: str, device: Any = "cpu") ->
     A small, valid file may declare a tensor of many GiB (highly compressible chunks): a
     plain load then allocates it, or fails here, named, instead of with torch's own error."""
     try:
-        if torch.device(device).type == "cpu":
-            return host_empty(nbytes)  # huge pages for large tensors: fewer page faults as they are filled
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
     except (RuntimeError, MemoryError) as exc:
         raise allocation_error(exc, nbytes, entry, path) from None
