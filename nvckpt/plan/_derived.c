@@ -51,9 +51,11 @@ static void rne_impl(const uint8_t *src, uint8_t *out, size_t n)
     }
 }
 
-static int get(PyObject *args, Py_buffer *a, Py_buffer *b)
+/* Two C-contiguous buffers parsed with fmt ("y*y*": both read; "y*w*": the second written); -1 with the
+ * error set, and nothing held, where they are not. */
+static int get(PyObject *args, const char *fmt, Py_buffer *a, Py_buffer *b)
 {
-    if (!PyArg_ParseTuple(args, "y*y*", a, b))
+    if (!PyArg_ParseTuple(args, fmt, a, b))
         return -1;
     if (!PyBuffer_IsContiguous(a, 'C') || !PyBuffer_IsContiguous(b, 'C')) {
         PyBuffer_Release(a);
@@ -64,16 +66,24 @@ static int get(PyObject *args, Py_buffer *a, Py_buffer *b)
     return 0;
 }
 
+/* Does a float32 source hold as many elements as a bfloat16 buffer (what names it in the error)?  0 with
+ * the error set where not. */
+static int same_elements(const Py_buffer *src, const Py_buffer *words, const char *what)
+{
+    if (src->len % 4 == 0 && words->len * 2 == src->len)
+        return 1;
+    PyErr_Format(PyExc_ValueError, "a source of %zd bytes (float32) and %s of %zd bytes (bfloat16) "
+                 "do not hold the same number of elements", src->len, what, words->len);
+    return 0;
+}
+
 static PyObject *rne_differs(PyObject *self, PyObject *args)
 {
     Py_buffer src, cand;
-    if (get(args, &src, &cand) < 0)
+    if (get(args, "y*y*", &src, &cand) < 0)
         return NULL;
     PyObject *result = NULL;
-    if (src.len % 4 || cand.len * 2 != src.len)
-        PyErr_Format(PyExc_ValueError, "a source of %zd bytes (float32) and a candidate of %zd bytes (bfloat16) "
-                     "do not hold the same number of elements", src.len, cand.len);
-    else {
+    if (same_elements(&src, &cand, "a candidate")) {
         int d;
         Py_BEGIN_ALLOW_THREADS
         d = rne_differs_impl(src.buf, cand.buf, (size_t)cand.len / 2);
@@ -88,7 +98,7 @@ static PyObject *rne_differs(PyObject *self, PyObject *args)
 static PyObject *differ(PyObject *self, PyObject *args)
 {
     Py_buffer a, b;
-    if (get(args, &a, &b) < 0)
+    if (get(args, "y*y*", &a, &b) < 0)
         return NULL;
     int d = 1;
     if (a.len == b.len) {
@@ -104,15 +114,10 @@ static PyObject *differ(PyObject *self, PyObject *args)
 static PyObject *rne(PyObject *self, PyObject *args)
 {
     Py_buffer src, out;
-    if (!PyArg_ParseTuple(args, "y*w*", &src, &out))
+    if (get(args, "y*w*", &src, &out) < 0)
         return NULL;
     PyObject *result = NULL;
-    if (!PyBuffer_IsContiguous(&src, 'C') || !PyBuffer_IsContiguous(&out, 'C'))
-        PyErr_SetString(PyExc_ValueError, "buffers must be contiguous");
-    else if (src.len % 4 || out.len * 2 != src.len)
-        PyErr_Format(PyExc_ValueError, "a source of %zd bytes (float32) and an output of %zd bytes (bfloat16) "
-                     "do not hold the same number of elements", src.len, out.len);
-    else {
+    if (same_elements(&src, &out, "an output")) {
         Py_BEGIN_ALLOW_THREADS
         rne_impl(src.buf, out.buf, (size_t)out.len / 2);
         Py_END_ALLOW_THREADS

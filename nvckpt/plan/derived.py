@@ -55,9 +55,11 @@ def _rne_bits_numpy(u: np.ndarray) -> np.ndarray:
 def bf16_rne(source: torch.Tensor) -> torch.Tensor:
     """bfloat16 bits of ``source`` (float32) rounded to nearest even.
 
-    Where torch's own cast is that rounding for every non-NaN value (checked once per device,
-    ``_cast_is_rne``) it is used, and only NaNs take the SPEC's bits (the cast drops their payload):
-    on a CPU ~10x the speed of the integer arithmetic, which is the fallback."""
+    A contiguous host tensor goes through the compiled kernel (``_derived.c``: one pass, the SPEC's
+    bits for NaNs too) where it is built.  Otherwise, where torch's own cast is that rounding for every
+    non-NaN value (checked once per device, ``_cast_is_rne``) it is used, and only NaNs take the SPEC's
+    bits (the cast drops their payload): on a CPU ~10x the speed of the integer arithmetic, which is
+    the fallback."""
     if source.dtype != torch.float32:
         raise TypeError(f"bf16_rne needs a float32 source, got {source.dtype}")
     if _kernel is not None and source.device.type == "cpu" and source.is_contiguous() and not source.requires_grad:
