@@ -205,7 +205,9 @@ class Trainer:
         self.data = states[seq]
         self.step_no = 0
 
-    def step(self) -> float:
+    def step(self, sync: bool = True) -> Any:
+        """One training step; returns the loss as a float (which waits for the GPU), or with ``sync=False``
+        as a tensor once every kernel of the step is queued (bench_training times the two parts apart)."""
         a = self.args
         i = (self.step_no % 16) * a.batch
         batch = self.data[i: i + a.batch]
@@ -221,7 +223,7 @@ class Trainer:
             torch._foreach_copy_(self.params, self.master)  # fp32 -> bf16 rounds to nearest even
         self.model.zero_grad(set_to_none=True)
         self.step_no += 1
-        return float(loss.detach())
+        return float(loss.detach()) if sync else loss.detach()
 
     def checkpoint(self) -> dict[str, Any]:
         """The training state by parameter name (as FSDP's full state dicts name optimizer state)."""

@@ -70,12 +70,54 @@ def steal_share(a: tuple[int, int], b: tuple[int, int]) -> float | None:
     return round((b[0] - a[0]) / (b[1] - a[1]), 4) if b[1] > a[1] else None
 
 
+class Nvml:
+    """The GPU's SM clock, power draw and clock-event reasons through NVML (libnvidia-ml, which the driver
+    installs; called through ctypes because the device has no pynvml): whether a slow minute of the step is
+    the GPU running slower (power or thermal limits) rather than a save's cost.  ``ok`` is False where NVML
+    cannot be loaded; every read then returns None."""
+
+    REASONS = {0x4: "sw_power_cap", 0x8: "hw_slowdown", 0x20: "sw_thermal", 0x40: "hw_thermal", 0x80: "hw_power_brake"}
+
+    def __init__(self, index: int = 0) -> None:
+        import ctypes
+
+        self._c = ctypes
+        self.ok = False
+        try:
+            lib = ctypes.CDLL("libnvidia-ml.so.1")
+            if lib.nvmlInit_v2() != 0:
+                return
+            self._dev = ctypes.c_void_p()
+            if lib.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(index), ctypes.byref(self._dev)) != 0:
+                return
+            self._reasons = getattr(lib, "nvmlDeviceGetCurrentClocksEventReasons", None) or \
+                lib.nvmlDeviceGetCurrentClocksThrottleReasons
+            self._lib = lib
+            self.ok = True
+        except (OSError, AttributeError):
+            pass
+
+    def read(self) -> tuple[int, int, int] | None:
+        """(SM clock MHz, power mW, clock-event reason bits), or None."""
+        if not self.ok:
+            return None
+        c = self._c
+        mhz, mw, bits = c.c_uint(), c.c_uint(), c.c_ulonglong()
+        if (self._lib.nvmlDeviceGetClockInfo(self._dev, c.c_uint(1), c.byref(mhz))  # NVML_CLOCK_SM
+                or self._lib.nvmlDeviceGetPowerUsage(self._dev, c.byref(mw)) or self._reasons(self._dev, c.byref(bits))):
+            return None
+        return mhz.value, mw.value, bits.value
+
+
 class Sampler:
-    """Samples the device's free memory and this process's RSS every few ms (peaks of a run)."""
+    """Samples the device's free memory and this process's RSS every few ms (peaks of a run), and the GPU's
+    SM clock and power (Nvml) with the time of each sample, for the medians of a window (``gpu_window``)."""
 
     def __init__(self) -> None:
         self.min_free = None
         self.max_rss = 0
+        self.nvml = Nvml(torch.cuda.current_device())
+        self.gpu: list[tuple[float, int, int, int]] = []  # (perf_counter, MHz, mW, reason bits)
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
 
@@ -85,7 +127,22 @@ class Sampler:
             self.min_free = free if self.min_free is None else min(self.min_free, free)
             with open("/proc/self/statm") as f:
                 self.max_rss = max(self.max_rss, int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
+            g = self.nvml.read()
+            if g is not None:
+                self.gpu.append((time.perf_counter(), *g))
             time.sleep(0.005)
+
+    def gpu_window(self, t0: float, t1: float) -> dict[str, Any] | None:
+        """Median SM clock (MHz), mean power (W) and the clock-event reasons seen between t0 and t1."""
+        inside = [g for g in self.gpu if t0 <= g[0] < t1]
+        if not inside:
+            return None
+        bits = 0
+        for g in inside:
+            bits |= g[3]
+        return {"sm_mhz": statistics.median(g[1] for g in inside),
+                "power_w": round(sum(g[2] for g in inside) / len(inside) / 1000, 1),
+                "reasons": [name for bit, name in Nvml.REASONS.items() if bits & bit], "samples": len(inside)}
 
     def __enter__(self) -> "Sampler":
         self._t.start()
@@ -198,10 +255,13 @@ def run(tr: Any, name: str, level: str, k: int, n_ckpt: int, base_step: float, w
     # Per checkpoint interval: the steps while its save ran and the steps after it (the save's paired
     # baseline: the step time drifts over a run by more than a few %, see probe_slowdown_h200.md).
     during: list[list[float]] = [[] for _ in range(n_ckpt)]
+    # Per interval, [while saving, after]: (launch wall s, launch thread-CPU s, step s) of each step.
+    parts: list[list[list[tuple[float, float, float]]]] = [[[], []] for _ in range(n_ckpt)]
     after: list[list[float]] = [[] for _ in range(n_ckpt)]
     phases: list[dict[str, Any] | None] = []
     # cpu_ticks() at each interval's start and where its steps stop being "during" (steal per window)
     marks: list[list[tuple[int, int]]] = [[] for _ in range(n_ckpt)]
+    tmarks: list[list[float]] = [[] for _ in range(n_ckpt)]  # perf_counter at the same points (GPU clock per window)
     expected, pending = None, None
     steps = k * n_ckpt
     # Python's full (generation 2) collections during the run: each holds the GIL, so a pass started by
@@ -233,11 +293,20 @@ def run(tr: Any, name: str, level: str, k: int, n_ckpt: int, base_step: float, w
                 blocked.append(time.perf_counter() - t0)
             if i % k == 0:
                 marks[i // k].append(cpu_ticks())
-            t0 = time.perf_counter()
-            tr.step()  # returns the loss as a float: synchronises, as training loops that log do
+                tmarks[i // k].append(time.perf_counter())
+            t0, c0 = time.perf_counter(), time.thread_time()
+            loss = tr.step(sync=False)  # every kernel of the step queued
+            t1, c1 = time.perf_counter(), time.thread_time()
+            float(loss)  # then wait for it, as training loops that log the loss do
             dt = time.perf_counter() - t0
             step_times.append(dt)
             n = i // k
+            # The launch's wall time beside this thread's CPU time over it: the difference is time the
+            # training thread was off a core: waiting for the GIL or a core, and in loss.backward(), whose
+            # kernels autograd's device thread queues while this thread waits.
+            parts[n][0 if (start is None and i % k < max(1, round(split * k))) or
+                     (start is not None and pending is not None and not pending.done()) else 1].append(
+                (t1 - t0, c1 - c0, dt))
             if start is None:  # no save: the same split as a save that runs ``split`` of the interval (noise floor)
                 (during if i % k < max(1, round(split * k)) else after)[n].append(dt)
             elif pending is not None and not pending.done():
@@ -248,6 +317,7 @@ def run(tr: Any, name: str, level: str, k: int, n_ckpt: int, base_step: float, w
                 after[n].append(dt)
             if len(marks[n]) == 1 and (after[n] or i % k == k - 1):
                 marks[n].append(cpu_ticks())  # the boundary: the first step after the save (or the interval's end)
+                tmarks[n].append(time.perf_counter())
         if pending is not None:
             result = pending.result()
             phases.append(_phases(result))
@@ -259,10 +329,25 @@ def run(tr: Any, name: str, level: str, k: int, n_ckpt: int, base_step: float, w
         torch.cuda.synchronize()
         wall = time.perf_counter() - t_all
         end_ticks = cpu_ticks()
+        t_end = time.perf_counter()
     gc.callbacks.remove(on_gc)
     bounds = [m + [marks[j + 1][0] if j + 1 < n_ckpt and marks[j + 1] else end_ticks] for j, m in enumerate(marks)]
     out["steal_per_checkpoint"] = [{"during": steal_share(b[0], b[1]), "after": steal_share(b[1], b[2])}
                                    for b in bounds if len(b) == 3]
+    tb = [m + [tmarks[j + 1][0] if j + 1 < n_ckpt and tmarks[j + 1] else t_end] for j, m in enumerate(tmarks)]
+    out["gpu_per_checkpoint"] = [{"during": s.gpu_window(b[0], b[1]), "after": s.gpu_window(b[1], b[2])}
+                                 for b in tb if len(b) == 3] if s.nvml.ok else None
+    def split_of(xs: list[tuple[float, float, float]]) -> dict[str, float] | None:
+        if not xs:
+            return None
+        med = lambda j: round(1000 * statistics.median(x[j] for x in xs), 3)  # noqa: E731
+        return {"launch_ms": med(0), "launch_cpu_ms": med(1),
+                "off_cpu_ms": round(1000 * statistics.median(x[0] - x[1] for x in xs), 3),
+                "step_ms": med(2), "steps": len(xs)}
+
+    out["launch_per_checkpoint"] = [{"during": split_of(p[0]), "after": split_of(p[1])} for p in parts]
+    everything = [[x for p in parts for x in p[w]] for w in (0, 1)]
+    out["launch"] = {"during": split_of(everything[0]), "after": split_of(everything[1])}
     out["gc_full_passes"] = {"count": len(gc_passes), "seconds": round(sum(gc_passes), 4),
                              "longest_s": round(max(gc_passes, default=0.0), 4)}
     out.update(
@@ -421,6 +506,24 @@ def markdown() -> str:
         pct = lambda x: "-" if x is None else f"{100 * x:.1f}"  # noqa: E731
         for name, each in steals:
             lines.append(f"- {name}: " + ", ".join(f"{pct(w['during'])} / {pct(w['after'])}" for w in each))
+    gpus = [(r["method"], r["gpu_per_checkpoint"]) for r in R["runs"] if r.get("gpu_per_checkpoint")]
+    if gpus:
+        lines += ["", "The GPU per checkpoint interval (NVML, sampled every ~5 ms), while its save ran / after it (for "
+                  "`none`: the same split of steps): median SM clock MHz, mean power W, clock-event reasons seen:", ""]
+        w = lambda g: "-" if g is None else f"{g['sm_mhz']:.0f} MHz {g['power_w']:.0f} W" + (  # noqa: E731
+            f" ({'+'.join(g['reasons'])})" if g["reasons"] else "")
+        for name, each in gpus:
+            lines.append(f"- {name}: " + "; ".join(f"{w(x['during'])} / {w(x['after'])}" for x in each))
+    launches = [(r["method"], r["launch"]) for r in R["runs"] if r.get("launch")]
+    if launches:
+        lines += ["", "Where a step's time goes, steps while a save ran / after it (for `none`: the same split), "
+                  "medians in ms: the launch (every kernel of the step queued: wall, and the training thread's CPU "
+                  "time over it; the difference is time it was off a core: waiting for the GIL or a core, or for "
+                  "autograd's device thread, which queues the backward's kernels), then the whole step:", ""]
+        w = lambda g: "-" if g is None else (f"launch {g['launch_ms']:.1f} (CPU {g['launch_cpu_ms']:.1f}, off-CPU "  # noqa: E731
+                                             f"{g['off_cpu_ms']:.2f}), step {g['step_ms']:.1f}")
+        for name, each in launches:
+            lines.append(f"- {name}: {w(each['during'])} / {w(each['after'])}")
     if R.get("profile"):
         keys = ["blocked_s", "walk", "derived", "prepare", "thread_start", "start_engine", "setup_seconds",
                 "tensors_read_seconds", "pinned_bytes"]
