@@ -406,7 +406,7 @@ def _ls(args: argparse.Namespace) -> int:
     for r in rows:
         stored = human_bytes(r["stored_bytes"]) if r["kind"] in ("data", "internal") else "-"
         table.append([printable(r["name"]), r["dtype"], _shape(r["shape"]), human_bytes(r["nbytes"]), stored,
-                      ratio_text(r["ratio"]), printable(", ".join(r["codecs"])) or "-", r["kind"]])
+                      ratio_text(r["ratio"]), printable(", ".join(r["codecs"])) if r["codecs"] else "-", r["kind"]])
     print(render_table(["name", "dtype", "shape", "raw", "stored", "ratio", "codec", "kind"], table, right=(3, 4, 5)))
     return EXIT_OK
 

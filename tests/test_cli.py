@@ -162,6 +162,8 @@ def test_ls(capsys, ckpt):
     w = next(line for line in lines if line.startswith("model/w "))
     assert "float32" in w and "[96, 32]" in w and "12.0 KiB" in w and w.endswith("data")
     assert len(lines) == 1 + len(rows)
+    # A tensor without chunks has no codec: "-" as for its ratio, not a quoted empty name.
+    assert next(line for line in lines if line.startswith("empty ")).split()[-3:] == ["-", "-", "data"]
 
 
 # -- verify ------------------------------------------------------------------------------------------
