@@ -139,6 +139,26 @@ def test_views_of_one_storage_with_different_dtypes():
     assert_tree_equal(back, state)
 
 
+def test_views_of_each_dtype_share_a_base_when_the_storage_has_views_of_several():
+    """The format's views share their base's dtype: a storage viewed as floats and as ints keeps the float
+    views' sharing (one base) and the int views' (one more), and only the sharing between the two is lost."""
+    x = torch.randn(4000)
+    state = {"x": x, "head": x[:3000], "as_int": x.view(torch.int32), "int_tail": x.view(torch.int32)[1000:],
+             "again": x.view(torch.int32)[1000:], "as_bytes": x.view(torch.uint8)}
+    back, stream = round_trip(state, codec="raw")
+    assert_tree_equal(back, state)
+    assert back["int_tail"] is back["again"]  # one tensor (tied), as saved
+    ptr = lambda k: back[k].untyped_storage().data_ptr()  # noqa: E731
+    assert ptr("head") == ptr("x") and ptr("int_tail") == ptr("as_int") and ptr("as_int") != ptr("x")
+    back["x"][1] = 5.0
+    assert back["head"][1] == 5.0
+    by_name, _ = entries(stream)
+    assert by_name["x@base"].internal and by_name["as_int@base"].internal
+    assert by_name["as_bytes"].view is None and not by_name["as_bytes"].internal
+    # 4000 floats stored twice (as floats and as ints) and once as bytes: each dtype's base once.
+    assert sum(e.nbytes for e in by_name.values() if e.is_data) == 3 * x.nbytes
+
+
 def test_views_in_a_multichunk_base():
     base = torch.randn(4000)
     state = {"head": base[:3000], "tail": base[1000:], "strided": base[::7]}

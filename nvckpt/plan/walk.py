@@ -492,28 +492,12 @@ def _dedupe(leaves: list[tuple[str, torch.Tensor, tuple[str, int]]]) -> tuple[li
     def base_entry(path: str, t: torch.Tensor, facts: tuple[str, int]) -> dict[str, Any]:
         return {"name": path, "dtype": facts[0], "shape": list(t.shape)}
 
-    # Walk groups in order of their first leaf, so names follow tree order.
-    for members in groups.values():
-        if len(members) == 1:  # the common case: a tensor that shares its storage with no other leaf
-            path, t, facts = leaves[members[0]]
-            leaf_ids[members[0]] = add(base_entry(path, t, facts), t, members[0])
-            continue
-        views: dict[tuple, list[int]] = {}
-        for i in members:
-            views.setdefault(_view_key(leaves[i][1]), []).append(i)
-        if len(views) == 1 or len({k[0] for k in views}) > 1:
-            # One distinct view (tied weights), or views of differing dtypes
-            # (stored as separate copies: the format's views share one dtype).
-            for same in views.values():
-                path, t, facts = leaves[same[0]]
-                tid = add(base_entry(path, t, facts), t, same[0])
-                for i in same:
-                    leaf_ids[i] = tid
-            _check_alias_names(leaves, members, names_seen, leaf_ids)
-            continue
-        # Several distinct views of one storage: store the spanned elements once.  Two storage objects may
-        # begin at one address with different sizes (torch.from_numpy of an array and of a slice of it,
-        # frombuffer, DLPack): the base is cut from the largest, which holds every view's elements.
+    def add_base(members: list[int], views: dict[tuple, list[int]]) -> None:
+        # Several distinct views of one storage (and one dtype): store the spanned elements once.  Two
+        # storage objects may begin at one address with different sizes (torch.from_numpy of an array and
+        # of a slice of it, frombuffer, DLPack): the base is cut from the largest, which holds every view's
+        # elements.
+        nonlocal paths
         first = leaves[members[0]][1]
         owner_leaf = max(members, key=lambda i: leaves[i][1].untyped_storage().nbytes())
         owner = leaves[owner_leaf][1]
@@ -534,6 +518,30 @@ def _dedupe(leaves: list[tuple[str, torch.Tensor, tuple[str, int]]]) -> tuple[li
             tid = add(entry, None, None)
             for i in same:
                 leaf_ids[i] = tid
+
+    # Walk groups in order of their first leaf, so names follow tree order.
+    for members in groups.values():
+        if len(members) == 1:  # the common case: a tensor that shares its storage with no other leaf
+            path, t, facts = leaves[members[0]]
+            leaf_ids[members[0]] = add(base_entry(path, t, facts), t, members[0])
+            continue
+        views: dict[tuple, list[int]] = {}
+        for i in members:
+            views.setdefault(_view_key(leaves[i][1]), []).append(i)
+        # The format's views share their base's dtype: views of each dtype share a base of their own (or
+        # are one tied tensor); between dtypes the sharing is lost, the values are not (SPEC 14.3).
+        by_dtype: dict[torch.dtype, dict[tuple, list[int]]] = {}
+        for key, same in views.items():
+            by_dtype.setdefault(key[0], {})[key] = same
+        for of_dtype in by_dtype.values():
+            if len(of_dtype) == 1:  # one distinct view: a tied tensor
+                (same,) = of_dtype.values()
+                path, t, facts = leaves[same[0]]
+                tid = add(base_entry(path, t, facts), t, same[0])
+                for i in same:
+                    leaf_ids[i] = tid
+            else:
+                add_base(sorted(i for same in of_dtype.values() for i in same), of_dtype)
         _check_alias_names(leaves, members, names_seen, leaf_ids)
     return tensors, leaf_ids, sources
 
