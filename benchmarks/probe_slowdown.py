@@ -24,6 +24,12 @@ them alike), each followed by as many steps with nothing running (its paired bas
   each way: what the training thread would keep if the save's host work ran outside its process;
 - ``gil``: a thread that holds the GIL for ~``--gil-us`` µs at a time and then sleeps 0.5 ms: the step's
   sensitivity to GIL handoffs.
+- ``spinN``: N threads computing SHA-256 of one 1 MiB buffer over and over (hashlib lets go of the GIL; the
+  buffer stays in each core's cache): busy cores alone, without memory traffic and with few GIL handoffs
+  (whether other cores' load slows the training thread: shared SMT cores, turbo budget).
+
+Each step is timed in two parts (as in bench_training): its launch (every kernel queued) with the training
+thread's CPU time over it, and the wait for the loss; the medians of each part come with each row.
 
 Per variant: median step time while it ran and after it, the steps counted, the allocator's retries
 (cudaFree + cudaMalloc after a failed allocation: a device synchronisation each).  JSON under --out.
@@ -179,6 +185,39 @@ def _gil(seconds: float, hold_us: float, stop: threading.Event) -> None:
         time.sleep(0.0005)
 
 
+def _spin(threads: int, seconds: float, stop: threading.Event) -> None:
+    import hashlib
+
+    buf = os.urandom(1 << 20)
+    end = time.perf_counter() + seconds
+
+    def worker() -> None:
+        while time.perf_counter() < end and not stop.is_set():
+            hashlib.sha256(buf).digest()
+
+    ts = [threading.Thread(target=worker) for _ in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+
+
+def timed_step(tr) -> tuple[float, float, float]:
+    """One training step: (launch wall s, the training thread's CPU s over it, whole step s)."""
+    t0, c0 = time.perf_counter(), time.thread_time()
+    loss = tr.step(sync=False)
+    t1, c1 = time.perf_counter(), time.thread_time()
+    float(loss)
+    return t1 - t0, c1 - c0, time.perf_counter() - t0
+
+
+def parts(xs: list[tuple[float, float, float]]) -> dict[str, float]:
+    """Medians in ms: launch, its CPU time, launch minus CPU (off a core), whole step."""
+    med = lambda v: round(1000 * statistics.median(v), 3)  # noqa: E731
+    return {"launch_ms": med([x[0] for x in xs]), "cpu_ms": med([x[1] for x in xs]),
+            "off_cpu_ms": med([x[0] - x[1] for x in xs]), "step_ms": med([x[2] for x in xs])}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=".")
@@ -233,16 +272,18 @@ def main() -> int:
                 fut = nvckpt.async_save(tr.checkpoint(), path, fence=tr.opt)
             elif v == "null":
                 fut = nvckpt.async_save(tr.checkpoint(), NullStream())
-            elif v in ("disk", "copy", "gil", "hash", "hash_proc"):
+            elif v in ("disk", "copy", "gil", "hash", "hash_proc") or v.startswith("spin"):
                 target = {"disk": lambda: _disk(path + ".disk", total, pinned, stop),
                           "copy": lambda: _copy(total, pinned, stop),
                           "hash": lambda: _hash_runs(total, n_chunks, n_batches, seconds, pinned, stop, False),
                           "hash_proc": lambda: _hash_runs(total, n_chunks, n_batches, seconds, pinned, stop, True),
-                          "gil": lambda: _gil(seconds, args.gil_us, stop)}[v]
+                          "gil": lambda: _gil(seconds, args.gil_us, stop)}.get(
+                    v, lambda: _spin(int(v[4:] or 1), seconds, stop))
                 thread = threading.Thread(target=target)
                 thread.start()
             blocked = time.perf_counter() - t0
             during: list[float] = []
+            split_during: list[tuple[float, float, float]] = []
             limit = 0 if v == "idle" else 400
 
             def running() -> bool:
@@ -250,13 +291,11 @@ def main() -> int:
 
             if v == "idle":
                 for _ in range(60):
-                    t1 = time.perf_counter()
-                    tr.step()
-                    during.append(time.perf_counter() - t1)
+                    split_during.append(timed_step(tr))
+                    during.append(split_during[-1][2])
             while running() and len(during) < limit:
-                t1 = time.perf_counter()
-                tr.step()
-                during.append(time.perf_counter() - t1)
+                split_during.append(timed_step(tr))
+                during.append(split_during[-1][2])
             background = time.perf_counter() - t0
             stop.set()
             if fut is not None:
@@ -266,16 +305,14 @@ def main() -> int:
             v = v_name
             if thread is not None:
                 thread.join()
-            after = []
-            for _ in range(args.after):
-                t1 = time.perf_counter()
-                tr.step()
-                after.append(time.perf_counter() - t1)
+            split_after = [timed_step(tr) for _ in range(args.after)]
+            after = [x[2] for x in split_after]
             row = {"round": rnd, "blocked_s": round(blocked, 4), "background_s": round(background, 3),
                    "steps": len(during), "step_median_s": round(statistics.median(during), 5) if during else None,
                    "after_median_s": round(statistics.median(after), 5),
                    "slowdown": round(statistics.median(during) / statistics.median(after) - 1, 4) if during else None,
-                   "alloc_retries": retries() - r0}
+                   "alloc_retries": retries() - r0,
+                   "parts_during": parts(split_during) if split_during else None, "parts_after": parts(split_after)}
             rows[v].append(row)
             print(v, json.dumps(row), flush=True)
     summary = {}
@@ -283,7 +320,11 @@ def main() -> int:
         sl = [r["slowdown"] for r in rs if r["slowdown"] is not None]
         summary[v] = {"slowdown_median": round(statistics.median(sl), 4) if sl else None, "slowdowns": sl,
                       "steps": [r["steps"] for r in rs], "alloc_retries": sum(r["alloc_retries"] for r in rs)}
-        print(f"{v:8s} slowdown median {summary[v]['slowdown_median']} {sl} retries {summary[v]['alloc_retries']}")
+        for key in ("parts_during", "parts_after"):
+            got = [r[key] for r in rs if r.get(key)]
+            summary[v][key] = {f: round(statistics.median(g[f] for g in got), 3) for f in got[0]} if got else None
+        print(f"{v:8s} slowdown median {summary[v]['slowdown_median']} {sl} retries {summary[v]['alloc_retries']} "
+              f"during {summary[v]['parts_during']} after {summary[v]['parts_after']}")
     out = {"free_GB": args.free, "file_bytes": total, "first_save_s": seconds, "variants": variants,
            "summary": summary, "rows": rows, "gil_us": args.gil_us,
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": torch.cuda.get_device_name(),
