@@ -113,6 +113,42 @@ def test_successful_save_replaces(old_file):
     assert_tree_equal(nvckpt.load(path), NEW)
 
 
+@pytest.mark.skipif(not hasattr(os, "O_PATH") or not os.path.isdir("/proc/self/fd"), reason="Linux only")
+def test_the_replaced_file_is_freed_off_the_callers_path_and_no_descriptor_is_left(old_file, monkeypatch):
+    """The old file is held (O_PATH) across the rename and let go by a thread of its own, which frees its
+    blocks instead of the rename; every such descriptor is closed, also when the rename fails."""
+    import threading
+
+    from nvckpt.io import atomic
+
+    path, old_bytes = old_file
+    held = []
+    real_hold = atomic._hold
+    monkeypatch.setattr(atomic, "_hold", lambda p: held.append(real_hold(p)) or held[-1])
+
+    def settle():
+        for t in threading.enumerate():
+            if t.name == "nvckpt-free-replaced":
+                t.join()
+        return set(os.listdir("/proc/self/fd"))
+
+    before = settle()
+    with open(path, "rb") as reader:  # a reader of the old file keeps reading it whole
+        for i in range(20):
+            nvckpt.save({**NEW, "step": i}, path)
+        assert reader.read() == old_bytes
+    assert len(held) == 20 and all(isinstance(fd, int) for fd in held)
+    assert nvckpt.load(path)["step"] == 19
+    real_replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda *a: (_ for _ in ()).throw(OSError("replace failed")))
+    with pytest.raises(OSError, match="replace failed"):
+        nvckpt.save(NEW, path)
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert len(held) == 21
+    assert settle() <= before  # none of the 21 descriptors is still open
+    assert os.listdir(path.parent) == [path.name]
+
+
 def test_failed_first_save_creates_nothing(tmp_path, monkeypatch):
     path = tmp_path / "fresh.nvckpt"
 

@@ -28,7 +28,7 @@ from ..codecs.presets import GPU_PRESETS, chooser
 from ..errors import LeftoverTemporaryWarning, UnsupportedCodecError
 from ..format.frames import FrameWriter, check_index_floor
 from ..io.atomic import TURNS, AtomicReplace, check_target, is_special_file, leftover_temporaries
-from ..io.sink import FileSink
+from ..io.sink import CPU_BLOCK, CPU_BLOCKS, FileSink
 from ..io.source import forget_position
 from ..options import SaveOptions
 from ..plan.chunking import CPU_CHUNK_SIZE, GPU_CHUNK_SIZE
@@ -333,8 +333,9 @@ class SaveSession:
                 raise
             return self._result(os.fspath(self.target), raw_bytes, size)
         direct = self.options.direct_io
+        blocks = {"block_size": CPU_BLOCK, "blocks": CPU_BLOCKS} if self.engine == "cpu" else {}
 
-        out = AtomicReplace(os.fspath(self.target), lambda tmp: FileSink(tmp, direct=direct), turn=turn,
+        out = AtomicReplace(os.fspath(self.target), lambda tmp: FileSink(tmp, direct=direct, **blocks), turn=turn,
                             before_publish=last_call)
         with out:  # commits on success; on an error removes the temporary file, naming the target in OSErrors
             size = write_items(out.writer, items, self.plan, alignment=alignment, info=info, progress=self.progress)
