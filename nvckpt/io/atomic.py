@@ -251,9 +251,10 @@ def _hold(path: str) -> int | None:
 
 
 def _release_later(fd: int | None) -> None:
-    """Close ``fd`` in a thread of its own.  Held across the rename, it makes the replaced file's last
-    reference this descriptor instead of the rename, so its blocks are freed off the caller's path (on
-    ext4, replacing a 30 MB file took 4.9 ms in the rename, 0.03 ms with the old file held)."""
+    """Close ``fd`` in a thread of its own.  Held across the rename (and the folder's fsync), it makes the
+    replaced file's last reference this descriptor instead of the rename, so its blocks are freed off the
+    caller's path (on ext4, replacing a 30 MB file took 4.9 ms in the rename, 0.06 ms with the old file
+    held, and the folder's fsync 0.2 ms either way)."""
     if fd is not None:
         threading.Thread(target=os.close, args=(fd,), name="nvckpt-free-replaced", daemon=True).start()
 
@@ -325,16 +326,22 @@ class AtomicReplace:
             old = _hold(self.path) if self._old is not None else None
             try:
                 os.replace(self.tmp, self.path)
-            finally:
+            except BaseException:
                 _release_later(old)
+                raise
         except OSError as exc:
             self.abort()  # the old file stays; nothing half-written stays beside it
             raise _named(exc, self.given) from None
         except BaseException:
             self.abort()
             raise
-        self._unlock()
-        fsync_path(os.path.dirname(self.path))
+        try:
+            self._unlock()
+            fsync_path(os.path.dirname(self.path))
+        finally:
+            # Let go of the replaced file after the folder's fsync, whose journal commit would otherwise
+            # wait for the freeing of its blocks.
+            _release_later(old)
 
     def as_target(self, exc: BaseException) -> BaseException:
         """An OSError about the temporary file (a write to it failed), restated for the path the caller gave."""
