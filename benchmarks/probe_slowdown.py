@@ -10,6 +10,8 @@ them alike), each followed by as many steps with nothing running (its paired bas
 - ``lazy``: ``nvckpt.async_save(fence=optimizer)``;
 - ``X_sampled``: variant X with bench_training's memory Sampler running beside it (a thread asking for the
   device's free memory and reading this process's RSS every 5 ms), as it runs in bench_training;
+- ``async_each``: the plain save with each chunk frame written as it comes (``encode.RUN_WRITES`` off), as
+  before a copy group's frames went to the file in one write;
 - ``async_h1`` / ``async_8m`` / ``async_16m``: the plain save with one chunk-checksum worker
   (``GpuSaveOptions(hash_workers=1)``) / with 8 MiB chunks (half as many frames) / 16 MiB (a quarter);
 - ``null``: the same save into a stream that drops what it is given (no sink copy, no disk): the engine's and
@@ -262,6 +264,11 @@ def main() -> int:
             t0 = time.perf_counter()
             if v == "async":
                 fut = nvckpt.async_save(tr.checkpoint(), path)
+            elif v == "async_each":
+                from nvckpt.engines.gpu import encode as gpu_encode
+
+                gpu_encode.RUN_WRITES = False  # until this save is done (below)
+                fut = nvckpt.async_save(tr.checkpoint(), path)
             elif v == "async_h1":
                 fut = nvckpt.async_save(tr.checkpoint(), path, gpu=nvckpt.GpuSaveOptions(hash_workers=1))
             elif v == "async_8m":
@@ -300,6 +307,8 @@ def main() -> int:
             stop.set()
             if fut is not None:
                 fut.result()
+                if v == "async_each":
+                    gpu_encode.RUN_WRITES = True
             if sampler is not None:
                 sampler.__exit__()
             v = v_name

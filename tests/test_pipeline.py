@@ -540,6 +540,77 @@ def test_file_sink_parallel_writes_land_in_order(tmp_path):
     assert (tmp_path / "p").read_bytes() == payload
 
 
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.integers(0, 3000), max_size=30), split=st.integers(0, 30), data=st.data())
+def test_file_sink_write_many_lands_as_the_writes_would(tmp_path_factory, sizes, split, data):
+    """write_many of pieces (across block edges, empty ones, bytes and arrays) puts the same bytes in the
+    same order as one write per piece, interleaved with plain writes."""
+    folder = tmp_path_factory.mktemp("many")
+    pieces = [os.urandom(n) if i % 2 else np.frombuffer(os.urandom(n), dtype=np.uint8) for i, n in enumerate(sizes)]
+    block = data.draw(st.sampled_from([4096, 8192]))
+    sink = FileSink(str(folder / "m"), direct=data.draw(st.booleans()), block_size=block, blocks=2, io_threads=1)
+    head, tail = pieces[:split], pieces[split:]
+    assert sink.write_many(head) == sum(len(memoryview(p).cast("B")) for p in head)
+    for p in tail[:1]:
+        sink.write(p)
+    sink.write_many(tail[1:])
+    sink.close()
+    assert (folder / "m").read_bytes() == b"".join(bytes(memoryview(p).cast("B")) for p in pieces)
+
+
+class _RecordingStream(io.BytesIO):
+    """A stream with write_many that records its calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.many = 0
+
+    def write_many(self, pieces) -> int:
+        self.many += 1
+        return sum(self.write(p) for p in pieces)
+
+
+def test_the_gpu_pipeline_writes_a_copy_group_at_once_and_releases_it_after(monkeypatch):
+    """Chunks of one copy group reach the stream in one write_many (the writer's thread takes the GIL about
+    once per group, not per chunk), each pinned buffer is given back only once its bytes are on the stream
+    (the slot is then overwritten), and the file is the same bytes as with one write per frame."""
+    from nvckpt.engines.gpu import encode
+
+    state = mixed_state()
+    plan = plan_save(state, chunk_size=16 * KiB)
+    released_at: list[tuple[int, int, int]] = []  # (tensor, chunk, stream length when released)
+
+    def traced(items, stream):
+        for item in items:
+            if isinstance(item, EncodedChunk) and item.release is not None:
+                real, key = item.release, (item.tensor_id, item.chunk_index)
+
+                def release(real=real, key=key):
+                    released_at.append((*key, len(stream.getvalue())))
+                    real()
+
+                item = item._replace(release=release)
+            yield item
+
+    def save(run: bool):
+        monkeypatch.setattr(encode, "RUN_WRITES", run)
+        stream = _RecordingStream()
+        stats: dict = {}
+        write_items(stream, traced(host_items(plan, stats=stats), stream), plan, alignment=4096, info=writer_info())
+        return stream, stats
+
+    grouped, stats = save(True)
+    assert stats["chunks"] > 20 and 0 < grouped.many < stats["chunks"]
+    with nvckpt.open(io.BytesIO(grouped.getvalue())) as ck:
+        ends = {(e.tensor_id, i): c.offset + c.stored_length for e in ck.index.tensors if e.chunks
+                for i, c in enumerate(e.chunks)}
+    assert released_at and all(at >= ends[(t, i)] for t, i, at in released_at)
+    released_at.clear()
+    each, _ = save(False)
+    assert each.many == 0 and each.getvalue() == grouped.getvalue()
+    assert_tree_equal(nvckpt.load(io.BytesIO(grouped.getvalue())), state)
+
+
 @pytest.fixture
 def old_file(tmp_path):
     path = tmp_path / "ckpt.nvckpt"

@@ -22,6 +22,9 @@ class EncodedChunk(NamedTuple):
     raw_length: int
     checksum: int | None = None  # XXH3-64 of payload; computed by the writer when None
     release: Callable[[], None] | None = None  # called once the payload is written
+    # False: the writer may hold this chunk's frame and write it with the next chunk whose flush is True
+    # (its payload stays valid until its release); an engine whose chunks lie together says so per run.
+    flush: bool = True
 
 
 __all__ = ["TensorReady", "EncodedChunk"]

@@ -76,6 +76,7 @@ class FrameWriter:
         self.chunk_lengths = chunk_lengths
         self.alignment = alignment
         self.position = 0
+        self._pending: list[Any] | None = None  # while deferring (defer()): what flush() writes, in order
         self.codec_ids: dict[Any, int] = {}
         self.codec_table: list[Any] = []
         self.announced: list[bool] = [False] * len(entries)
@@ -89,12 +90,37 @@ class FrameWriter:
         self._packer = msgpack.Packer()  # one per writer (not thread-safe): a TENSOR frame per tensor, thousands per save
         self._write(Preamble(self.version[0], self.version[1], required_features).pack())
 
+    def defer(self) -> None:
+        """Hold what is written from now on until ``flush()``, which hands it to the stream at once
+        (``write_many`` where the stream has it: one call, no Python between the copies).  The caller
+        keeps every payload's memory alive until then."""
+        if self._pending is None:
+            self._pending = []
+
+    def flush(self) -> None:
+        """Write what ``defer()`` held, in order; later writes go straight to the stream again."""
+        pending, self._pending = self._pending, None
+        if not pending:
+            return
+        write_many = getattr(self.stream, "write_many", None)
+        if write_many is not None:
+            write_many(pending)
+            return
+        for data in pending:
+            self._write_out(data, memoryview(data).nbytes)
+
     def _write(self, data: Any, nbytes: int | None = None) -> None:
-        n = self.stream.write(data)
         size = memoryview(data).nbytes if nbytes is None else nbytes
+        if self._pending is not None:
+            self._pending.append(data)
+        else:
+            self._write_out(data, size)
+        self.position += size
+
+    def _write_out(self, data: Any, size: int) -> None:
+        n = self.stream.write(data)
         if n is not None and n < size:  # a raw stream (a socket, a pipe) may take fewer bytes than given
             self._write_rest(memoryview(data).cast("B")[n:])
-        self.position += size
 
     def _write_rest(self, rest: memoryview) -> None:
         while rest.nbytes:
@@ -177,6 +203,7 @@ class FrameWriter:
         ``tree`` holds TensorRefs; its typed extensions need ``required_features`` (SPEC 9.2); ``packed_tree``:
         ``pack_tree(tree)`` where the caller has it (check_index_floor returns it).  An index over
         MAX_INDEX_LENGTH raises LimitError before the INDEX frame is written (SPEC 16: a writer fails first)."""
+        self.flush()
         for tid, entry in enumerate(self.entries):
             if not self.announced[tid]:
                 raise RuntimeError(f"tensor {entry['name']!r} was never written")

@@ -71,23 +71,42 @@ def write_items(stream: Any, items: Iterable[TensorReady | EncodedChunk], plan: 
         packed_tree = check_index_floor(plan.entries(), plan.chunk_lengths(), plan.tree, plan.metadata, info)
         writer = FrameWriter(stream, plan.entries(), plan.chunk_lengths(), alignment=alignment,
                              required_features=plan.required_features)
-        for item in items:
-            if isinstance(item, TensorReady):
-                writer.tensor(item.tensor_id, item.checksum)
-                continue
-            try:
-                writer.chunk(item.tensor_id, item.chunk_index, item.pipeline, item.payload, item.raw_length, item.checksum)
-            finally:
+        held: list[EncodedChunk] = []  # chunks whose frames the writer holds (EncodedChunk.flush False)
+        try:
+            for item in items:
+                if isinstance(item, TensorReady):
+                    writer.tensor(item.tensor_id, item.checksum)
+                    continue
+                if not item.flush:
+                    writer.defer()
+                held.append(item)
+                writer.chunk(item.tensor_id, item.chunk_index, item.pipeline, item.payload, item.raw_length,
+                             item.checksum)
+                if item.flush:
+                    writer.flush()  # one write of the run: no Python between its copies
+                    _written(held, progress)
+            writer.flush()
+            _written(held, progress)
+        finally:
+            for item in held:  # on an error: the engine's buffers back all the same
                 if item.release is not None:
                     item.release()
-            if progress is not None:
-                progress(item.raw_length)
         return writer.finish(plan.tree, plan.metadata, info, packed_tree=packed_tree)
     finally:
         # Stop the engine now, also on an error: its threads and buffers must not live on in the traceback.
         close = getattr(items, "close", None)
         if close is not None:
             close()
+
+
+def _written(chunks: list[EncodedChunk], progress: Callable[[int], None] | None) -> None:
+    """``chunks`` are on the stream: their buffers go back to the engine (and progress hears of them)."""
+    while chunks:
+        item = chunks.pop(0)
+        if item.release is not None:
+            item.release()
+        if progress is not None:
+            progress(item.raw_length)
 
 
 def _gpu_device(tensors: list[PlannedTensor], options: SaveOptions) -> torch.device | None:
