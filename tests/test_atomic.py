@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -127,12 +128,17 @@ def test_the_replaced_file_is_freed_off_the_callers_path_and_no_descriptor_is_le
     monkeypatch.setattr(atomic, "_hold", lambda p: held.append(real_hold(p)) or held[-1])
 
     def settle():
+        """The descriptors still open on replaced files of the folder (once the releasing threads are done)."""
         for t in threading.enumerate():
             if t.name == "nvckpt-free-replaced":
                 t.join()
-        return set(os.listdir("/proc/self/fd"))
+        targets = []
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                targets.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return [t for t in targets if t.startswith(str(path.parent)) and t.endswith("(deleted)")]
 
-    before = settle()
+    assert settle() == []
     with open(path, "rb") as reader:  # a reader of the old file keeps reading it whole
         for i in range(20):
             nvckpt.save({**NEW, "step": i}, path)
@@ -145,7 +151,7 @@ def test_the_replaced_file_is_freed_off_the_callers_path_and_no_descriptor_is_le
         nvckpt.save(NEW, path)
     monkeypatch.setattr(os, "replace", real_replace)
     assert len(held) == 21
-    assert settle() <= before  # none of the 21 descriptors is still open
+    assert settle() == []  # none of the 21 descriptors is still open
     assert os.listdir(path.parent) == [path.name]
 
 
