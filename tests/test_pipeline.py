@@ -609,6 +609,10 @@ def test_the_gpu_pipeline_writes_a_copy_group_at_once_and_releases_it_after(monk
     each, _ = save(False)
     assert each.many == 0 and each.getvalue() == grouped.getvalue()
     assert_tree_equal(nvckpt.load(io.BytesIO(grouped.getvalue())), state)
+    plain = io.BytesIO()  # a stream without write_many: the held frames are written one by one, in order
+    monkeypatch.setattr(encode, "RUN_WRITES", True)
+    write_items(plain, host_items(plan), plan, alignment=4096, info=writer_info())
+    assert plain.getvalue() == grouped.getvalue()
 
 
 @pytest.fixture
