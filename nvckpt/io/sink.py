@@ -180,20 +180,29 @@ class FileSink:
         src_np = np.frombuffer(src, dtype=np.uint8) if n >= _NUMPY_COPY else None
         pos = 0
         while pos < n:
-            if self._current is None:
-                self._current = self._free.get()  # blocks while the disk is behind
-                self._check()
-            take = min(n - pos, self.block_size - self._used)
+            block, room = self._room()
+            take = min(n - pos, room)
             if src_np is not None:
-                self._current[1][self._used : self._used + take] = src_np[pos : pos + take]
+                block[1][self._used : self._used + take] = src_np[pos : pos + take]
             else:
-                self._current[0][self._used : self._used + take] = src[pos : pos + take]
-            self._used += take
+                block[0][self._used : self._used + take] = src[pos : pos + take]
+            self._staged(take)
             pos += take
-            if self._used == self.block_size:
-                self._submit()
         self.position += n
         return n
+
+    def _room(self) -> tuple[Any, int]:
+        """The block being filled (taken from the free ones, waiting while the disk is behind) and its room."""
+        if self._current is None:
+            self._current = self._free.get()
+            self._check()
+        return self._current, self.block_size - self._used
+
+    def _staged(self, n: int) -> None:
+        """``n`` more bytes are in the current block; a full block goes to the I/O threads."""
+        self._used += n
+        if self._used == self.block_size:
+            self._submit()
 
     def write_many(self, pieces: list[Any]) -> int:
         """``write`` of each piece, in order, with the copies into a block made by one numpy call per block:
@@ -204,10 +213,7 @@ class FileSink:
         total = sum(a.size for a in arrays)
         i = at = 0  # the piece being staged, and how much of it is staged
         while i < len(arrays):
-            if self._current is None:
-                self._current = self._free.get()  # blocks while the disk is behind
-                self._check()
-            room = self.block_size - self._used
+            block, room = self._room()
             parts, taken = [], 0
             while i < len(arrays) and taken < room:
                 a = arrays[i]
@@ -217,14 +223,12 @@ class FileSink:
                 at += n
                 if at == a.size:
                     i, at = i + 1, 0
-            dst = self._current[1][self._used: self._used + taken]
+            dst = block[1][self._used: self._used + taken]
             if len(parts) == 1:
                 dst[:] = parts[0]
             else:
                 np.concatenate(parts, out=dst)
-            self._used += taken
-            if self._used == self.block_size:
-                self._submit()
+            self._staged(taken)
         self.position += total
         return total
 
