@@ -14,6 +14,8 @@ import time
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import nvckpt
 
@@ -672,3 +674,39 @@ def test_a_failed_async_save_does_not_keep_its_snapshot_alive(tmp_path, monkeypa
     gc.collect()
     assert sessions and sessions[0]() is None, "the failed save's session (and its snapshot) is still referenced"
     assert "No space left" in str(future.exception())
+
+
+@settings(max_examples=60, deadline=None)
+@given(dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.bool, torch.complex64]),
+       n=st.integers(0, 64), start=st.integers(0, 16), step=st.integers(1, 3), as_bytes=st.booleans())
+def test_the_lazy_calls_storage_pointer_is_the_storages(dtype, n, start, step, as_bytes):
+    """A lazy call tells owned tensors from others by their storage's address, computed from the tensor's
+    own (data_ptr minus its offset) rather than by making each storage object: the same number, for views at
+    any offset and stride, of any dtype, empty ones included."""
+    import nvckpt.session.save as save_mod
+
+    base = torch.zeros(n + 16, dtype=dtype)
+    t = base[start::step]
+    if as_bytes and dtype != torch.bool:
+        t = base.view(torch.uint8)[start::step]
+    assert save_mod._storage_ptr(t) == t.untyped_storage().data_ptr()
+
+
+def test_a_lazy_saves_thread_plans_only_after_the_call_returned(tmp_path, monkeypatch):
+    """Planning holds the GIL for milliseconds at a time: the save's thread starts it once the call is done
+    (its step pre-hook, the call's last act, is then in place), so the caller's last lines never wait for it."""
+    import nvckpt.session.save as save_mod
+
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = []
+    session = save_mod.SaveSession
+
+    def planning(*a, **k):
+        seen.append(len(opt._optimizer_step_pre_hooks))
+        return session(*a, **k)
+
+    monkeypatch.setattr(save_mod, "SaveSession", planning)
+    for i in range(5):
+        nvckpt.async_save({"m": model.state_dict()}, tmp_path / f"p{i}.nvckpt", fence=opt).result(timeout=60)
+    assert seen == [1] * 5

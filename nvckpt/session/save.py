@@ -586,8 +586,14 @@ def _owned_storages(fences: list[Any]) -> set[int] | None:
         for t in tensors:
             if isinstance(t, torch.Tensor):
                 with contextlib.suppress(RuntimeError, NotImplementedError):  # sparse, meta: no storage pointer
-                    owned.add(t.untyped_storage().data_ptr())
+                    owned.add(_storage_ptr(t))
     return owned
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    """``t.untyped_storage().data_ptr()`` without making the storage object (a third of the cost per tensor,
+    and a lazy call does this for every tensor of the state while the caller waits)."""
+    return t.data_ptr() - t.storage_offset() * t.element_size()
 
 
 def _copy_unfenced(node: Any, fences: list[Any]) -> tuple[Any, Any]:
@@ -604,8 +610,7 @@ def _copy_unfenced(node: Any, fences: list[Any]) -> tuple[Any, Any]:
     def leaf(t: torch.Tensor) -> torch.Tensor:
         nonlocal total
         try:
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
+            ptr = _storage_ptr(t)
         except (RuntimeError, NotImplementedError):  # sparse, or a subclass without storage of its own
             return t
         if ptr in owned:
@@ -614,6 +619,7 @@ def _copy_unfenced(node: Any, fences: list[Any]) -> tuple[Any, Any]:
             return t  # the walk refuses or resolves these as it does for any save
         copy_ = copies.get(ptr)
         if copy_ is None:
+            storage = t.untyped_storage()
             n = storage.nbytes()
             if n > UNFENCED_COPY_BYTES or total + n > UNFENCED_COPY_TOTAL:
                 return t
@@ -676,7 +682,17 @@ def start_async(obj: Any, target: Any, options: SaveOptions, fence: Any = None) 
     future = SaveFuture()
     future.set_running_or_notify_cancel()
     future._ended = threading.Event()
-    collecting = False  # the collector was on, and this call turned it off
+    returned = threading.Event()  # set as the call returns (or fails): a lazy save's thread starts planning then
+    try:
+        return _start_async(obj, target, options, fences, future, returned, start)
+    finally:
+        returned.set()
+
+
+def _start_async(obj: Any, target: Any, options: SaveOptions, fences: list[Any], future: SaveFuture,
+                 returned: threading.Event, start: float) -> SaveFuture:
+    collecting = gc.isenabled()  # no collection pass while the caller waits (see below); on again at return
+    gc.disable()
     try:
         if fences:
             skeleton, copied = _copy_unfenced(obj, fences)  # the containers copied, small unfenced tensors too
@@ -704,11 +720,10 @@ def start_async(obj: Any, target: Any, options: SaveOptions, fence: Any = None) 
                 future.snapshot = dict(session.stats.get("snapshot", {}))
                 return session
         else:
-            # No garbage-collection pass while the caller waits (planning, verifying candidates, the engine's
-            # read in the save's thread): in a large process (torch, a model, its optimizer) one full pass can
-            # take longer than the whole read, and it holds the GIL that both threads need.
-            collecting = gc.isenabled()
-            gc.disable()
+            # No garbage-collection pass while the caller waits (the lazy call's copy of the containers,
+            # planning, verifying candidates, the engine's read in the save's thread): in a large process
+            # (torch, a model, its optimizer) one full pass can take longer than the whole read, and it holds
+            # the GIL that both threads need.
             prepared = SaveSession(obj, target, options)
             t0 = time.perf_counter()
             prepared.prepare_async()
@@ -721,6 +736,10 @@ def start_async(obj: Any, target: Any, options: SaveOptions, fence: Any = None) 
 
         def work() -> None:
             started_after = time.perf_counter() - launched
+            if fences:
+                # Plan only once the call has returned: planning holds the GIL for milliseconds at a time,
+                # and the caller's last few lines would each wait for it (up to sys.getswitchinterval()).
+                returned.wait()
             try:
                 session = begin()
                 session.publishing = future._publish
