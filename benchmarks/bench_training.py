@@ -433,17 +433,19 @@ def profile_saves(tr: Any, n: int, workdir: str) -> None:
     import nvckpt
 
     texts, rows = [], []
-    for i in range(n):
+    for i in range(2 * n):
+        lazy = i >= n  # then as many lazy ones (fence=optimizer): the call copies containers and small tensors
         pr = cProfile.Profile()
+        ck = tr.checkpoint()
         t0 = time.perf_counter()
         pr.enable()
-        future = nvckpt.async_save(tr.checkpoint(), os.path.join(workdir, f"profile-{i}"))
+        future = nvckpt.async_save(ck, os.path.join(workdir, f"profile-{i}"), **({"fence": tr.opt} if lazy else {}))
         pr.disable()
         blocked = time.perf_counter() - t0
         result = future.result()
-        rows.append({"blocked_s": round(blocked, 4), **(_phases(result) or {})})
+        rows.append({"lazy": lazy, "blocked_s": round(blocked, 4), **(_phases(result) or {})})
         out = io.StringIO()
-        out.write(f"== save {i}: blocked {blocked:.4f} s\n")
+        out.write(f"== {'lazy' if lazy else 'plain'} save {i}: blocked {blocked:.4f} s\n")
         for key, count in (("cumulative", 50), ("tottime", 30)):
             pstats.Stats(pr, stream=out).sort_stats(key).print_stats(count)
         texts.append(out.getvalue())
@@ -478,7 +480,7 @@ def markdown() -> str:
                 f"{R['prefill_disk']['seconds']} s ({R['prefill_disk']['GB_per_s']} GB/s; see prefill_disk).", ""]
                if R.get("prefill_disk") else []),
              f"State: {R.get('state', {}).get('params', 0) / 1e6:.0f}M-parameter GPT after {R.get('state', {}).get('steps')} "
-             f"AdamW steps, bf16 weights + fp32 master + moments = **{R.get('state', {}).get('bytes', 0) / GB:.2f} GB**; "
+             f"AdamW steps ({R.get('state', {}).get('tokens_per_step', '?')} tokens per step), bf16 weights + fp32 master + moments = **{R.get('state', {}).get('bytes', 0) / GB:.2f} GB**; "
              f"training step {R.get('base_step_s', 0):.3f} s without checkpoints. 'free' = GPU memory left free beyond "
              "what the training step needs (a filler tensor takes the rest).", "",
              "| free | method | K | blocked s: first ckpt / later (median) | lost per ckpt s | step while saving s (slowdown vs steps without a save) | slowdown paired per checkpoint: median (each) | extra GPU GB (allocator / device) | nvckpt pinned GB | bit-exact | full GC passes (s in all) |",
@@ -527,12 +529,13 @@ def markdown() -> str:
     if R.get("profile"):
         keys = ["blocked_s", "walk", "derived", "prepare", "thread_start", "start_engine", "setup_seconds",
                 "tensors_read_seconds", "pinned_bytes"]
-        lines += ["", "Plain `nvckpt.async_save` under cProfile (OUT/bench_training_profile.txt), before the runs above; "
-                  "the first is the process's first async_save (it pins its host memory). Phases in seconds "
-                  "(SaveResult.stats['phases'] and the engine's setup / read time):", "",
+        lines += ["", "`nvckpt.async_save` under cProfile (OUT/bench_training_profile.txt), before the runs above, "
+                  "plain then lazy (fence=optimizer); the first is the process's first async_save (it pins its host "
+                  "memory). Phases in seconds (SaveResult.stats['phases'] and the engine's setup / read time):", "",
                   "| save | " + " | ".join(keys) + " |", "|---|" + "---|" * len(keys)]
         for i, p in enumerate(R["profile"]):
-            lines.append(f"| {i} | " + " | ".join(str(p.get(k, "")) for k in keys) + " |")
+            kind = "plan only" if p.get("plan_only") else "lazy" if p.get("lazy") else "plain"
+            lines.append(f"| {i} ({kind}) | " + " | ".join(str(p.get(k, "")) for k in keys) + " |")
     if R["errors"]:
         lines += ["", "Errors: " + "; ".join(R["errors"])]
     return "\n".join(lines) + "\n"
@@ -550,6 +553,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k-short", type=int, default=2, help="steps between checkpoints where it does not (0: not run)")
     ap.add_argument("--checkpoints", type=int, default=2)
     ap.add_argument("--methods", default="none,torch.save,dcp.async_save,nvckpt.save,nvckpt.async_save,nvckpt.async_save(fence=opt)")
+    ap.add_argument("--batch", type=int, default=MODEL["batch"],
+                    help="sequences of MODEL['seq'] tokens per step (8: a step whose kernels take about as long "
+                         "to queue as to run; more: a step the GPU's work bounds, as in training at scale)")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--prefill-disk", type=float, default=0,
                     help="GB to write and delete in --workdir before the runs (see prefill_disk); 0: none")
@@ -569,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
                         "cpus": os.cpu_count(), "torch": torch.__version__, "nvcomp": nb.nvcomp_version(),
                         "python": platform.python_version(),
                         "command": "python3 benchmarks/bench_training.py " + " ".join(argv)}
-    tr = trained(args.steps, **(dict(d_model=512, layers=4, vocab=8000, seq=256) if args.smoke else {}))
+    tr = trained(args.steps, batch=args.batch, **(dict(d_model=512, layers=4, vocab=8000, seq=256) if args.smoke else {}))
     base: list[float] = []
     for _ in range(20):
         t0 = time.perf_counter()
@@ -578,6 +584,7 @@ def main(argv: list[str] | None = None) -> int:
     base_step = statistics.median(base)
     R["base_step_s"] = base_step
     R["state"] = {"params": sum(p.numel() for p in tr.params), "steps": tr.step_no,
+                  "tokens_per_step": tr.args.batch * tr.args.seq,
                   "bytes": sum(t.numel() * t.element_size() for t in bench_gpu.flat_tensors(tr.checkpoint()).values())}
     log("state", R["state"], "step", round(base_step, 4))
     dump()
