@@ -7,6 +7,7 @@ import io
 import warnings
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -112,15 +113,33 @@ class _DiskFull(io.RawIOBase):
         return n
 
 
-def test_a_failed_save_stops_the_encoder_threads():
-    # The engine's generator used to stay suspended (threads and buffers alive) for as long as
-    # the exception's traceback was kept: a failed async_save's future keeps it indefinitely.
-    state = {f"w{i}": torch.randn(256, 256, generator=torch.Generator().manual_seed(i)) for i in range(8)}
-    with pytest.raises(OSError) as caught:
-        nvckpt.save(state, _DiskFull(200_000), workers=2)
-    assert caught.value.__traceback__ is not None  # the traceback is still held here
-    alive = [t.name for t in threading.enumerate() if t.name.startswith("nvckpt-encode")]
-    assert alive == []
+def test_a_closed_cpu_encoder_leaves_no_work_on_the_shared_threads(monkeypatch):
+    # The CPU engine's threads are the process's (nvckpt.engines.threads): a save that ends early (a full
+    # disk, an error in the writer: its generator is closed) drops its queued chunks and waits for the
+    # running ones, so that no task reads the tensors or the engine's buffers once the save has returned.
+    import nvckpt.engines.cpu as cpu
+    from nvckpt.codecs.presets import chooser
+    from nvckpt.plan.walk import plan_save
+
+    started, ended = [], []
+    encode_group = cpu._encode_group
+
+    def slow(items, buffers):
+        started.append(1)
+        time.sleep(0.05)
+        try:
+            return encode_group(items, buffers)
+        finally:
+            ended.append(1)
+
+    monkeypatch.setattr(cpu, "_encode_group", slow)
+    state = {f"w{i}": torch.randn(256, 1024, generator=torch.Generator().manual_seed(i)) for i in range(16)}
+    items = cpu.encode_cpu(plan_save(state, chunk_size=1 << 20), chooser("portable"), workers=2)
+    next(items)
+    items.close()
+    assert len(ended) == len(started) < 16  # the running ones were waited for, the queued ones dropped
+    time.sleep(0.2)
+    assert len(started) == len(ended)  # and none started later
 
 
 def test_gpu_loader_reads_the_file_the_checkpoint_opened(tmp_path):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, wait
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -34,6 +34,7 @@ from ..errors import NvckptError
 from ..format.structs import xxh3
 from ..plan.walk import PlannedTensor, SavePlan
 from .items import EncodedChunk, TensorReady
+from .threads import host_pool
 
 TINY = 256  # chunks below this many bytes are stored raw (per-plane frame headers alone would not pay)
 GROUP_BYTES = 256 << 10  # small chunks are coded in tasks of about this many raw bytes
@@ -133,55 +134,57 @@ def encode_cpu(
                 pipeline, payload, checksum, release = next(results)
                 yield EncodedChunk(t.tensor_id, index, pipeline, payload, t.chunks[index][1], checksum, release)
 
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="nvckpt-encode") as pool:
-        group: list[tuple[Pipeline, memoryview]] = []
-        where: list[tuple[PlannedTensor, int]] = []
-        size = 0
+    pool = host_pool(workers)
+    group: list[tuple[Pipeline, memoryview]] = []
+    where: list[tuple[PlannedTensor, int]] = []
+    size = 0
 
-        def flush() -> None:
-            nonlocal group, where, size
-            if group:
-                pending.append(("chunks", where, pool.submit(_encode_group, group, buffers)))
-                group, where, size = [], [], 0
+    def flush() -> None:
+        nonlocal group, where, size
+        if group:
+            pending.append(("chunks", where, pool.submit(_encode_group, group, buffers)))
+            group, where, size = [], [], 0
 
-        try:
-            for t in plan.tensors:
-                if t.data is None:
-                    if group:
-                        where.append((t, None))
-                    else:
-                        pending.append(("tensor", t.tensor_id, None))
+    try:
+        for t in plan.tensors:
+            if t.data is None:
+                if group:
+                    where.append((t, None))
+                else:
+                    pending.append(("tensor", t.tensor_id, None))
+                continue
+            with torch.no_grad():
+                raw = host_bytes(t)
+            if not tensor_checksums:
+                checksum = None
+            elif raw.nbytes < GROUP_BYTES:
+                checksum = Future()
+                checksum.set_result(xxh3(raw))
+            else:
+                checksum = pool.submit(xxh3, raw)
+            if group:  # announced inside the open group, so that frames keep the tensors' order
+                where.append((t, checksum))
+            else:
+                pending.append(("tensor", t.tensor_id, checksum))
+            pipeline = choose(t.entry["dtype"])
+            for index, (start, length) in enumerate(t.chunks):
+                if length >= GROUP_BYTES:
+                    flush()
+                    pending.append(("chunks", [(t, index)],
+                                    pool.submit(_encode_group, [(pipeline, raw[start: start + length])], buffers)))
+                    yield from drain(window)
                     continue
-                with torch.no_grad():
-                    raw = host_bytes(t)
-                if not tensor_checksums:
-                    checksum = None
-                elif raw.nbytes < GROUP_BYTES:
-                    checksum = Future()
-                    checksum.set_result(xxh3(raw))
-                else:
-                    checksum = pool.submit(xxh3, raw)
-                if group:  # announced inside the open group, so that frames keep the tensors' order
-                    where.append((t, checksum))
-                else:
-                    pending.append(("tensor", t.tensor_id, checksum))
-                pipeline = choose(t.entry["dtype"])
-                for index, (start, length) in enumerate(t.chunks):
-                    if length >= GROUP_BYTES:
-                        flush()
-                        pending.append(("chunks", [(t, index)],
-                                        pool.submit(_encode_group, [(pipeline, raw[start: start + length])], buffers)))
-                        yield from drain(window)
-                        continue
-                    group.append((pipeline, raw[start: start + length]))
-                    where.append((t, index))
-                    size += length
-                    if size >= GROUP_BYTES or len(group) >= GROUP_CHUNKS:
-                        flush()
-                        yield from drain(window)
-            flush()
-            yield from drain(0)
-        finally:
-            for item in pending:
-                if item[0] == "chunks":
-                    item[2].cancel()
+                group.append((pipeline, raw[start: start + length]))
+                where.append((t, index))
+                size += length
+                if size >= GROUP_BYTES or len(group) >= GROUP_CHUNKS:
+                    flush()
+                    yield from drain(window)
+        flush()
+        yield from drain(0)
+    finally:
+        # The threads are shared (nvckpt.engines.threads): what has not started is dropped, and what runs
+        # is waited for, so that no task reads the tensors or the buffers after the save has ended.
+        futures = [item[2] for item in pending if isinstance(item[2], Future)]
+        futures += [w[1] for item in pending if item[0] == "chunks" for w in item[1] if isinstance(w[1], Future)]
+        wait([f for f in futures if not f.cancel()])

@@ -13,7 +13,7 @@ import os
 import threading
 import weakref
 from operator import add, eq
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, wait
 from typing import Any, Callable
 
 import numpy as np
@@ -21,6 +21,7 @@ import numpy as np
 from ..codecs import planes as fast
 from ..codecs.base import Pipeline
 from ..codecs.registry import pipeline_from_json
+from ..engines.threads import host_pool
 from ..errors import (ChecksumError, FormatError, LimitError, NvckptError, TensorNotFoundError, TruncatedError,
                       UnsupportedCodecError, UnsupportedFeatureError)
 from ..format.entry import TensorEntry
@@ -77,42 +78,32 @@ class CheckpointFile:
         # (k, signshift) of the pipelines the fast host decoder runs (nvckpt.codecs.planes), else None
         self.planar = [fast.planar_form(p) for p in self.pipelines]
         self._workers = workers or os.cpu_count() or 1
-        self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
+        self._inflight: set[Future] = set()  # this file's work on the shared threads (close waits for it)
         self._closed = False
         _OPEN.add(self)
 
     def _after_fork_in_child(self) -> None:
         # A forked child (a DataLoader worker reading through its dataset's open checkpoint) has none of the
-        # parent's decode threads: work given to that pool would never run.  Reads (pread) need no reset.
+        # parent's decode threads (the shared pools start anew there, nvckpt.engines.threads), nor their
+        # work.  Reads (pread) need no reset.
         self._pool_lock = threading.Lock()
-        self._pool = None
+        self._inflight = set()
 
     # -- lifecycle ---------------------------------------------------------
     def close(self) -> None:
         with self._pool_lock:
             self._closed = True
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+            inflight = list(self._inflight)
+        wait(inflight)  # the threads are shared: wait for this file's own work only
         self.source.close()
 
     def map(self, fn: Callable, items: list) -> list:
         """``[fn(x) for x in items]`` on the decode threads."""
         if len(items) <= 1 or self._workers == 1:
             return [fn(x) for x in items]
-        with self._pool_lock:
-            pool = self._threads()
-            futures = [pool.submit(fn, x) for x in items]
+        futures = [self.submit(fn, x) for x in items]
         return [f.result() for f in futures]
-
-    def _threads(self) -> ThreadPoolExecutor:
-        """The decode threads, started at first use (with ``_pool_lock`` held)."""
-        if self._closed:
-            raise NvckptError("read from a closed checkpoint", path=self.path)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="nvckpt-decode")
-        return self._pool
 
     # -- names -------------------------------------------------------------
     def entry(self, name: str) -> TensorEntry:
@@ -282,10 +273,20 @@ class CheckpointFile:
                 self.decode_into(entry, i, chunk, raw)
                 out[lo - start: hi - start] = raw[lo - starts[k]: hi - starts[k]]
 
-    def submit(self, fn: Callable, *args: Any) -> Any:
-        """``fn(*args)`` on the decode threads; returns its Future."""
+    def submit(self, fn: Callable, *args: Any) -> Future:
+        """``fn(*args)`` on the decode threads (the process's shared pool of ``workers`` threads); returns
+        its Future.  ``fn`` must not wait for other work on those threads."""
         with self._pool_lock:
-            return self._threads().submit(fn, *args)
+            if self._closed:
+                raise NvckptError("read from a closed checkpoint", path=self.path)
+            future = host_pool(self._workers).submit(fn, *args)
+            self._inflight.add(future)
+        future.add_done_callback(self._done)
+        return future
+
+    def _done(self, future: Future) -> None:
+        with self._pool_lock:
+            self._inflight.discard(future)
 
 
 _tls = threading.local()
