@@ -525,3 +525,52 @@ def test_cancel_returns_when_a_done_callback_asks_for_the_outcome(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "['CancelledError']", "{'old':", "1}"]
+
+
+def test_a_forked_child_loads_and_saves_on_threads_of_its_own(tmp_path):
+    """The worker threads are the process's and a forked child (a DataLoader worker) has none of its
+    parent's: its loads and saves start pools of their own instead of queueing work no thread runs."""
+    state = {f"w{i}": torch.randn(256, 1024, generator=torch.Generator().manual_seed(i)) for i in range(4)}
+    nvckpt.save(state, tmp_path / "a.nvckpt", workers=2)
+    nvckpt.load(tmp_path / "a.nvckpt", workers=2)  # the parent's pool of 2 is started
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            got = nvckpt.load(tmp_path / "a.nvckpt", workers=2)
+            nvckpt.save(got, tmp_path / "b.nvckpt", workers=2)
+            code = 0 if all(torch.equal(got[k], v) for k, v in state.items()) else 2
+        finally:
+            os._exit(code)
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung in load or save")
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert all(torch.equal(nvckpt.load(tmp_path / "b.nvckpt")[k], v) for k, v in state.items())
+
+
+def test_closing_a_checkpoint_waits_for_its_reads_on_the_shared_threads(tmp_path, monkeypatch):
+    """close() returns only once the file's own work on the shared threads has ended (its reads use the
+    descriptor that close releases), not waiting for other files' work."""
+    import nvckpt.session.file as file_mod
+
+    nvckpt.save({"a": torch.arange(1 << 20, dtype=torch.float32)}, tmp_path / "a.nvckpt", workers=2)
+    ended = []
+    ck = file_mod.CheckpointFile(str(tmp_path / "a.nvckpt"), workers=2)
+
+    def slow() -> None:
+        time.sleep(0.3)
+        ended.append(1)
+
+    future = ck.submit(slow)
+    ck.close()
+    assert future.done() and ended == [1]
+    with pytest.raises(nvckpt.NvckptError, match="closed"):
+        ck.submit(slow)
