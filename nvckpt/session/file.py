@@ -99,11 +99,41 @@ class CheckpointFile:
         self.source.close()
 
     def map(self, fn: Callable, items: list) -> list:
-        """``[fn(x) for x in items]`` on the decode threads."""
+        """``[fn(x) for x in items]`` on ``workers`` threads: the caller's and ``workers - 1`` of the shared
+        decode threads, each taking the next item in order until none is left.  The first exception stops
+        the others after their current item and is raised once all have stopped.
+
+        Not a task per item: on 2 cores a task per chunk (submit, wake a thread, hand the result back) cost
+        more than it gained, a MiniLM bf16 load's 138 chunks taking 23 ms against 19 ms on one thread; two
+        threads taking chunks in turn, 15 ms."""
         if len(items) <= 1 or self._workers == 1:
             return [fn(x) for x in items]
-        futures = [self.submit(fn, x) for x in items]
-        return [f.result() for f in futures]
+        results: list[Any] = [None] * len(items)
+        order = iter(range(len(items)))
+        take = threading.Lock()
+        failed: list[BaseException] = []
+
+        def drain() -> None:
+            while not failed:
+                with take:
+                    i = next(order, None)
+                if i is None:
+                    return
+                try:
+                    results[i] = fn(items[i])
+                except BaseException as exc:  # noqa: BLE001  (raised in the caller below)
+                    failed.append(exc)
+                    return
+
+        helpers = [self.submit(drain) for _ in range(min(self._workers, len(items)) - 1)]
+        try:
+            drain()
+        finally:
+            for h in helpers:  # they write into the caller's memory: never return before they stop
+                h.exception()
+        if failed:
+            raise failed[0]
+        return results
 
     # -- names -------------------------------------------------------------
     def entry(self, name: str) -> TensorEntry:

@@ -399,13 +399,7 @@ class Checkpoint(Mapping):
         for e in entries:  # tensors without chunks (empty ones)
             if not e.chunks and e.checksum is not None:
                 check(e)
-        if len(tasks) <= 1 or f._workers == 1:
-            for task in tasks:
-                run(task)
-        else:
-            futures = [f.submit(run, task) for task in tasks]
-            for fut in futures:
-                fut.result()
+        f.map(run, tasks)
         return {tid: self._to_device(t) for tid, t in dests.items()}
 
     def _caller_rows(self, entry: TensorEntry, first: int, stop: int) -> torch.Tensor:
