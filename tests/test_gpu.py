@@ -348,6 +348,32 @@ def test_lazy_save_on_the_gpu_copies_batchnorm_statistics_at_the_call(tmp_path):
     assert not torch.equal(model.state_dict()["1.running_mean"], expected["1.running_mean"])
 
 
+@pytest.mark.parametrize("budget", [1 << 30, 1 << 10])
+def test_a_lazy_calls_small_gpu_copies_are_the_values_at_the_call(budget):
+    """The small CUDA tensors no fence owns are copied to the host on the caller's stream (gathered into one
+    copy, or each by itself beyond the budget) before the kernels it queues next: bit-exact values at the
+    call, views of one storage sharing one copy, dtypes, offsets and strides kept."""
+    from nvckpt.session import fence
+
+    torch.manual_seed(0)
+    base = torch.randn(300, device=DEV)
+    tree = {"a": base[10:110].view(10, 10), "b": base[5::3], "h": torch.randn(7, 9, device=DEV).half().t(),
+            "i": torch.arange(33, device=DEV), "e": base[300:], "s": torch.tensor(3.5, device=DEV).to(torch.bfloat16),
+            "z": torch.zeros(0, 4, device=DEV)}
+    expected = {k: v.cpu() for k, v in tree.items()}
+    opt = torch.optim.SGD([torch.zeros(1, device=DEV, requires_grad=True)])
+    skeleton, copies = fence.copy_unfenced(tree, [opt], lambda device: budget)
+    for v in tree.values():  # queued right after the call on the same stream: the copies must come first
+        v.fill_(7)
+    got = copies.finish(skeleton)
+    for k, e in expected.items():
+        assert got[k].device.type == "cpu" and got[k].dtype == e.dtype and got[k].shape == e.shape, k
+        assert got[k].stride() == tree[k].stride() and got[k].storage_offset() == tree[k].storage_offset(), k
+        assert torch.equal(got[k], e), k
+    same = got["a"].untyped_storage().data_ptr()
+    assert got["b"].untyped_storage().data_ptr() == same and got["h"].untyped_storage().data_ptr() != same
+
+
 @pytest.mark.parametrize("budget_mib", [64, 256])
 def test_gpu_memory_stays_within_the_budget(tmp_path, budget_mib):
     state = big_gpu_state()

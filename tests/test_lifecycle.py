@@ -390,6 +390,7 @@ def test_lazy_save_copies_at_the_call_what_the_forward_changes(tmp_path, monkeyp
     back: a lazy save copies the tensors its optimizer does not own (small ones) at the call, views of one
     storage sharing their copy; the optimizer's own are read lazily (not copied)."""
     import nvckpt.session.save as save_mod
+    from nvckpt.session import fence
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))
@@ -411,7 +412,7 @@ def test_lazy_save_copies_at_the_call_what_the_forward_changes(tmp_path, monkeyp
     assert all(torch.equal(loaded["model"][k], v) for k, v in expected.items())
     assert loaded["a"].tolist() == list(range(6)) and loaded["b"].tolist() == list(range(4, 12))
     assert loaded["a"].untyped_storage().data_ptr() == loaded["b"].untyped_storage().data_ptr()
-    owned = save_mod._owned_storages([opt])
+    owned = fence.owned_storages([opt])
     assert model[0].weight.untyped_storage().data_ptr() in owned
 
 
@@ -681,18 +682,62 @@ def test_a_failed_async_save_does_not_keep_its_snapshot_alive(tmp_path, monkeypa
 
 @settings(max_examples=60, deadline=None)
 @given(dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.bool, torch.complex64]),
-       n=st.integers(0, 64), start=st.integers(0, 16), step=st.integers(1, 3), as_bytes=st.booleans())
+       n=st.integers(0, 64), start=st.integers(0, 90), step=st.integers(1, 3), as_bytes=st.booleans())
 def test_the_lazy_calls_storage_pointer_is_the_storages(dtype, n, start, step, as_bytes):
     """A lazy call tells owned tensors from others by their storage's address, computed from the tensor's
     own (data_ptr minus its offset) rather than by making each storage object: the same number, for views at
-    any offset and stride, of any dtype, empty ones included."""
-    import nvckpt.session.save as save_mod
+    any offset and stride, of any dtype, empty ones included (whose data_ptr() is 0 at any offset)."""
+    from nvckpt.session import fence
 
     base = torch.zeros(n + 16, dtype=dtype)
     t = base[start::step]
     if as_bytes and dtype != torch.bool:
         t = base.view(torch.uint8)[start::step]
-    assert save_mod._storage_ptr(t) == t.untyped_storage().data_ptr()
+    assert fence.storage_ptr(t) == t.untyped_storage().data_ptr()
+
+
+@settings(max_examples=40, deadline=None)
+@given(dtypes=st.lists(st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8,
+                                        torch.bool, torch.complex64]), min_size=1, max_size=6),
+       sizes=st.lists(st.integers(0, 300), min_size=6, max_size=6),
+       views=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 40), st.integers(1, 3)), max_size=8),
+       large=st.booleans())
+def test_a_lazy_calls_small_copies_hold_the_values_at_the_call(dtypes, sizes, views, large):
+    """The small tensors no fence owns are gathered into one buffer at the call and made into a storage each
+    in the save's thread: the values at the call, in place in the containers (lists, tuples, dicts), views
+    of one storage sharing one copy and no two storages one, and tensors the fence owns or too large ones
+    left as they are."""
+    from nvckpt.session import fence
+
+    bases = [(torch.arange(sizes[i % 6], dtype=torch.float64) - 7).to(dt) for i, dt in enumerate(dtypes)]
+    param = torch.nn.Parameter(torch.ones(5))
+    opt = torch.optim.SGD([param], lr=0.1)
+    tree = {"bases": list(bases), "views": tuple(bases[b % len(bases)][start::step] for b, start, step in views),
+            "owned": param.detach(), "param": param, "n": 3}
+    if large:
+        tree["large"] = torch.zeros((fence.UNFENCED_COPY_BYTES // 4) + 1)
+    expected = {"bases": [b.clone() for b in tree["bases"]], "views": [v.clone() for v in tree["views"]]}
+    skeleton, copies = fence.copy_unfenced(tree, [opt], lambda device: 1 << 30)
+    for b in bases:
+        if b.numel():
+            b.view(torch.uint8).fill_(0xA5)  # the caller changes them right after the call
+    assert copies is not None
+    got = copies.finish(skeleton)
+    def raw(t: torch.Tensor) -> bytes:  # bit-exact (NaN payloads too)
+        return torch.empty(t.shape, dtype=t.dtype).copy_(t).view(torch.uint8).numpy().tobytes() if t.dim() else \
+            t.reshape(1).view(torch.uint8).numpy().tobytes()
+
+    triples = [*zip(got["bases"], expected["bases"], tree["bases"]), *zip(got["views"], expected["views"], tree["views"])]
+    for t, e, o in triples:
+        assert t.dtype == e.dtype and t.shape == e.shape and t.stride() == o.stride() and raw(t) == raw(e)
+    ptr = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
+    for (b, *_), v in zip(views, got["views"]):
+        assert ptr(v) == ptr(got["bases"][b % len(bases)]), "a view has a storage of its own"
+    nonempty = [ptr(b) for b in got["bases"] if b.untyped_storage().nbytes()]
+    assert len(set(nonempty)) == len(nonempty), "two storages share one copy"
+    assert got["owned"] is tree["owned"] and got["param"] is param and got["n"] == 3
+    if large:
+        assert got["large"] is tree["large"]
 
 
 def test_a_lazy_saves_thread_plans_only_after_the_call_returned(tmp_path, monkeypatch):

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import gc
@@ -34,6 +33,7 @@ from ..options import SaveOptions
 from ..plan.chunking import CPU_CHUNK_SIZE, GPU_CHUNK_SIZE
 from ..plan.walk import PlannedTensor, SavePlan, plan_save
 from ..engines.items import EncodedChunk, TensorReady
+from .fence import copy_unfenced
 from . import lifecycle
 
 
@@ -546,102 +546,12 @@ def _register(target: Any, options: SaveOptions, cancel: threading.Event, future
                            turn=TURNS.take(target, cancel))
 
 
-def _containers(node: Any, leaf: Callable[[torch.Tensor], Any] | None = None) -> Any:
-    """The object's containers copied, its leaves (tensors, scalars) shared -- what a lazy save holds at the
-    call -- or each tensor replaced by ``leaf(tensor)``."""
-    if isinstance(node, dict):
-        return {k: _containers(v, leaf) for k, v in node.items()}
-    if isinstance(node, list):
-        return [_containers(v, leaf) for v in node]
-    if isinstance(node, tuple):
-        return tuple(_containers(v, leaf) for v in node)
-    if isinstance(node, set):  # its items are scalars (hashable): a shallow copy is the snapshot
-        return set(node)
-    if leaf is not None and isinstance(node, torch.Tensor):
-        return leaf(node)
-    return node
+def _gpu_budget(options: SaveOptions) -> Callable[[torch.device], int]:
+    """The GPU memory a lazy call may take on a device (its gather of small copies): the save's budget."""
+    from ..options import default_memory_budget
 
-
-#: A lazy save copies at the call the small tensors its fences do not own, storage by storage: BatchNorm
-#: statistics and other buffers a forward updates in place (the step pre-hook does not hold the forward
-#: back).  A larger one (a weight matrix: frozen, or a bf16 copy the step rewrites) is read lazily, as the
-#: optimizer's tensors are.  CUDA tensors are copied into pinned host memory on the caller's stream (no GPU
-#: memory, no wait); measured on the H200 (bench_training, 514M GPT with bf16 weights outside the
-#: optimizer): copies of up to 16 MiB each on the GPU made the lazy call 0.018 s instead of 0.003 s.
-UNFENCED_COPY_BYTES = 1 << 20
-UNFENCED_COPY_TOTAL = 64 << 20
-
-
-def _owned_storages(fences: list[Any]) -> set[int] | None:
-    """The data_ptr of every storage the fences' steps write (parameters, state; CUDA's unified addresses keep
-    host and device pointers apart), or None where a fence is no torch Optimizer (nothing then is known to be
-    safe to read lazily but what it says)."""
-    owned: set[int] = set()
-    for f in fences:
-        groups, state = getattr(f, "param_groups", None), getattr(f, "state", None)
-        if not isinstance(groups, list) or not hasattr(state, "values"):
-            return None
-        tensors = [p for g in groups for p in g.get("params", ())]
-        tensors += [v for st in state.values() if isinstance(st, dict) for v in st.values()]
-        for t in tensors:
-            if isinstance(t, torch.Tensor):
-                with contextlib.suppress(RuntimeError, NotImplementedError):  # sparse, meta: no storage pointer
-                    owned.add(_storage_ptr(t))
-    return owned
-
-
-def _storage_ptr(t: torch.Tensor) -> int:
-    """``t.untyped_storage().data_ptr()`` without making the storage object (a third of the cost per tensor,
-    and a lazy call does this for every tensor of the state while the caller waits)."""
-    return t.data_ptr() - t.storage_offset() * t.element_size()
-
-
-def _copy_unfenced(node: Any, fences: list[Any]) -> tuple[Any, Any]:
-    """``_containers(node)`` with its small tensors that no fence owns replaced by copies made now, views of
-    one storage sharing one copy; and the CUDA events the copies are done at (None if none).  One pass, a
-    few microseconds per tensor: it runs while the caller waits."""
-    owned = _owned_storages(fences)
-    if owned is None:
-        return _containers(node), None
-    copies: dict[int, torch.Tensor] = {}
-    total = 0
-    on_cuda: set[torch.device] = set()
-
-    def leaf(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        try:
-            ptr = _storage_ptr(t)
-        except (RuntimeError, NotImplementedError):  # sparse, or a subclass without storage of its own
-            return t
-        if ptr in owned:
-            return t
-        if t.layout != torch.strided or t.is_quantized or t.is_conj() or t.is_neg() or t.device.type == "meta":
-            return t  # the walk refuses or resolves these as it does for any save
-        copy_ = copies.get(ptr)
-        if copy_ is None:
-            storage = t.untyped_storage()
-            n = storage.nbytes()
-            if n > UNFENCED_COPY_BYTES or total + n > UNFENCED_COPY_TOTAL:
-                return t
-            src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-            if t.is_cuda:  # into pinned host memory, in order on the caller's stream
-                copy_ = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-                copy_.copy_(src, non_blocking=True)
-                on_cuda.add(t.device)
-            else:
-                copy_ = src.clone()
-            copies[ptr] = copy_
-            total += n
-        return torch.empty(0, dtype=t.dtype).set_(copy_.untyped_storage(), t.storage_offset(), t.size(), t.stride())
-
-    with torch.no_grad():
-        out = _containers(node, leaf)
-    done = []
-    for device in on_cuda:
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(device))
-        done.append(event)
-    return out, done or None
+    return lambda device: (options.gpu.memory_budget
+                           or default_memory_budget(torch.cuda.get_device_properties(device).total_memory))
 
 
 _hooks: list[tuple[Any, SaveFuture]] = []  # step pre-hooks of lazy saves, with their futures
@@ -695,7 +605,8 @@ def _start_async(obj: Any, target: Any, options: SaveOptions, fences: list[Any],
     gc.disable()
     try:
         if fences:
-            skeleton, copied = _copy_unfenced(obj, fences)  # the containers copied, small unfenced tensors too
+            # The containers copied, and the small tensors no fence owns (queued on the caller's stream).
+            skeleton, copied = copy_unfenced(obj, fences, _gpu_budget(options))
             options = dataclasses.replace(options, metadata=copy.deepcopy(options.metadata))
             ready = None
             if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -705,8 +616,9 @@ def _start_async(obj: Any, target: Any, options: SaveOptions, fences: list[Any],
             future.snapshot = {"lazy": "planned and read in the save's thread"}
 
             def begin() -> SaveSession:
-                for event in copied or ():  # the copies into host memory, queued on the caller's stream
-                    event.synchronize()
+                nonlocal skeleton
+                if copied is not None:  # the small copies in place, once in host memory
+                    skeleton = copied.finish(skeleton)
                 # As in a plain async_save's call: no collection pass while planning (it would hold the GIL
                 # that the caller's forward and backward need, for longer than the whole plan takes).
                 pausing = gc.isenabled()
