@@ -247,6 +247,58 @@ def test_training_state_with_bf16_copies(training_state):
     assert back["model"]["head.weight"] is back["model"]["embed.weight"]
 
 
+def test_the_cpu_engine_codes_other_tensors_while_the_candidates_are_verified(tmp_path, monkeypatch):
+    """Verifying the candidates (a pass over every bf16 tensor and its master) runs on a worker beside the
+    coding of the tensors it cannot change, not before it (which left every other core idle): here the
+    verification waits until the engine has coded a chunk.  The candidates' frames come last, a stored one
+    (one ulp off its master) with its chunks, and the file is valid front to back and loads bit-exact."""
+    import threading
+
+    from nvckpt.engines import cpu as cpu_engine
+    from nvckpt.format.constants import FRAME_TENSOR
+    from nvckpt.format.frames import iter_frames
+    from nvckpt.io.source import Source
+    from nvckpt.plan import derived
+    from nvckpt.tools.verify import verify
+
+    coded = threading.Event()
+    seen: list[bool] = []
+    encode_group, verify_candidates = cpu_engine._encode_group, derived.DerivedSearch.verify
+
+    def encode_group_(items, buffers):
+        out = encode_group(items, buffers)
+        coded.set()
+        return out
+
+    def verify_(self):
+        seen.append(coded.wait(timeout=20))
+        verify_candidates(self)
+
+    monkeypatch.setattr(cpu_engine, "_encode_group", encode_group_)
+    monkeypatch.setattr(derived.DerivedSearch, "verify", verify_)
+    gen = torch.Generator().manual_seed(11)
+    masters_ = {f"m{i}": torch.randn(300, 200, generator=gen) for i in range(3)}
+    state = {"adam": {f"v{i}": torch.randn(400, 300, generator=gen) for i in range(4)}, "master": masters_,
+             "model": {k: spec_bf16_rne(v) for k, v in masters_.items()}}
+    state["model"]["m1"].view(torch.int16).view(-1)[123] += 1  # one ulp off: stays a stored tensor
+    path = tmp_path / "s.nvckpt"
+    nvckpt.save(state, path, chunk_size=64 << 10, workers=2)  # two: the verification waits on one of them
+    assert seen == [True]
+    with nvckpt.open(path) as ck:
+        names = [e.name for e in ck.index.tensors]
+        kinds = {e.name: (e.derived or {}).get("function") for e in ck.index.tensors}
+    assert kinds["model/m0"] == kinds["model/m2"] == "bf16_rne" and kinds["model/m1"] is None
+    source = Source(path)
+    try:
+        order = [names[h.tensor_id] for _, h in iter_frames(source) if h.frame_type == FRAME_TENSOR]
+    finally:
+        source.close()
+    assert order[-3:] == ["model/m0", "model/m1", "model/m2"]
+    report = verify(path)
+    assert report.ok and report.tensor_checksums >= 8
+    assert_tree_equal(nvckpt.load(path), state)
+
+
 def test_transposed_master():
     m = masters().t()  # a non-contiguous fp32 master: its C-order values are what bf16_rne applies to
     w = spec_bf16_rne(m.contiguous())

@@ -145,46 +145,61 @@ def encode_cpu(
             pending.append(("chunks", where, pool.submit(_encode_group, group, buffers)))
             group, where, size = [], [], 0
 
+    # Derived-tensor candidates (plan_save(defer=True)) are verified on a worker while the other tensors are
+    # coded, and come last: verifying first left every core but one idle for that long.
+    later = plan.undecided
+    decision = pool.submit(plan.decide) if later else None
+
+    def add(t: PlannedTensor) -> Iterator[TensorReady | EncodedChunk]:
+        nonlocal size
+        if t.data is None:
+            if group:
+                where.append((t, None))
+            else:
+                pending.append(("tensor", t.tensor_id, None))
+            return
+        with torch.no_grad():
+            raw = host_bytes(t)
+        if not tensor_checksums:
+            checksum = None
+        elif raw.nbytes < GROUP_BYTES:
+            checksum = Future()
+            checksum.set_result(xxh3(raw))
+        else:
+            checksum = pool.submit(xxh3, raw)
+        if group:  # announced inside the open group, so that frames keep the tensors' order
+            where.append((t, checksum))
+        else:
+            pending.append(("tensor", t.tensor_id, checksum))
+        pipeline = choose(t.entry["dtype"])
+        for index, (start, length) in enumerate(t.chunks):
+            if length >= GROUP_BYTES:
+                flush()
+                pending.append(("chunks", [(t, index)],
+                                pool.submit(_encode_group, [(pipeline, raw[start: start + length])], buffers)))
+                yield from drain(window)
+                continue
+            group.append((pipeline, raw[start: start + length]))
+            where.append((t, index))
+            size += length
+            if size >= GROUP_BYTES or len(group) >= GROUP_CHUNKS:
+                flush()
+                yield from drain(window)
+
     try:
         for t in plan.tensors:
-            if t.data is None:
-                if group:
-                    where.append((t, None))
-                else:
-                    pending.append(("tensor", t.tensor_id, None))
-                continue
-            with torch.no_grad():
-                raw = host_bytes(t)
-            if not tensor_checksums:
-                checksum = None
-            elif raw.nbytes < GROUP_BYTES:
-                checksum = Future()
-                checksum.set_result(xxh3(raw))
-            else:
-                checksum = pool.submit(xxh3, raw)
-            if group:  # announced inside the open group, so that frames keep the tensors' order
-                where.append((t, checksum))
-            else:
-                pending.append(("tensor", t.tensor_id, checksum))
-            pipeline = choose(t.entry["dtype"])
-            for index, (start, length) in enumerate(t.chunks):
-                if length >= GROUP_BYTES:
-                    flush()
-                    pending.append(("chunks", [(t, index)],
-                                    pool.submit(_encode_group, [(pipeline, raw[start: start + length])], buffers)))
-                    yield from drain(window)
-                    continue
-                group.append((pipeline, raw[start: start + length]))
-                where.append((t, index))
-                size += length
-                if size >= GROUP_BYTES or len(group) >= GROUP_CHUNKS:
-                    flush()
-                    yield from drain(window)
+            if t.tensor_id not in later:
+                yield from add(t)
+        if decision is not None:
+            decision.result()
+            for t in plan.tensors:
+                if t.tensor_id in later:
+                    yield from add(t)
         flush()
         yield from drain(0)
     finally:
         # The threads are shared (nvckpt.engines.threads): what has not started is dropped, and what runs
         # is waited for, so that no task reads the tensors or the buffers after the save has ended.
-        futures = [item[2] for item in pending if isinstance(item[2], Future)]
+        futures = [item[2] for item in pending if isinstance(item[2], Future)] + ([decision] if decision else [])
         futures += [w[1] for item in pending if item[0] == "chunks" for w in item[1] if isinstance(w[1], Future)]
         wait([f for f in futures if not f.cancel()])

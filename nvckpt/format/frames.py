@@ -73,7 +73,7 @@ class FrameWriter:
             raise ValueError("one list of chunk lengths per entry")
         self.stream = stream
         self.entries = entries
-        self.chunk_lengths = chunk_lengths
+        self.chunk_lengths = list(chunk_lengths)
         self.alignment = alignment
         self.position = 0
         self._pending: list[Any] | None = None  # while deferring (defer()): what flush() writes, in order
@@ -162,10 +162,15 @@ class FrameWriter:
             entry["checksum"] = self.checksums[tensor_id]
         return entry
 
-    def tensor(self, tensor_id: int, checksum: int | None = None) -> None:
-        """The TENSOR frame of a tensor; ``checksum``: XXH3-64 of its raw bytes, if known."""
+    def tensor(self, tensor_id: int, checksum: int | None = None, chunk_lengths: Sequence[int] | None = None) -> None:
+        """The TENSOR frame of a tensor; ``checksum``: XXH3-64 of its raw bytes, if known; ``chunk_lengths``:
+        its chunks' raw lengths where they were not known when the writer was made (a derived-tensor
+        candidate verified meanwhile: none once it is derived)."""
         if self.announced[tensor_id]:
             raise RuntimeError(f"tensor {tensor_id} announced twice")
+        if chunk_lengths is not None:
+            self.chunk_lengths[tensor_id] = list(chunk_lengths)
+            self.chunks[tensor_id] = [None] * len(chunk_lengths)
         if checksum is not None:
             self.checksums[tensor_id] = checksum
         entry = self._entry(tensor_id)

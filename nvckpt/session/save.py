@@ -72,10 +72,13 @@ def write_items(stream: Any, items: Iterable[TensorReady | EncodedChunk], plan: 
         writer = FrameWriter(stream, plan.entries(), plan.chunk_lengths(), alignment=alignment,
                              required_features=plan.required_features)
         held: list[EncodedChunk] = []  # chunks whose frames the writer holds (EncodedChunk.flush False)
+        undecided = plan.undecided  # derived-tensor candidates: their chunks are known when they are announced
         try:
             for item in items:
                 if isinstance(item, TensorReady):
-                    writer.tensor(item.tensor_id, item.checksum)
+                    writer.tensor(item.tensor_id, item.checksum,
+                                  [n for _, n in plan.tensors[item.tensor_id].chunks]
+                                  if item.tensor_id in undecided else None)
                     continue
                 if not item.flush:
                     writer.defer()
@@ -294,8 +297,8 @@ class SaveSession:
 
     def _run(self, cancel: threading.Event, turn: Any = None) -> SaveResult:
         begun = time.perf_counter()
-        if not self.caller_decides:
-            self.plan.decide()
+        if not self.caller_decides and self.device is not None:
+            self.plan.decide()  # the CPU engine verifies the candidates itself, beside its coding of the rest
         items, extra = self._items()
         items = _cancellable(items, cancel)
         try:
