@@ -382,8 +382,9 @@ def run(tr: Any, name: str, level: str, k: int, n_ckpt: int, base_step: float, w
             result = pending.result()
             phases.append(_phases(result))
             if result is not None and getattr(result, "stats", None):
-                out["engine_stats"] = {k: result.stats.get(k) for k in ("tensors_read_seconds", "waits", "batches",
-                                                                        "batch_bytes", "memory_budget", "pinned_bytes", "seconds")}
+                out["engine_stats"] = {k: result.stats.get(k) for k in (
+                    "tensors_read_seconds", "waits", "batches", "batch_bytes", "staged_bytes", "memory_budget",
+                    "pinned_bytes", "seconds")}
         if any(phases):
             out["phases"] = phases  # per checkpoint: where the save's time went before and while it read
         torch.cuda.synchronize()

@@ -829,6 +829,43 @@ def test_read_ahead_beyond_the_pinned_limit_waits_for_the_writer():
     assert read.is_set() and seen_before > 0  # it had to write (release slots) before it could read everything
 
 
+def test_small_staged_inputs_are_set_aside_instead_of_scratch_per_batch():
+    from nvckpt.engines.gpu.encode import batch_bytes_for
+
+    opts = GpuSaveOptions(memory_budget=1 << 30, batch_bytes=1 << 40)
+    dev = HostBackend()
+    alone, _ = batch_bytes_for(opts, dev, scratch=False)
+    scratch, _ = batch_bytes_for(opts, dev, scratch=True)
+    assert scratch * 5 <= alone * 3 + 5  # scratch per batch: 5 halves of a batch alive instead of 3
+    small, _ = batch_bytes_for(opts, dev, scratch=False, staged=4 << 20)
+    assert alone - (4 << 20) <= small < alone  # the staged bytes come off the room once
+    large, _ = batch_bytes_for(opts, dev, scratch=False, staged=600 << 20)
+    assert large == scratch  # too much to set aside: scratch per batch, as before
+
+
+def test_a_save_with_a_few_staged_tensors_keeps_its_batches():
+    """Non-contiguous tensors (on a GPU also tensors in host memory) are staged to the device; a few small ones
+    take their own bytes of the budget, not scratch for every batch; the file holds every value."""
+    big = {f"w{i}": torch.randn(256, 1024) for i in range(4)}
+    opts = GpuSaveOptions(memory_budget=16 << 20, batch_bytes=1 << 40)
+
+    def run(state):
+        stats = {}
+        plan = plan_save(state, chunk_size=256 << 10)
+        buf = io.BytesIO()
+        write_items(buf, encode_batches(plan, chooser("auto", 1), HostBackend(), opts, stats=stats), plan,
+                    alignment=4096, info=writer_info())
+        assert_tree_equal(nvckpt.load(io.BytesIO(buf.getvalue())), state)
+        return stats
+
+    alone = run(big)
+    mixed = run({**big, "t": torch.randn(64, 48).t(), "u": torch.randn(30, 20)[:, ::2]})
+    assert alone["staged_bytes"] == 0 and 0 < mixed["staged_bytes"] < 64 << 10
+    assert alone["batch_bytes"] - mixed["batch_bytes"] <= mixed["staged_bytes"]
+    many = run({**big, "t": torch.randn(2048, 1024).t()})  # 8 MiB to stage: scratch per batch
+    assert many["staged_bytes"] == 0 and many["batch_bytes"] * 5 <= alone["batch_bytes"] * 3 + 5
+
+
 def test_the_engine_refuses_a_budget_too_small_for_one_chunk():
     plan = plan_save({"w": torch.randn(512, 1024)}, chunk_size=1 << 20)
     with pytest.raises(ValueError, match="memory_budget"):

@@ -126,10 +126,12 @@ def _batch_parts(batch: Batch, sources: dict[int, torch.Tensor], device: Any,
     picked = {k for k, x in distinct.items() if staged(x)}
     if picked:
         idx = [i for i, p in enumerate(parts) if id(p[0]) in picked]
-        for i, part in zip(idx, stage_parts(parts, idx, 512, device)):
+        for i, part in zip(idx, stage_parts(parts, idx, STAGE_ALIGN, device)):
             parts[i] = part
     return parts
 
+
+STAGE_ALIGN = 512  # offset alignment of a staged chunk in its batch's staging buffer (staged_bytes counts it)
 
 GATHER_BUFFERS = 2  # device buffers of a slot each that pack runs before their copy out (double buffering)
 

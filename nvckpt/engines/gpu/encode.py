@@ -25,7 +25,8 @@ pieces are staged on the device first, as its chunks are for the encode: no
 path copies a whole tensor) in the order the tensors are first written.
 
 Memory beyond the caller's tensors: GPU about (inflight + 1) x (batch_bytes of
-output + batch_bytes of scratch for the byte-plane split or staged inputs),
+output + batch_bytes of scratch for the byte-plane split or staged inputs; staged
+inputs that are small beside the budget are set aside as a whole instead),
 plus two slots for packing runs before their copy out (``gather_bytes``);
 pinned host memory pinned_slots x slot_bytes + checksum_workers x 2 x
 piece_bytes (384 MiB by default; torch keeps freed pinned blocks for the next
@@ -61,7 +62,7 @@ from ...format.structs import xxh3
 from ...options import GpuSaveOptions, default_memory_budget, default_pinned_limit
 from ...plan.walk import PlannedTensor, SavePlan
 from ..items import EncodedChunk, TensorReady
-from .backend import GATHER_BUFFERS, Backend, Encoded
+from .backend import GATHER_BUFFERS, STAGE_ALIGN, Backend, Encoded
 from .batching import Batch, ChunkJob, SlotPool, SlotRun, copy_groups, first_use_order, plan_batches
 from .hashing import device_digest
 from .pinned import PINNED, cached_allocator
@@ -295,16 +296,41 @@ def encode_batches(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backe
     return _pipeline(plan, choose, dev, options, tensor_checksums, ready, {} if stats is None else stats, read_ahead)
 
 
-def batch_bytes_for(options: GpuSaveOptions, dev: Backend, *, scratch: bool = True) -> tuple[int, int]:
+def batch_bytes_for(options: GpuSaveOptions, dev: Backend, *, scratch: bool = True, staged: int = 0) -> tuple[int, int]:
     """(batch_bytes, budget): batches shrunk so that the engine's device memory stays within the budget.
 
     Per batch alive the engine holds its output (batch_bytes), nvCOMP's own temporary memory (measured
     on the H200: up to about half a batch) and, with ``scratch``, as much again for byte planes (nvCOMP
     zstd after a byte-plane split) or inputs staged from another device; inflight + 1 batches are
-    alive at once, beside two slots for packing copies (``gather_bytes``)."""
+    alive at once, beside two slots for packing copies (``gather_bytes``).  ``staged``: without
+    ``scratch``, the device bytes that staging the chunks of tensors elsewhere takes (``staged_bytes``):
+    each chunk is staged in one batch, so the batches alive never hold more than that; where it is
+    small beside the room (a lazy save's few MB of small copies in host memory) it is set aside and
+    the batches keep their size, else every batch reserves scratch."""
     budget = options.memory_budget or default_memory_budget(dev.memory_total())
     room = budget - gather_bytes(options, budget)
+    if not scratch and staged:
+        if sets_aside(staged, options, budget):
+            room -= staged
+        else:
+            scratch = True
     return min(options.batch_bytes, room * 2 // (_halves(scratch) * (options.inflight + 1))), budget
+
+
+# Staged inputs up to 1/8 of the engine's room are set aside as a whole; more, and every batch reserves scratch.
+_STAGED_SHARE = 8
+
+
+def sets_aside(staged: int, options: GpuSaveOptions, budget: int) -> bool:
+    """Are ``staged`` bytes of staged inputs small enough beside the budget to be set aside as a whole?"""
+    return staged * _STAGED_SHARE <= budget - gather_bytes(options, budget)
+
+
+def staged_bytes(tensors: list[PlannedTensor], dev: Backend) -> int:
+    """Device bytes the staging of ``tensors``' chunks takes at most: those of tensors on another device or
+    not contiguous, each at a 512-byte aligned offset of its batch's staging buffer (stage_parts)."""
+    return sum(n + STAGE_ALIGN for t in tensors if t.data.device != dev.device or not t.data.is_contiguous()
+               for _, n in t.chunks)
 
 
 def _halves(scratch: bool) -> int:
@@ -355,13 +381,17 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
     started = time.perf_counter()
     inflight, slot_bytes = options.inflight, options.slot_bytes
     stored = [t for t in plan.tensors if t.data is not None and t.chunks]
-    # Scratch per batch: for byte planes, and for chunks staged from another device or a non-contiguous tensor.
-    scratch = any(t.data.device != dev.device or not t.data.is_contiguous() for t in stored) or any(
-        (op := choose(dtype).device_op()) is not None and op.algorithm == "zstd" and op.shuffle > 1
-        for dtype in {t.entry["dtype"] for t in stored})
-    batch_bytes, budget = batch_bytes_for(options, dev, scratch=scratch)
+    # Scratch per batch for byte planes; chunks staged from another device or a non-contiguous tensor take
+    # what they need (set aside as a whole where that is small, else scratch per batch too).
+    scratch = any((op := choose(dtype).device_op()) is not None and op.algorithm == "zstd" and op.shuffle > 1
+                  for dtype in {t.entry["dtype"] for t in stored})
+    staged = 0 if scratch else staged_bytes(stored, dev)
+    batch_bytes, budget = batch_bytes_for(options, dev, scratch=scratch, staged=staged)
+    if staged and not sets_aside(staged, options, budget):
+        scratch, staged = True, 0  # as batch_bytes_for decided
     gather = gather_bytes(options, budget) > 0
-    stats.update(engine=type(dev).__name__, memory_budget=budget, batch_bytes=batch_bytes, gather=gather)
+    stats.update(engine=type(dev).__name__, memory_budget=budget, batch_bytes=batch_bytes, gather=gather,
+                 staged_bytes=staged)
     left: dict[int, int] = {}  # chunks left per tensor: its flat bytes are dropped after the last one is encoded
     by_id = {t.tensor_id: t for t in plan.tensors}
     counts = {"batches": 0, "chunks": 0}
@@ -403,7 +433,7 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
         if biggest > batch_bytes:
             raise ValueError(f"GpuSaveOptions.memory_budget {budget} is too small for this save: one chunk needs "
                              f"{biggest} bytes of output, so the budget must be at least "
-                             f"{_halves(scratch) * (inflight + 1) * biggest // 2 + gather_bytes(options, budget)} "
+                             f"{_halves(scratch) * (inflight + 1) * biggest // 2 + gather_bytes(options, budget) + staged} "
                              "(or use smaller chunks, or fewer batches in flight)")
         return plan_batches(jobs, capacity, batch_bytes=batch_bytes, max_chunks=options.max_batch_chunks), per_tensor
 
