@@ -299,6 +299,46 @@ def test_the_cpu_engine_codes_other_tensors_while_the_candidates_are_verified(tm
     assert_tree_equal(nvckpt.load(path), state)
 
 
+def test_a_cpu_load_derives_each_tensor_as_soon_as_its_source_is_decoded(monkeypatch):
+    """A derived tensor is computed on the decode thread that finished its source (bytes still in cache,
+    beside the other tensors' decoding), not one by one after every chunk is decoded; what the load returns
+    is the same, also for a derived tensor whose source is a view's base or loaded alone."""
+    from nvckpt.session import file as file_mod
+    from nvckpt.session import load as load_mod
+
+    mapping = [False]
+    at_derive: list[bool] = []
+    file_map, derive = file_mod.CheckpointFile.map, load_mod._derive
+
+    def map_(self, fn, items):
+        mapping[0] = True
+        try:
+            return file_map(self, fn, items)
+        finally:
+            mapping[0] = False
+
+    def derive_(*args):
+        at_derive.append(mapping[0])
+        return derive(*args)
+
+    monkeypatch.setattr(file_mod.CheckpointFile, "map", map_)
+    monkeypatch.setattr(load_mod, "_derive", derive_)
+    gen = torch.Generator().manual_seed(12)
+    masters_ = {f"m{i}": torch.randn(256, 300, generator=gen) for i in range(4)}
+    state = {"master": masters_, "model": {k: spec_bf16_rne(v) for k, v in masters_.items()},
+             "other": torch.randn(1000, generator=gen)}
+    data = save_bytes(state, chunk_size=64 << 10)
+    with nvckpt.open(io.BytesIO(data)) as ck:
+        assert sum(e.derived is not None for e in ck.index.tensors) == 4
+    back = nvckpt.load(io.BytesIO(data))
+    assert at_derive == [True] * 4
+    assert_tree_equal(back, state)
+    at_derive.clear()
+    with nvckpt.open(io.BytesIO(data)) as ck:
+        assert_tensor_equal(ck["model/m2"], state["model"]["m2"])  # its source is not returned: the same path
+    assert at_derive == [True]
+
+
 def test_transposed_master():
     m = masters().t()  # a non-contiguous fp32 master: its C-order values are what bf16_rne applies to
     w = spec_bf16_rne(m.contiguous())

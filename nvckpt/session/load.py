@@ -330,8 +330,11 @@ class Checkpoint(Mapping):
         self._file.read_into(entry, start, stop, memoryview(out.numpy()))
         return out
 
-    def _raw_tensors(self, entries: list[TensorEntry], progress: Callable[[int], None] | None) -> dict[int, torch.Tensor]:
-        """Raw bytes (1-D uint8 on the target device) of stored tensors, their tensor checksums verified."""
+    def _raw_tensors(self, entries: list[TensorEntry], progress: Callable[[int], None] | None,
+                     decoded: Callable[[int, torch.Tensor], None] | None = None) -> dict[int, torch.Tensor]:
+        """Raw bytes (1-D uint8 on the target device) of stored tensors, their tensor checksums verified.
+        ``decoded(tensor id, raw bytes)``: called on a decode thread as soon as a tensor's last chunk is
+        decoded, where the bytes stay in host memory (a CPU load)."""
         if self._gpu is not None and entries:
             from ..engines.gpu.decode import decode_entries
 
@@ -339,13 +342,14 @@ class Checkpoint(Mapping):
             if progress is not None:
                 progress(sum(e.nbytes for e in entries))
             return out
-        return self._host_tensors(entries, progress)
+        return self._host_tensors(entries, progress, decoded if self.device.type == "cpu" else None)
 
-    def _host_tensors(self, entries: list[TensorEntry], progress: Callable[[int], None] | None) -> dict[int, torch.Tensor]:
+    def _host_tensors(self, entries: list[TensorEntry], progress: Callable[[int], None] | None,
+                      decoded: Callable[[int, torch.Tensor], None] | None = None) -> dict[int, torch.Tensor]:
         """Every chunk of ``entries`` read, verified and decoded on the decode threads, straight into the
         tensors' memory; small chunks in tasks of ~256 KiB, so thousands of small tensors cost little.
         A tensor's checksum is a task started by whichever thread finishes its last chunk, so it runs
-        beside the other chunks' decoding (and on bytes still in cache)."""
+        beside the other chunks' decoding (and on bytes still in cache); so does ``decoded``."""
         f = self._file
         dests = {e.tensor_id: allocate(e.nbytes, e, self.path) for e in entries}
         arrays = {tid: t.numpy() for tid, t in dests.items()}
@@ -393,6 +397,8 @@ class Checkpoint(Mapping):
                     last = left[e.tensor_id] == 0
                 if last and e.checksum is not None and h is None:
                     check(e)
+                if last and decoded is not None:
+                    decoded(e.tensor_id, dests[e.tensor_id])
                 if last and progress is not None:
                     progress(e.nbytes)
 
@@ -473,14 +479,29 @@ class Checkpoint(Mapping):
             # few bytes can be 64 GiB to whatever reads it (SPEC 20: the limit is on the materialized size).
             self._file.check_size(tensors[tid], tensors[tid].nbytes)
         stored = [tensors[t] for t in wanted if tensors[t].chunks is not None]
+        # Tensors derived from a stored tensor are computed on the decode thread that finished their source
+        # (its bytes still in cache, beside the other chunks' decoding), not one by one once all are decoded.
+        users: dict[int, list[TensorEntry]] = {}
+        for tid in wanted:
+            d = tensors[tid].derived
+            if d is not None and tensors[d["source"]].chunks is not None:
+                users.setdefault(d["source"], []).append(tensors[tid])
+        early: dict[int, torch.Tensor] = {}
+
+        def decoded(tid: int, raw: torch.Tensor) -> None:
+            source = _typed(tensors[tid], raw, tensors[tid].shape, self.path)
+            for e in users.get(tid, ()):
+                early[e.tensor_id] = _derive(e, source, e.nbytes, self.path)
+
         out = {tid: _typed(tensors[tid], raw, tensors[tid].shape, self.path)
-               for tid, raw in self._raw_tensors(stored, progress).items()}
+               for tid, raw in self._raw_tensors(stored, progress, decoded if users else None).items()}
         for tid in wanted:  # bases and sources come before their users
             e = tensors[tid]
             if e.view is not None:
                 out[tid] = out[e.view["base"]].as_strided(e.shape, e.view["stride"], e.view["offset"])
             elif e.derived is not None:
-                out[tid] = _derive(e, out[e.derived["source"]], e.nbytes, self.path)
+                derived = early.pop(tid, None)
+                out[tid] = _derive(e, out[e.derived["source"]], e.nbytes, self.path) if derived is None else derived
             if e.chunks is None:  # stored tensors' checksums were verified as they were decoded
                 _check_elements(e, out[tid], self.path)
         return out if self._relocate is None else self._relocated(out)
