@@ -486,15 +486,16 @@ class Checkpoint(Mapping):
             d = tensors[tid].derived
             if d is not None and tensors[d["source"]].chunks is not None:
                 users.setdefault(d["source"], []).append(tensors[tid])
-        early: dict[int, torch.Tensor] = {}
+        early: dict[int, torch.Tensor] = {}  # by id: the derived tensors, and their sources as typed there
 
         def decoded(tid: int, raw: torch.Tensor) -> None:
-            source = _typed(tensors[tid], raw, tensors[tid].shape, self.path)
+            source = early[tid] = _typed(tensors[tid], raw, tensors[tid].shape, self.path)
             for e in users.get(tid, ()):
                 early[e.tensor_id] = _derive(e, source, e.nbytes, self.path)
 
-        out = {tid: _typed(tensors[tid], raw, tensors[tid].shape, self.path)
-               for tid, raw in self._raw_tensors(stored, progress, decoded if users else None).items()}
+        raws = self._raw_tensors(stored, progress, decoded if users else None)
+        out = {tid: early.pop(tid) if tid in early else _typed(tensors[tid], raw, tensors[tid].shape, self.path)
+               for tid, raw in raws.items()}
         for tid in wanted:  # bases and sources come before their users
             e = tensors[tid]
             if e.view is not None:

@@ -307,28 +307,30 @@ def batch_bytes_for(options: GpuSaveOptions, dev: Backend, *, scratch: bool = Tr
     each chunk is staged in one batch, so the batches alive never hold more than that; where it is
     small beside the room (a lazy save's few MB of small copies in host memory) it is set aside and
     the batches keep their size, else every batch reserves scratch."""
+    batch_bytes, budget, _, _ = _batch_plan(options, dev, scratch, staged)
+    return batch_bytes, budget
+
+
+def _batch_plan(options: GpuSaveOptions, dev: Backend, scratch: bool, staged: int) -> tuple[int, int, bool, int]:
+    """batch_bytes_for's (batch_bytes, budget), and what it decided: scratch per batch, and the staged bytes set
+    aside as a whole (0 where none are, or where they are too many and every batch reserves scratch instead)."""
     budget = options.memory_budget or default_memory_budget(dev.memory_total())
     room = budget - gather_bytes(options, budget)
     if not scratch and staged:
-        if sets_aside(staged, options, budget):
+        if staged * _STAGED_SHARE <= room:
             room -= staged
         else:
-            scratch = True
-    return min(options.batch_bytes, room * 2 // (_halves(scratch) * (options.inflight + 1))), budget
+            scratch, staged = True, 0
+    return min(options.batch_bytes, room * 2 // (_halves(scratch) * (options.inflight + 1))), budget, scratch, staged
 
 
 # Staged inputs up to 1/8 of the engine's room are set aside as a whole; more, and every batch reserves scratch.
 _STAGED_SHARE = 8
 
 
-def sets_aside(staged: int, options: GpuSaveOptions, budget: int) -> bool:
-    """Are ``staged`` bytes of staged inputs small enough beside the budget to be set aside as a whole?"""
-    return staged * _STAGED_SHARE <= budget - gather_bytes(options, budget)
-
-
 def staged_bytes(tensors: list[PlannedTensor], dev: Backend) -> int:
     """Device bytes the staging of ``tensors``' chunks takes at most: those of tensors on another device or
-    not contiguous, each at a 512-byte aligned offset of its batch's staging buffer (stage_parts)."""
+    not contiguous, each at a STAGE_ALIGN-aligned offset of its batch's staging buffer (stage_parts)."""
     return sum(n + STAGE_ALIGN for t in tensors if t.data.device != dev.device or not t.data.is_contiguous()
                for _, n in t.chunks)
 
@@ -386,9 +388,7 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
     scratch = any((op := choose(dtype).device_op()) is not None and op.algorithm == "zstd" and op.shuffle > 1
                   for dtype in {t.entry["dtype"] for t in stored})
     staged = 0 if scratch else staged_bytes(stored, dev)
-    batch_bytes, budget = batch_bytes_for(options, dev, scratch=scratch, staged=staged)
-    if staged and not sets_aside(staged, options, budget):
-        scratch, staged = True, 0  # as batch_bytes_for decided
+    batch_bytes, budget, scratch, staged = _batch_plan(options, dev, scratch, staged)
     gather = gather_bytes(options, budget) > 0
     stats.update(engine=type(dev).__name__, memory_budget=budget, batch_bytes=batch_bytes, gather=gather,
                  staged_bytes=staged)
