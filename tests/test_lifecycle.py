@@ -148,6 +148,32 @@ def test_sigterm_past_the_grace_runs_no_user_code_before_the_exit(tmp_path):
     assert not glob.glob(str(tmp_path / ".*nvckpt-tmp"))
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads each thread's signal mask from /proc")
+def test_nvckpt_threads_leave_sigterm_and_sigint_to_the_main_thread(tmp_path):
+    """The kernel gives a process's SIGTERM to any thread that does not block it; Python runs the handler in
+    the main thread only, and a main thread asleep in C (time.sleep) is not woken when another thread took
+    the signal: the grace then began a minute late, after the save had ended (a flaky test here)."""
+    path = str(tmp_path / "m.nvckpt")
+    done = child(f"""
+        import threading, time, torch, nvckpt
+        f = {SLOW_SAVE.format(fn='async_save', path=path, extra='')}
+        time.sleep(1)  # the file is being written: its I/O and coding threads run
+        def blocked(t):
+            with open(f"/proc/self/task/{{t.native_id}}/status") as s:
+                mask = int(next(line for line in s if line.startswith("SigBlk:")).split()[1], 16)
+            return [bool(mask >> (n - 1) & 1) for n in (15, 2)]
+        for t in threading.enumerate():
+            print(t.name, *blocked(t))
+        f.result()
+    """)
+    assert done.returncode == 0, done.stderr
+    masks = dict((name, (term == "True", intr == "True")) for name, term, intr in
+                 (line.rsplit(" ", 2) for line in done.stdout.splitlines()))
+    assert masks.pop("MainThread") == (False, False)
+    assert "nvckpt-async-save" in masks and any(n.startswith("nvckpt-io") for n in masks), masks
+    assert all(masks[n] == (True, True) for n in masks if n.startswith("nvckpt")), masks
+
+
 def test_sigterm_without_a_save_is_the_default_action(tmp_path):
     proc = child("""
         import time, torch, nvckpt

@@ -17,6 +17,8 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from .._signals import leave_to_main_thread
+
 _pools: dict[int, ThreadPoolExecutor] = {}
 _lock = threading.Lock()
 
@@ -26,7 +28,8 @@ def host_pool(workers: int) -> ThreadPoolExecutor:
     with _lock:
         pool = _pools.get(workers)
         if pool is None:
-            pool = _pools[workers] = ThreadPoolExecutor(workers, thread_name_prefix=f"nvckpt-host{workers}")
+            pool = _pools[workers] = ThreadPoolExecutor(workers, thread_name_prefix=f"nvckpt-host{workers}",
+                                                          initializer=leave_to_main_thread)
         return pool
 
 

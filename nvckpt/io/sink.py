@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .._signals import leave_to_main_thread
 from ..errors import NvckptError
 
 DEFAULT_BLOCK = 16 << 20
@@ -130,6 +131,7 @@ class FileSink:
 
     # -- I/O thread --------------------------------------------------------
     def _io_loop(self) -> None:
+        leave_to_main_thread()
         while True:
             item = self._full.get()
             if item is None:

@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._signals import leave_to_main_thread
+
 _lock = threading.Lock()
 _active: dict[int, "Running"] = {}
 _installed = {"exit": False, "sigterm": False}
@@ -189,6 +191,7 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 
 
 def _watchdog(running: list[Running], grace: float, signum: int) -> None:
+    leave_to_main_thread()  # its os.kill below must reach the main thread's handler
     deadline = time.monotonic() + grace
     for run in running:
         run.done.wait(max(0.0, deadline - time.monotonic()))

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from .. import __version__
+from .._signals import leave_to_main_thread
 from ..codecs.base import Pipeline
 from ..codecs.presets import GPU_PRESETS, chooser
 from ..errors import LeftoverTemporaryWarning, UnsupportedCodecError
@@ -651,6 +652,7 @@ def _start_async(obj: Any, target: Any, options: SaveOptions, fences: list[Any],
 
         def work() -> None:
             started_after = time.perf_counter() - launched
+            leave_to_main_thread()  # SIGTERM wakes the main thread at once, even asleep in C (and its engine's threads)
             if fences:
                 # Plan only once the call has returned: planning holds the GIL for milliseconds at a time,
                 # and the caller's last few lines would each wait for it (up to sys.getswitchinterval()).

@@ -22,6 +22,7 @@ from typing import Any
 
 import xxhash
 
+from .._signals import leave_to_main_thread
 from ..codecs.registry import pipeline_from_json
 from ..errors import NvckptError, UnsupportedCodecError, located_message
 from ..format.constants import FOOTER_SIZE, FRAME_CHUNK, FRAME_CODEC, FRAME_HEADER_SIZE, FRAME_INDEX, FRAME_TENSOR
@@ -97,7 +98,7 @@ def verify(path: str | os.PathLike, *, progress: ProgressFactory | None = None, 
         gpu_candidates: list[TensorEntry] = []  # intact, but some chunks need a GPU decoder
         status: dict[int, str] = {}  # stored tensor id -> "ok", "damaged" or "undecoded"
         try:
-            with ThreadPoolExecutor(workers, thread_name_prefix="nvckpt-verify") as pool:
+            with ThreadPoolExecutor(workers, thread_name_prefix="nvckpt-verify", initializer=leave_to_main_thread) as pool:
                 for entry in reader.index.tensors:
                     if entry.unsupported is not None:  # SPEC 10, 8.5: valid, but no reader here builds it
                         report.undecoded.append(Problem(f"not readable here: {entry.unsupported}", entry.name))

@@ -37,6 +37,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from ..._signals import leave_to_main_thread
 from ...codecs.base import DecodeRejected
 from ...codecs.builtin import check_zstd_window
 from ...errors import ChecksumError, FormatError, LimitError, NvckptError
@@ -132,7 +133,7 @@ class _Verifier:
         self.dev = dev
         self.path = path
         self.piece_bytes = piece_bytes
-        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="nvckpt-verify")
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="nvckpt-verify", initializer=leave_to_main_thread)
         self.futures: list[Future] = []
         self._local = threading.local()
 
@@ -236,7 +237,8 @@ def _decode(file: CheckpointFile, targets: list[_Target], dev: Backend, options:
     reads = DirectReads(file.source, options.direct_io)
     pool = SlotPool(min(options.read_buffers, len(spans)), buf_size, cached_allocator(dev.host_buffer), lazy=True)
     arena = dev.alloc(arena_bytes)
-    readers = ThreadPoolExecutor(options.read_threads, thread_name_prefix="nvckpt-read")
+    readers = ThreadPoolExecutor(options.read_threads, thread_name_prefix="nvckpt-read",
+                                 initializer=leave_to_main_thread)
     inflight: deque = deque()
     staged: dict[Any, list[tuple[_Item, torch.Tensor]]] = {}
     arena_used = 0

@@ -55,6 +55,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from ..._signals import leave_to_main_thread
 from ...codecs.base import Pipeline
 from ...codecs.builtin import check_zstd_window
 from ...codecs.registry import RAW
@@ -101,6 +102,7 @@ class TensorChecksums:
             return self.tensors[self._next - 1]
 
     def _run(self) -> None:
+        leave_to_main_thread()
         try:
             stream = self.dev.side_stream(self.ready)
             pieces: list[torch.Tensor] = []
@@ -448,7 +450,8 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
 
     checks = (TensorChecksums(dev, order, ready, options.piece_bytes, options.checksum_workers)
               if tensor_checksums and order else None)
-    hasher = ThreadPoolExecutor(options.hash_workers, thread_name_prefix="nvckpt-chunk-xxh3")
+    hasher = ThreadPoolExecutor(options.hash_workers, thread_name_prefix="nvckpt-chunk-xxh3",
+                                initializer=leave_to_main_thread)
     pool: SlotPool | None = None
     announced: set[int] = set()
     sources: dict[int, torch.Tensor] = {}
