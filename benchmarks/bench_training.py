@@ -534,7 +534,7 @@ def profile_saves(tr: Any, n: int, workdir: str) -> None:
 
 def markdown() -> str:
     e = R.get("environment", {})
-    lines = ["# What a training job loses to checkpoints (H200, GPU memory pressure)", "",
+    lines = [f"# What a training job loses to checkpoints ({str(e.get('gpu', 'GPU')).split(' (')[0]}, GPU memory pressure)", "",
              f"Date: {e.get('date')}. Hardware: {e.get('gpu')}, {e.get('cpus')} CPUs. Software: torch {e.get('torch')}, "
              f"nvCOMP {e.get('nvcomp')}.", "", f"Command: `{e.get('command')}`", "",
              *([f"Disk prefilled before the runs: {R['prefill_disk']['GB']} GB written and deleted in "
