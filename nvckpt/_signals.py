@@ -11,6 +11,7 @@ interrupted at once.  A thread inherits its creator's mask, so the threads these
 from __future__ import annotations
 
 import signal
+import threading
 
 _TERMINATION = frozenset(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGINT", None)) if s)
 
@@ -18,8 +19,5 @@ _TERMINATION = frozenset(s for s in (getattr(signal, "SIGTERM", None), getattr(s
 def leave_to_main_thread() -> None:
     """Block SIGTERM and SIGINT in the calling thread (one of nvckpt's; never the main thread)."""
     block = getattr(signal, "pthread_sigmask", None)  # absent on Windows, whose signals work otherwise
-    if block is not None and _TERMINATION:
-        import threading
-
-        if threading.current_thread() is not threading.main_thread():
-            block(signal.SIG_BLOCK, _TERMINATION)
+    if block is not None and _TERMINATION and threading.current_thread() is not threading.main_thread():
+        block(signal.SIG_BLOCK, _TERMINATION)

@@ -652,7 +652,7 @@ def _start_async(obj: Any, target: Any, options: SaveOptions, fences: list[Any],
 
         def work() -> None:
             started_after = time.perf_counter() - launched
-            leave_to_main_thread()  # SIGTERM wakes the main thread at once, even asleep in C (and its engine's threads)
+            leave_to_main_thread()  # and so do the engine threads it starts: SIGTERM goes to the main thread
             if fences:
                 # Plan only once the call has returned: planning holds the GIL for milliseconds at a time,
                 # and the caller's last few lines would each wait for it (up to sys.getswitchinterval()).
