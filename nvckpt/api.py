@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any, Iterable
 
+from ._gc import paused as gc_paused
 from .errors import NvckptError
 from .options import LoadOptions, SaveOptions, options_from, with_signature
 from .session.load import Checkpoint
@@ -45,7 +46,8 @@ def save(obj: Any, target: str | os.PathLike | Any, **options: Any) -> SaveResul
     SPEC.md's limits) or ``OSError`` naming the target (disk full, no such directory, read-only), and
     then leaves the target as it was; ``ValueError`` for a bad option.
     """
-    return SaveSession(obj, target, options_from(SaveOptions, "save", options)).run()
+    with gc_paused():  # the caller waits for the whole save (nvckpt._gc: a collection pass costs more than it frees)
+        return SaveSession(obj, target, options_from(SaveOptions, "save", options)).run()
 
 
 @with_signature(SaveOptions, "obj", "target", "fence=None")

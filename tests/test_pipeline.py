@@ -1031,6 +1031,70 @@ def test_async_save_keeps_the_collector_off_while_its_caller_waits(tmp_path, mon
         gc.enable()
 
 
+@pytest.mark.parametrize("enabled", [True, False])
+def test_save_and_load_pause_the_collector_and_restore_it(tmp_path, monkeypatch, enabled):
+    """No collection pass inside a save or a load (nvckpt._gc: full passes over a large process cost more than
+    the save of thousands of small tensors), the collector as it was afterwards, also after a failure."""
+    import gc
+
+    from nvckpt.engines import cpu
+
+    seen = []
+    host_bytes = cpu.host_bytes
+    monkeypatch.setattr(cpu, "host_bytes", lambda t: (seen.append(gc.isenabled()), host_bytes(t))[1])
+    (gc.enable if enabled else gc.disable)()
+    try:
+        state = {"w": torch.randn(100, 100), "steps": [torch.tensor(i) for i in range(50)]}
+        nvckpt.save(state, tmp_path / "a.nvckpt")
+        assert len(seen) == 51 and not any(seen) and gc.isenabled() is enabled
+        with nvckpt.open(tmp_path / "a.nvckpt") as ck:
+            monkeypatch.setattr(ck, "_load", lambda *a, **k: (seen.append(gc.isenabled()), type(ck)._load(ck, *a, **k))[1])
+            assert_tree_equal(ck.load(), state)
+        assert seen[-1] is False and gc.isenabled() is enabled
+        with pytest.raises(FileNotFoundError):
+            nvckpt.save(state, tmp_path / "missing" / "b.nvckpt")
+        assert gc.isenabled() is enabled
+    finally:
+        gc.enable()
+
+
+def test_collector_pauses_nest_and_overlap_across_threads():
+    """Counted: the collector comes back with the end of the last pause, and only if it was on at the first."""
+    import gc
+
+    from nvckpt._gc import paused
+
+    try:
+        gc.enable()
+        inner_started, outer_done = threading.Event(), threading.Event()
+        states = []
+
+        def other() -> None:
+            with paused():
+                inner_started.set()
+                outer_done.wait(5)
+                states.append(gc.isenabled())  # the first pause has ended; this one still holds
+            states.append(gc.isenabled())
+
+        with paused():
+            with paused():
+                assert not gc.isenabled()
+            assert not gc.isenabled()
+            thread = threading.Thread(target=other)
+            thread.start()
+            assert inner_started.wait(5)
+        assert not gc.isenabled()  # the other thread's pause goes on
+        outer_done.set()
+        thread.join(5)
+        assert states == [False, True] and gc.isenabled()
+        gc.disable()  # turned off by the program: stays off
+        with paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.integers(0, 5000), min_size=1, max_size=40), st.integers(1, 6))
 def test_chunk_checksums_of_a_run_come_in_order_from_a_few_tasks(sizes, workers):

@@ -10,7 +10,6 @@ byte layouts.  No pickle: nothing in a file can run code when it is loaded.
 from __future__ import annotations
 
 import contextlib
-import gc
 import re
 import struct
 import threading
@@ -365,19 +364,6 @@ def msgpack_errors(what: str, memory: str, *, where: str = "", offset: int | Non
         raise LimitError(f"{memory} does not fit in memory", offset=offset) from None
     except Exception as exc:  # msgpack raises several types on malformed input
         raise FormatError(f"{what} is not valid msgpack{where}: {str(exc)[:200]}", offset=offset) from None
-
-
-@contextlib.contextmanager
-def no_gc() -> Iterator[None]:
-    """Garbage collection paused: decoding a large index builds millions of containers (none cyclic),
-    and the collector would walk them again and again (a 1M-tensor index: 7 s of 9)."""
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if collecting:
-            gc.enable()
 
 
 def unpackb(data: bytes, *, tree: bool = False) -> Any:

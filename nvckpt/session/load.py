@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 import torch
 import xxhash
 
+from .._gc import paused as gc_paused
 from ..errors import ChecksumError, FormatError, LimitError, TensorNotFoundError, UnsupportedCodecError, UnsupportedFeatureError
 from ..format.constants import BF16_RNE, COPY
 from ..format.entry import TensorEntry
@@ -595,6 +596,10 @@ class Checkpoint(Mapping):
         a scalar) returns the value at that path; a list of paths returns a dict path -> value.  Paths are
         those of ``keys()`` (SPEC 14.1), or of any value in the saved object.
         ``progress(n)`` is called with the raw bytes of the stored tensors as they are decoded."""
+        with gc_paused():  # thousands of tensors and containers built, none cyclic (nvckpt._gc)
+            return self._load_tree(keys, progress)
+
+    def _load_tree(self, keys: Iterable[str] | None, progress: Callable[[int], None] | None) -> Any:
         index = self._file.index
         if keys is None:
             # Every entry the tree refers to (a reference to an "internal" entry is legal, SPEC 9).

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import gc
 import io
 import os
 import platform
@@ -22,6 +21,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from .. import __version__
+from .._gc import paused as gc_paused
 from .._signals import leave_to_main_thread
 from ..codecs.base import Pipeline
 from ..codecs.presets import GPU_PRESETS, chooser
@@ -598,107 +598,96 @@ def start_async(obj: Any, target: Any, options: SaveOptions, fence: Any = None) 
     future._ended = threading.Event()
     returned = threading.Event()  # set as the call returns (or fails): a lazy save's thread starts planning then
     try:
-        return _start_async(obj, target, options, fences, future, returned, start)
+        # No garbage-collection pass while the caller waits (the lazy call's copy of the containers, planning,
+        # verifying candidates, the engine's read in the save's thread): in a large process (torch, a model,
+        # its optimizer) one full pass can take longer than the whole read, and it holds the GIL both need.
+        with gc_paused():
+            return _start_async(obj, target, options, fences, future, returned, start)
     finally:
         returned.set()
 
 
 def _start_async(obj: Any, target: Any, options: SaveOptions, fences: list[Any], future: SaveFuture,
                  returned: threading.Event, start: float) -> SaveFuture:
-    collecting = gc.isenabled()  # no collection pass while the caller waits (see below); on again at return
-    gc.disable()
-    try:
+    if fences:
+        # The containers copied, and the small tensors no fence owns (queued on the caller's stream).
+        skeleton, copied = copy_unfenced(obj, fences, _gpu_budget(options))
+        options = dataclasses.replace(options, metadata=copy.deepcopy(options.metadata))
+        ready = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream())
+        future._read = threading.Event()
+        future.snapshot = {"lazy": "planned and read in the save's thread"}
+
+        def begin() -> SaveSession:
+            nonlocal skeleton
+            if copied is not None:  # the small copies in place, once in host memory
+                skeleton = copied.finish(skeleton)
+            # As in a plain async_save's call: no collection pass while planning (it would hold the GIL
+            # that the caller's forward and backward need, for longer than the whole plan takes).
+            with gc_paused():
+                session = SaveSession(skeleton, target, options)
+                session.prepare_lazy(ready, future._read)
+            future.snapshot = dict(session.stats.get("snapshot", {}))
+            return session
+    else:
+        prepared = SaveSession(obj, target, options)
+        t0 = time.perf_counter()
+        prepared.prepare_async()
+        prepared.phases["prepare"] = time.perf_counter() - t0
+        future.snapshot = dict(prepared.stats.get("snapshot", {}))
+        future._read = prepared.tensors_read
+
+        def begin() -> SaveSession:
+            return prepared
+
+    def work() -> None:
+        started_after = time.perf_counter() - launched
+        leave_to_main_thread()  # and so do the engine threads it starts: SIGTERM goes to the main thread
         if fences:
-            # The containers copied, and the small tensors no fence owns (queued on the caller's stream).
-            skeleton, copied = copy_unfenced(obj, fences, _gpu_budget(options))
-            options = dataclasses.replace(options, metadata=copy.deepcopy(options.metadata))
-            ready = None
-            if torch.cuda.is_available() and torch.cuda.is_initialized():
-                ready = torch.cuda.Event()
-                ready.record(torch.cuda.current_stream())
-            future._read = threading.Event()
-            future.snapshot = {"lazy": "planned and read in the save's thread"}
-
-            def begin() -> SaveSession:
-                nonlocal skeleton
-                if copied is not None:  # the small copies in place, once in host memory
-                    skeleton = copied.finish(skeleton)
-                # As in a plain async_save's call: no collection pass while planning (it would hold the GIL
-                # that the caller's forward and backward need, for longer than the whole plan takes).
-                pausing = gc.isenabled()
-                gc.disable()
-                try:
-                    session = SaveSession(skeleton, target, options)
-                    session.prepare_lazy(ready, future._read)
-                finally:
-                    if pausing:
-                        gc.enable()
-                future.snapshot = dict(session.stats.get("snapshot", {}))
-                return session
-        else:
-            # No garbage-collection pass while the caller waits (the lazy call's copy of the containers,
-            # planning, verifying candidates, the engine's read in the save's thread): in a large process
-            # (torch, a model, its optimizer) one full pass can take longer than the whole read, and it holds
-            # the GIL that both threads need.
-            prepared = SaveSession(obj, target, options)
-            t0 = time.perf_counter()
-            prepared.prepare_async()
-            prepared.phases["prepare"] = time.perf_counter() - t0
-            future.snapshot = dict(prepared.stats.get("snapshot", {}))
-            future._read = prepared.tensors_read
-
-            def begin() -> SaveSession:
-                return prepared
-
-        def work() -> None:
-            started_after = time.perf_counter() - launched
-            leave_to_main_thread()  # and so do the engine threads it starts: SIGTERM goes to the main thread
-            if fences:
-                # Plan only once the call has returned: planning holds the GIL for milliseconds at a time,
-                # and the caller's last few lines would each wait for it (up to sys.getswitchinterval()).
-                returned.wait()
-            try:
-                session = begin()
-                session.publishing = future._publish
-                session.phases["thread_start"] = started_after
-                result = session.run(future._stop, running)
-            except CancelledError as exc:
-                if running.killed:
-                    pass  # SIGTERM past its grace: the process exits 143 next; waking result() would run user code
-                elif future._stop.is_set():
-                    if future._set_cancelled():
-                        future._invoke_callbacks()
-                else:
-                    future._finish(exc=exc)
-            except BaseException as exc:
-                if not future.cancelled():  # a cancelled save's later error is not a lost checkpoint
-                    future._failure = lifecycle.failed(running, exc)
-                future._finish(exc=exc)
-            else:
-                future._finish(result)
-            finally:
-                lifecycle.end(running)
-                if future._read is not None:
-                    future._read.set()  # also when it failed before reading: whoever waits sees the outcome
-                future._ended.set()
-
-        running = _register(target, options, future._stop, future)  # before the thread starts: an exit now waits for it
-        launched = time.perf_counter()
+            # Plan only once the call has returned: planning holds the GIL for milliseconds at a time,
+            # and the caller's last few lines would each wait for it (up to sys.getswitchinterval()).
+            returned.wait()
         try:
-            threading.Thread(target=work, name="nvckpt-async-save", daemon=False).start()
-        except BaseException:
-            lifecycle.end(running)  # no thread: its turn at the path must not hold up later saves
-            raise
-        if not fences and prepared.caller_decides:
-            try:  # verify the derived-tensor candidates here while the save's thread reads every other tensor
-                prepared.plan.decide()
-            except Exception:
-                pass  # the engine raises the same error in the save's thread: the future reports it below
-        if not fences and future._read is not None:
-            future.wait_read()
-    finally:
-        if collecting:
-            gc.enable()
+            session = begin()
+            session.publishing = future._publish
+            session.phases["thread_start"] = started_after
+            result = session.run(future._stop, running)
+        except CancelledError as exc:
+            if running.killed:
+                pass  # SIGTERM past its grace: the process exits 143 next; waking result() would run user code
+            elif future._stop.is_set():
+                if future._set_cancelled():
+                    future._invoke_callbacks()
+            else:
+                future._finish(exc=exc)
+        except BaseException as exc:
+            if not future.cancelled():  # a cancelled save's later error is not a lost checkpoint
+                future._failure = lifecycle.failed(running, exc)
+            future._finish(exc=exc)
+        else:
+            future._finish(result)
+        finally:
+            lifecycle.end(running)
+            if future._read is not None:
+                future._read.set()  # also when it failed before reading: whoever waits sees the outcome
+            future._ended.set()
+
+    running = _register(target, options, future._stop, future)  # before the thread starts: an exit now waits for it
+    launched = time.perf_counter()
+    try:
+        threading.Thread(target=work, name="nvckpt-async-save", daemon=False).start()
+    except BaseException:
+        lifecycle.end(running)  # no thread: its turn at the path must not hold up later saves
+        raise
+    if not fences and prepared.caller_decides:
+        try:  # verify the derived-tensor candidates here while the save's thread reads every other tensor
+            prepared.plan.decide()
+        except Exception:
+            pass  # the engine raises the same error in the save's thread: the future reports it below
+    if not fences and future._read is not None:
+        future.wait_read()
     if fences:  # lazy: the next optimizer.step() waits for the reads, the forward and backward do not
         _remove_spent_hooks()
 
