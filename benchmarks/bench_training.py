@@ -319,6 +319,7 @@ def run(tr: Any, name: str, level: str, k: int, n_ckpt: int, base_step: float, w
     parts: list[list[list[tuple[float, float, float]]]] = [[[], []] for _ in range(n_ckpt)]
     after: list[list[float]] = [[] for _ in range(n_ckpt)]
     phases: list[dict[str, Any] | None] = []
+    fence_waits: list[float | None] = []
     # cpu_ticks() at each interval's start and where its steps stop being "during" (steal per window)
     marks: list[list[tuple[int, int]]] = [[] for _ in range(n_ckpt)]
     tmarks: list[list[float]] = [[] for _ in range(n_ckpt)]  # perf_counter at the same points (GPU clock per window)
@@ -349,6 +350,7 @@ def run(tr: Any, name: str, level: str, k: int, n_ckpt: int, base_step: float, w
                 t0 = time.perf_counter()
                 if pending is not None:  # the previous save still runs: wait for it, as DCP's next save does
                     phases.append(_phases(pending.result()))
+                    fence_waits.append(getattr(pending, "fence_wait_seconds", None))
                 pending = start(tr, n)
                 blocked.append(time.perf_counter() - t0)
             if i % k == 0:
@@ -381,12 +383,16 @@ def run(tr: Any, name: str, level: str, k: int, n_ckpt: int, base_step: float, w
         if pending is not None:
             result = pending.result()
             phases.append(_phases(result))
+            fence_waits.append(getattr(pending, "fence_wait_seconds", None))
             if result is not None and getattr(result, "stats", None):
                 out["engine_stats"] = {k: result.stats.get(k) for k in (
                     "tensors_read_seconds", "waits", "batches", "batch_bytes", "staged_bytes", "memory_budget",
                     "pinned_bytes", "seconds")}
         if any(phases):
             out["phases"] = phases  # per checkpoint: where the save's time went before and while it read
+        if name.endswith("(fence=opt)"):
+            # per checkpoint: how long the optimizer's next step waited in the fence for the save's reads
+            out["fence_wait_s"] = [None if w is None else round(w, 4) for w in fence_waits]
         torch.cuda.synchronize()
         wall = time.perf_counter() - t_all
         end_ticks = cpu_ticks()
@@ -562,6 +568,12 @@ def markdown() -> str:
                      f"{slow} | {paired} | {r['extra_gpu_allocated_GB']:.2f} / {r['extra_gpu_device_GB']:.2f} | "
                      f"{r['nvckpt_pinned_cached_GB']:.2f} / {r['peak_rss_GB']:.2f} | {r.get('bit_exact_first_checkpoint', '')} | "
                      f"{gcs['count']} ({gcs['seconds']:.3f}) |")
+    waits = [(r["method"], r["fence_wait_s"]) for r in R["runs"] if r.get("fence_wait_s")]
+    if waits:
+        lines += ["", "How long the optimizer's first step after a lazy save's call waited in the fence for the save "
+                  "to read the tensors (`SaveFuture.fence_wait_seconds`), per checkpoint, s:", ""]
+        for name, each in waits:
+            lines.append(f"- {name}: " + ", ".join("-" if x is None else f"{x:.4f}" for x in each))
     steals = [(r["method"], r["steal_per_checkpoint"]) for r in R["runs"] if r.get("steal_per_checkpoint")]
     if steals:
         lines += ["", "CPU time the hypervisor gave other guests (steal, /proc/stat) per checkpoint interval, while its "

@@ -404,6 +404,9 @@ def test_lazy_async_save_on_cpu_holds_the_values_at_the_call_and_the_step_waits(
     opt.step()  # the pre-hook waits until the save has read the tensors
     future.result(timeout=60)
     assert len(opt._optimizer_step_pre_hooks) == 1  # spent, removed by the next lazy save
+    waited = future.fence_wait_seconds
+    opt.step()  # a later step does not wait again
+    assert future.fence_wait_seconds == waited
     nvckpt.async_save({"w": torch.ones(2)}, tmp_path / "next.nvckpt", fence=opt).result(timeout=60)
     assert len(opt._optimizer_step_pre_hooks) == 1  # the first one is gone, the new one waits for its step
     loaded = nvckpt.load(tmp_path / "lazy.nvckpt")
@@ -433,6 +436,7 @@ def test_lazy_save_copies_at_the_call_what_the_forward_changes(tmp_path, monkeyp
     model(torch.randn(16, 8)).sum().backward()  # updates running_mean / running_var / num_batches_tracked
     flat.mul_(-1)
     opt.step()
+    assert future.fence_wait_seconds > 0.1  # the step waited for the late read, and the future says so
     future.result(timeout=60)
     loaded = nvckpt.load(tmp_path / "bn.nvckpt")
     assert all(torch.equal(loaded["model"][k], v) for k, v in expected.items())

@@ -178,8 +178,8 @@ class SaveSession:
         self.target = save_target(target)
         self.progress = progress
         bf16, copies = options.derives
-        # Derived-tensor candidates are verified later (SavePlan.decide): before the engine runs, or, in
-        # a read-ahead async_save, in the caller's thread while the engine reads every other tensor.
+        # Derived-tensor candidates are verified later (SavePlan.decide): by the engine once it has queued
+        # the other tensors' reads, or, in a read-ahead async_save, in the caller's thread while it reads them.
         self.device: torch.device | None = None
 
         def chunk_size(tensors: list[PlannedTensor]) -> int:
@@ -298,8 +298,9 @@ class SaveSession:
 
     def _run(self, cancel: threading.Event, turn: Any = None) -> SaveResult:
         begun = time.perf_counter()
-        if not self.caller_decides and self.device is not None:
-            self.plan.decide()  # the CPU engine verifies the candidates itself, beside its coding of the rest
+        # Derived-tensor candidates: the CPU engine verifies them beside its coding of the rest, and so does
+        # the GPU engine, after it has queued every other tensor's read (before them where it hashes whole
+        # tensors): a lazy async_save's reads then start without waiting for the comparisons.
         items, extra = self._items()
         items = _cancellable(items, cancel)
         try:
@@ -419,7 +420,8 @@ def _cancellable(items: Iterator, cancel: threading.Event) -> Iterator:
 class SaveFuture(Future):
     """The result of ``async_save``: a concurrent.futures.Future of a SaveResult.
 
-    ``blocked_seconds`` is how long ``async_save`` held the caller; ``snapshot``
+    ``blocked_seconds`` is how long ``async_save`` held the caller, and ``fence_wait_seconds`` how long the
+    fenced optimizers' steps then waited for a lazy save's reads (0 when they were done in time); ``snapshot``
     says per device how the state was taken: "device" (a copy on the GPU), "host" (a copy in host memory)
     or "read-ahead" (read by the GPU engine before the call returned, or in a lazy save before the step).  ``cancel()``
     also stops a save that is already running, unless it has reached its final
@@ -428,6 +430,7 @@ class SaveFuture(Future):
     def __init__(self) -> None:
         super().__init__()
         self.blocked_seconds = 0.0
+        self.fence_wait_seconds = 0.0
         self.snapshot: dict[str, str] = {}
         self._stop = threading.Event()
         self._read: threading.Event | None = None
@@ -696,8 +699,12 @@ def _start_async(obj: Any, target: Any, options: SaveOptions, fences: list[Any],
         def before_step(*_: Any) -> None:
             if os.getpid() != pid:
                 return  # a forked child has none of its parent's saves, and no thread that would end this one
-            future.wait_read()  # a no-op once read; the hook is removed at the next lazy save (not while torch
-            # iterates over the hooks, which a removal from inside one would break)
+            if future._read.is_set():
+                return  # read: a no-op; the hook is removed at the next lazy save (not while torch iterates
+                # over the hooks, which a removal from inside one would break)
+            t0 = time.perf_counter()
+            future.wait_read()
+            future.fence_wait_seconds += time.perf_counter() - t0
 
         with _hooks_lock:
             _hooks.extend((f.register_step_pre_hook(before_step), future) for f in fences)
