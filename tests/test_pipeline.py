@@ -895,42 +895,6 @@ def test_read_ahead_session_reads_before_it_opens_the_file(tmp_path, monkeypatch
     assert_tree_equal(nvckpt.load(tmp_path / "r.nvckpt"), state)
 
 
-def test_a_read_ahead_session_verifies_the_candidates_once_the_other_reads_are_queued(tmp_path, monkeypatch):
-    """A lazy async_save's thread plans, then the engine reads: the derived-tensor candidates are compared
-    once every other tensor's read is under way, so the comparisons do not hold up the first read (the
-    step pre-hook waits for the last)."""
-    from nvckpt.plan.derived import bf16_rne
-    from nvckpt.session import save as session_save
-
-    torch.manual_seed(5)
-    master = {f"w{i}": torch.randn(200, 300) for i in range(3)}
-    state = {"master": master, "model": {k: bf16_rne(v) for k, v in master.items()}, "other": torch.randn(300, 200)}
-    options = nvckpt.SaveOptions(chunk_size=64 * KiB, gpu=GpuSaveOptions(batch_bytes=300 * KiB, slot_bytes=200 * KiB,
-                                                                         pinned_slots=2, piece_bytes=50 * KiB))
-    session = session_save.SaveSession(state, tmp_path / "c.nvckpt", options)
-    session.device = torch.device("cpu")  # the GPU engine's session, on the engine's host stand-in
-    session.tensors_read = threading.Event()
-    assert session.plan.undecided and not session.tensor_checksums
-    encoded = []
-
-    class Counting(HostBackend):
-        def encode(self, batch, sources):
-            encoded.append(batch)
-            return super().encode(batch, sources)
-
-    monkeypatch.setattr(session, "_items", lambda: (encode_batches(
-        session.plan, chooser("auto", 1), Counting(), options.gpu, read_ahead=session.tensors_read,
-        tensor_checksums=session.tensor_checksums), {}))
-    seen = []
-    decide = session.plan.decide
-    monkeypatch.setattr(session.plan, "decide", lambda: (seen.append(len(encoded)), decide())[1])
-    session.run()
-    assert seen and seen[0] > 0, seen  # the first comparison came after reads had started
-    with nvckpt.open(tmp_path / "c.nvckpt") as ck:
-        assert {e.name for e in ck.index.tensors if e.derived} == {f"model/w{i}" for i in range(3)}
-    assert_tree_equal(nvckpt.load(tmp_path / "c.nvckpt"), state)
-
-
 def test_reserve_pinned_memory_tops_up_the_cache_the_engine_takes_from(monkeypatch):
     from nvckpt.engines.gpu import pinned
 

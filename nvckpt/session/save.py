@@ -178,8 +178,8 @@ class SaveSession:
         self.target = save_target(target)
         self.progress = progress
         bf16, copies = options.derives
-        # Derived-tensor candidates are verified later (SavePlan.decide): by the engine once it has queued
-        # the other tensors' reads, or, in a read-ahead async_save, in the caller's thread while it reads them.
+        # Derived-tensor candidates are verified later (SavePlan.decide): before the engine runs, or, in
+        # a read-ahead async_save, in the caller's thread while the engine reads every other tensor.
         self.device: torch.device | None = None
 
         def chunk_size(tensors: list[PlannedTensor]) -> int:
@@ -298,9 +298,8 @@ class SaveSession:
 
     def _run(self, cancel: threading.Event, turn: Any = None) -> SaveResult:
         begun = time.perf_counter()
-        # Derived-tensor candidates: the CPU engine verifies them beside its coding of the rest, and so does
-        # the GPU engine, after it has queued every other tensor's read (before them where it hashes whole
-        # tensors): a lazy async_save's reads then start without waiting for the comparisons.
+        if not self.caller_decides and self.device is not None:
+            self._decide()  # the CPU engine verifies the candidates itself, beside its coding of the rest
         items, extra = self._items()
         items = _cancellable(items, cancel)
         try:
@@ -311,6 +310,21 @@ class SaveSession:
             close = getattr(items, "close", None)
             if close is not None:
                 close()
+
+    def _decide(self) -> None:
+        """Verify the derived-tensor candidates before the GPU engine reads.  Where the caller recorded where its
+        work stood at the call (``ready``: an async_save), the comparisons are ordered after that alone: a
+        lazy save's caller has queued its next forward and backward on the default stream since, and
+        comparisons ordered after those would hold the engine's reads back until the step's kernels ran."""
+        if self.ready is None:
+            self.plan.decide()
+            return
+        from ..engines.gpu.backend import device_streams
+
+        stream = device_streams(self.device)[0]  # the engine's compute stream, which waits for ``ready`` too
+        stream.wait_event(self.ready)
+        with torch.cuda.stream(stream):
+            self.plan.decide()
 
     def _write(self, items: Any, extra: dict[str, Any], cancel: threading.Event, turn: Any,
                begun: float) -> SaveResult:

@@ -240,12 +240,16 @@ class CudaBackend:
 
     # -- encode --
     def wait_for_caller(self, event: Any) -> None:
-        """Order the engine's streams after the caller's pending work (or a snapshot's copies)."""
+        """Order the engine's streams after the caller's pending work: after ``event`` where the caller
+        recorded one (an async_save's call, a snapshot's copies), else after this thread's current stream.
+        Only the event: a lazy save's caller goes on queueing its next forward and backward on the default
+        stream, which this thread shares, and the reads must not wait for those."""
         caller = torch.cuda.current_stream(self.device)
         for s in (self.stream, self.copy_stream):
-            s.wait_stream(caller)
             if event is not None:
                 s.wait_event(event)
+            else:
+                s.wait_stream(caller)
 
     def ordered(self, fn: Callable[[], Any]) -> Any:
         """``fn()`` with its device work on the engine's stream: after the caller's work (wait_for_caller)."""
