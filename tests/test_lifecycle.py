@@ -539,6 +539,33 @@ def test_a_save_that_just_created_its_temporary_file_is_not_a_leftover(tmp_path)
         os.close(held)
 
 
+def test_this_processs_save_is_never_its_own_leftover_even_before_it_locks(tmp_path):
+    """A save's temporary file is created, and may be written, a moment before its lock is taken; a save to
+    the same path in this process that looks then does not report it (CI once saw an async save's file
+    reported by the save called after it). Once renamed or removed it is forgotten: a file left behind
+    by a save whose removal failed is a leftover like any other."""
+    from nvckpt.io import atomic
+
+    target = str(tmp_path / "w.nvckpt")
+    seen = []
+
+    def create(tmp: str) -> None:
+        with open(tmp, "xb") as f:
+            f.write(b"\0" * 4096)  # written, not yet locked, too old to be "starting"
+        os.utime(tmp, (0, 0))
+        seen.append(atomic.leftover_temporaries(target))
+
+    out = atomic.AtomicReplace(target, create)
+    assert seen == [[]] and out.tmp in atomic.WRITING
+    out.commit()
+    assert out.tmp not in atomic.WRITING and os.path.getsize(target) == 4096
+    failed = atomic.AtomicReplace(target, create)
+    os.link(failed.tmp, failed.tmp + ".kept")  # what a removal that failed would leave
+    failed.abort()
+    os.rename(failed.tmp + ".kept", failed.tmp)
+    assert atomic.leftover_temporaries(target) == [failed.tmp]
+
+
 def test_a_fifo_target_is_written_through_not_replaced(tmp_path):
     """As torch.save: a FIFO (or a device such as /dev/null) at the target is written into; a rename would
     replace the node itself (as root, /dev/null with a regular file)."""

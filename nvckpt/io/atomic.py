@@ -4,7 +4,9 @@ Write beside the target, fsync, rename over it, fsync the folder.  A crash at
 any point leaves the final path with the complete old file or the complete new
 one; what it leaves beside it is a ``.NAME.XXXXXXXX.nvckpt-tmp`` file that
 ``nvckpt recover`` can salvage.  A writer holds an flock on its temporary file,
-so a later save can tell a crashed save's leftover from a save in progress.
+so a later save can tell a crashed save's leftover from a save in progress; the
+temporary files of this process's own saves are known without asking the lock
+(one is created a moment before its writer locks it).
 
 Saves to one path publish in the order they were started (``TURNS``): a save that
 finishes before an earlier one to the same path still running waits for it before
@@ -52,6 +54,38 @@ def temporary_name(final: str) -> str:
     return os.path.join(folder, f".{base}.{secrets.token_hex(_TOKEN // 2)}{TMP_SUFFIX}")
 
 
+class _Writing:
+    """The temporary files this process's saves are writing, from before their creation to their rename or
+    removal: never another save's leftover, whatever their lock says (a save's file is created, and may be
+    written, a moment before it is locked; on a busy machine that moment outlasted the rechecks)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._paths: set[str] = set()
+
+    def add(self, path: str) -> None:
+        with self._lock:
+            self._paths.add(path)
+
+    def discard(self, path: str) -> None:
+        with self._lock:
+            self._paths.discard(path)
+
+    def __contains__(self, path: str) -> bool:
+        with self._lock:
+            return path in self._paths
+
+    def _after_fork_in_child(self) -> None:
+        # The parent's saves are not the child's; their files stay locked by the descriptors the parent holds.
+        self._lock = threading.Lock()
+        self._paths = set()
+
+
+WRITING = _Writing()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=WRITING._after_fork_in_child)
+
+
 def leftover_temporaries(final: str) -> list[str]:
     """Temporary files of earlier saves to ``final`` that no process is writing any more (crashed or killed)."""
     real = os.path.realpath(final)
@@ -59,6 +93,8 @@ def leftover_temporaries(final: str) -> list[str]:
     pattern = os.path.join(glob.escape(os.path.dirname(real)), glob.escape(prefix) + "?" * _TOKEN + TMP_SUFFIX)
     found = []
     for path in sorted(glob.glob(pattern)):
+        if path in WRITING:
+            continue
         state = _unlocked(path)
         # Empty and new: maybe a save that has just created it and is about to lock it; ask again shortly.
         for _ in range(_RECHECKS):
@@ -287,20 +323,24 @@ class AtomicReplace:
         self._lock_fd: int | None = None
         for _ in range(100):
             self.tmp = temporary_name(self.path)
+            WRITING.add(self.tmp)
             try:
                 self.writer = create(self.tmp)
                 break
             except FileExistsError:
+                WRITING.discard(self.tmp)
                 continue
             except OSError as exc:
                 # Created, then the writer failed to start; or never created (a read-only filesystem, where
                 # the unlink fails too): the error that counts is the first, naming the user's path.
                 with contextlib.suppress(OSError):
                     os.unlink(self.tmp)
+                WRITING.discard(self.tmp)
                 raise _named(exc, self.given) from None
             except BaseException:
                 with contextlib.suppress(OSError):
                     os.unlink(self.tmp)
+                WRITING.discard(self.tmp)
                 raise
         else:
             raise FileExistsError(errno.EEXIST, "could not create a temporary file beside it", self.given)
@@ -364,6 +404,7 @@ class AtomicReplace:
             self._unlock()
 
     def _unlock(self) -> None:
+        WRITING.discard(self.tmp)  # renamed or removed (or, where the removal failed, a leftover from now on)
         fd, self._lock_fd = self._lock_fd, None
         if fd is not None:
             os.close(fd)
