@@ -132,6 +132,65 @@ def test_the_compiled_check_agrees_with_the_spec_rounding(words, at, flip):
     assert k.differ(raw, other)
 
 
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 300), st.sampled_from(["same", "rne", "flip", "strided"])),
+                min_size=1, max_size=40), st.integers(0, 2**32 - 1))
+def test_many_small_pairs_are_decided_in_one_call_as_one_by_one(specs, seed):
+    """The batch checks (pairs by address, one call) decide every pair as the per-pair checks do: copies and
+    bf16 roundings, equal or one element off, of any size (empty ones too), non-contiguous ones beside them."""
+    from nvckpt.plan import derived
+    from nvckpt.plan.walk import flat_bytes
+
+    if derived._kernel is None or not hasattr(derived._kernel, "differ_many"):
+        pytest.skip("nvckpt/plan/_derived.c (with its batch checks) is not built here")
+    gen = torch.Generator().manual_seed(seed)
+
+    class T:  # what the checks read of a PlannedTensor
+        def __init__(self, data):
+            self.data = data
+
+        def flat_bytes(self):
+            return flat_bytes(self.data)
+
+    copies, roundings = [], []
+    for n, kind in specs:
+        src = torch.randn(n, generator=gen)
+        if kind == "strided":
+            src = torch.randn(n, 2, generator=gen)[:, 0]
+        same = src.clone() if kind != "strided" else src.clone().contiguous()
+        rne = spec_bf16_rne(src)
+        if kind == "flip" and n:
+            same[n // 2] = same[n // 2] + 1
+            rne.view(torch.int16)[n // 2] ^= 1
+        copies.append((T(same), T(src)))
+        roundings.append((T(rne), T(src)))
+    contiguous = [k for k, (a, b) in enumerate(copies) if a.data.is_contiguous() and b.data.is_contiguous()]
+    one_by_one = [derived._bytes_differ_on_host(copies[k]) for k in contiguous]
+    assert derived._bytes_differ_on_host_many([copies[k] for k in contiguous]) == one_by_one
+    assert derived._rne_differs_on_host_many([roundings[k] for k in contiguous]) == \
+        [derived._rne_differs_on_host(roundings[k]) for k in contiguous]
+    assert one_by_one == [specs[k][1] == "flip" and specs[k][0] > 0 for k in contiguous]
+    # Through _differing, which sends the contiguous pairs to the batch and the others one by one.
+    got = derived._differing(copies, derived._bytes_differ, lambda p: derived._bytes_differ([p]), quick_is_exact=True,
+                             size=lambda p: p[0].data.numel(), small=lambda p: True,
+                             host=derived._bytes_differ_on_host, host_many=derived._bytes_differ_on_host_many)
+    assert got == [kind == "flip" and n > 0 for n, kind in specs]
+
+
+def test_the_batch_checks_refuse_arrays_of_other_lengths():
+    from nvckpt.plan import derived
+
+    if derived._kernel is None or not hasattr(derived._kernel, "differ_many"):
+        pytest.skip("nvckpt/plan/_derived.c (with its batch checks) is not built here")
+    a = np.zeros(3, np.uint64)
+    for check in (derived._kernel.differ_many, derived._kernel.rne_differs_many):
+        with pytest.raises(ValueError, match="one uint64 per pair"):
+            check(a, a, np.zeros(2, np.uint64), np.zeros(3, np.uint8))
+        with pytest.raises(ValueError, match="one flag per pair"):
+            check(a, a, a, np.zeros(2, np.uint8))
+        check(a, a, a, np.zeros(3, np.uint8))  # three empty pairs: nothing is read
+
+
 def test_the_compiled_checks_refuse_mismatched_buffers():
     from nvckpt.plan import derived
 

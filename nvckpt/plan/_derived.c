@@ -7,6 +7,7 @@
  * rne(source, out): bf16_rne of the float32 source written into out, the load's computation of a
  * derived tensor in one pass (torch's cast, a NaN mask and its reduction are three, and wake torch's
  * intra-op threads, which then spin on the cores the decoders need).
+ * rne_differs_many / differ_many: the same checks of many pairs given by address, in one call.
  * All read and write elements in the machine's byte order, as the tensors hold them.
  */
 #define PY_SSIZE_T_CLEAN
@@ -128,12 +129,88 @@ static PyObject *rne(PyObject *self, PyObject *args)
     return result;
 }
 
+/* The batch forms: pairs given by address, so that thousands of small pairs (a model's biases and norms,
+ * an optimizer's step counts) cost one call instead of several torch calls each.  The caller passes the
+ * addresses of live, C-contiguous host tensors it holds for the duration of the call. */
+static int get_batch(PyObject *args, Py_buffer *a, Py_buffer *b, Py_buffer *n, Py_buffer *out)
+{
+    if (!PyArg_ParseTuple(args, "y*y*y*w*", a, b, n, out))
+        return -1;
+    Py_ssize_t pairs = n->len / (Py_ssize_t)sizeof(uint64_t);
+    if (a->len != n->len || b->len != n->len || n->len % (Py_ssize_t)sizeof(uint64_t) || out->len != pairs
+        || !PyBuffer_IsContiguous(a, 'C') || !PyBuffer_IsContiguous(b, 'C') || !PyBuffer_IsContiguous(n, 'C')
+        || !PyBuffer_IsContiguous(out, 'C')) {
+        PyBuffer_Release(a);
+        PyBuffer_Release(b);
+        PyBuffer_Release(n);
+        PyBuffer_Release(out);
+        PyErr_SetString(PyExc_ValueError, "expected three contiguous arrays of one uint64 per pair and a uint8 "
+                        "array of one flag per pair");
+        return -1;
+    }
+    return 0;
+}
+
+static void release_batch(Py_buffer *a, Py_buffer *b, Py_buffer *n, Py_buffer *out)
+{
+    PyBuffer_Release(a);
+    PyBuffer_Release(b);
+    PyBuffer_Release(n);
+    PyBuffer_Release(out);
+}
+
+static PyObject *rne_differs_many(PyObject *self, PyObject *args)
+{
+    Py_buffer src, cand, n, out;
+    if (get_batch(args, &src, &cand, &n, &out) < 0)
+        return NULL;
+    size_t pairs = (size_t)n.len / sizeof(uint64_t);
+    Py_BEGIN_ALLOW_THREADS
+    for (size_t i = 0; i < pairs; i++) {
+        uint64_t s, c, k;
+        memcpy(&s, (const uint8_t *)src.buf + 8 * i, 8);
+        memcpy(&c, (const uint8_t *)cand.buf + 8 * i, 8);
+        memcpy(&k, (const uint8_t *)n.buf + 8 * i, 8);
+        ((uint8_t *)out.buf)[i] = (uint8_t)rne_differs_impl((const uint8_t *)(uintptr_t)s,
+                                                            (const uint8_t *)(uintptr_t)c, (size_t)k);
+    }
+    Py_END_ALLOW_THREADS
+    release_batch(&src, &cand, &n, &out);
+    Py_RETURN_NONE;
+}
+
+static PyObject *differ_many(PyObject *self, PyObject *args)
+{
+    Py_buffer a, b, n, out;
+    if (get_batch(args, &a, &b, &n, &out) < 0)
+        return NULL;
+    size_t pairs = (size_t)n.len / sizeof(uint64_t);
+    Py_BEGIN_ALLOW_THREADS
+    for (size_t i = 0; i < pairs; i++) {
+        uint64_t x, y, k;
+        memcpy(&x, (const uint8_t *)a.buf + 8 * i, 8);
+        memcpy(&y, (const uint8_t *)b.buf + 8 * i, 8);
+        memcpy(&k, (const uint8_t *)n.buf + 8 * i, 8);
+        ((uint8_t *)out.buf)[i] = (uint8_t)(k && memcmp((const void *)(uintptr_t)x, (const void *)(uintptr_t)y,
+                                                        (size_t)k) != 0);
+    }
+    Py_END_ALLOW_THREADS
+    release_batch(&a, &b, &n, &out);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"rne", rne, METH_VARARGS, "rne(source, out): the bfloat16 words of bf16_rne of the float32 words of source, into out"},
     {"rne_differs", rne_differs, METH_VARARGS,
      "rne_differs(source, candidate): True when the bfloat16 words of candidate differ anywhere from "
      "bf16_rne of the float32 words of source"},
     {"differ", differ, METH_VARARGS, "differ(a, b): True when the two buffers differ (in length or in a byte)"},
+    {"rne_differs_many", rne_differs_many, METH_VARARGS,
+     "rne_differs_many(sources, candidates, counts, out): rne_differs of each pair given by the addresses of "
+     "its float32 source and bfloat16 candidate and its element count (uint64 arrays), a flag per pair into out"},
+    {"differ_many", differ_many, METH_VARARGS,
+     "differ_many(a, b, nbytes, out): differ of each pair of buffers given by address and length (uint64 "
+     "arrays), a flag per pair into out"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -249,7 +249,7 @@ class DerivedSearch:
         differs = _differing(pairs, _rne_may_differ, lambda p: _differs_from_rne(p[0].data, p[1].data), quick_is_exact=False,
                              size=lambda p: p[1].data.numel(),
                              small=lambda p: p[1].data.numel() <= _GROUP_PAIR and _cast_is_rne(p[1].data.device),
-                             host=_rne_differs_on_host)
+                             host=_rne_differs_on_host, host_many=_rne_differs_on_host_many)
         for (t, src), bad in zip(pairs, differs):
             if t.data is not None and not bad:  # verified bit for bit; the first matching source wins
                 t.entry["derived"] = {"function": BF16_RNE, "source": src.tensor_id}
@@ -268,7 +268,7 @@ class DerivedSearch:
             pairs = [(t, rep) for rep, rest in work for t in rest]
             differs = _differing(pairs, _bytes_differ, lambda p: _bytes_differ([p]), quick_is_exact=True,
                                  size=lambda p: p[0].nbytes, small=lambda p: p[0].nbytes <= _GROUP_PAIR,
-                                 host=_bytes_differ_on_host)
+                                 host=_bytes_differ_on_host, host_many=_bytes_differ_on_host_many)
             decided = {id(t): rep for (t, rep), bad in zip(pairs, differs) if not bad}
             next_work = []
             for rep, rest in work:
@@ -502,7 +502,8 @@ Pairs = list[tuple["PlannedTensor", "PlannedTensor"]]
 
 def _differing(pairs: Pairs, quick: Callable[[Pairs], torch.Tensor], exact: Callable[[Any], torch.Tensor], *,
                quick_is_exact: bool, size: Callable[[Any], int], small: Callable[[Any], bool],
-               host: Callable[[Any], bool] | None = None) -> list[bool]:
+               host: Callable[[Any], bool] | None = None,
+               host_many: Callable[[Pairs], list[bool]] | None = None) -> list[bool]:
     """Which pairs differ.  ``quick(group)``: a 0-d bool tensor, True when some pair of the group may differ;
     ``exact(pair)``: whether one pair does.  Small pairs (biases, norms, an optimizer's step counts: most of
     a model's tensors) are flagged a group at a time, up to _GROUP_ELEMENTS of ``size`` per group and device:
@@ -510,19 +511,26 @@ def _differing(pairs: Pairs, quick: Callable[[Pairs], torch.Tensor], exact: Call
     the engine's own host work (each kernel launch takes the GIL).  Only the pairs of a flagged group (and a
     flagged pair itself, unless ``quick`` is exact) are then decided one by one.  One synchronisation per
     device and step.  ``host(pair)``: decides a pair of CPU tensors exactly in one compiled pass
-    (_derived.c), where it is built."""
+    (_derived.c), where it is built; ``host_many(pairs)`` decides C-contiguous ones all in one call."""
     flags: list[torch.Tensor] = []
     members: list[list[int]] = []
     grouped: dict[torch.device, list[int]] = {}
     differs = [False] * len(pairs)
+    batch: list[int] = []
     for k, pair in enumerate(pairs):
         if host is not None and _kernel is not None and pair[0].data.device.type == "cpu" == pair[1].data.device.type:
-            differs[k] = host(pair)
+            if host_many is not None and pair[0].data.is_contiguous() and pair[1].data.is_contiguous():
+                batch.append(k)
+            else:
+                differs[k] = host(pair)
         elif small(pair):
             grouped.setdefault(pair[0].data.device, []).append(k)
         else:
             flags.append(quick([pair]))
             members.append([k])
+    if batch:
+        for k, d in zip(batch, host_many([pairs[k] for k in batch])):
+            differs[k] = d
     for ks in grouped.values():
         for group in _groups(ks, lambda k: size(pairs[k]), _GROUP_ELEMENTS):
             flags.append(quick([pairs[k] for k in group]))
@@ -551,6 +559,48 @@ def _rne_differs_on_host(pair: tuple[PlannedTensor, PlannedTensor]) -> bool:
 
 def _bytes_differ_on_host(pair: tuple[PlannedTensor, PlannedTensor]) -> bool:
     return _kernel.differ(pair[0].flat_bytes().numpy(), pair[1].flat_bytes().numpy())
+
+
+def _by_address(check: Callable[..., None] | None, rows: list[tuple[torch.Tensor, torch.Tensor, int]]) -> list[bool] | None:
+    """``check(a addresses, b addresses, counts, out)`` (a batch kernel of _derived.c) over C-contiguous host
+    tensors (a, b, count): one call for all of them, the tensors held by ``rows`` meanwhile; None where the
+    built kernel predates the batch forms."""
+    if check is None:
+        return None
+    n = len(rows)
+    a = np.fromiter((x.data_ptr() for x, _, _ in rows), dtype=np.uint64, count=n)
+    b = np.fromiter((y.data_ptr() for _, y, _ in rows), dtype=np.uint64, count=n)
+    counts = np.fromiter((c for _, _, c in rows), dtype=np.uint64, count=n)
+    out = np.zeros(n, dtype=np.uint8)
+    check(a, b, counts, out)
+    return out.astype(bool).tolist()
+
+
+def _rne_differs_on_host_many(pairs: Pairs) -> list[bool]:
+    """_rne_differs_on_host of C-contiguous pairs, in one call (thousands of small pairs: a model's biases and
+    norms cost one torch call each instead of eight)."""
+    rows = []
+    for candidate, source in pairs:
+        if candidate.data.numel() != source.data.numel():  # what rne_differs refuses: never a candidate pair
+            raise ValueError(f"a source of {source.data.numel()} elements and a candidate of "
+                             f"{candidate.data.numel()} do not hold the same number of elements")
+        rows.append((source.data, candidate.data, candidate.data.numel()))
+    got = _by_address(getattr(_kernel, "rne_differs_many", None), rows)
+    return got if got is not None else [_rne_differs_on_host(p) for p in pairs]
+
+
+def _bytes_differ_on_host_many(pairs: Pairs) -> list[bool]:
+    """_bytes_differ_on_host of C-contiguous pairs, in one call; pairs of other lengths differ."""
+    sizes = [(a.data.numel() * a.data.element_size(), b.data.numel() * b.data.element_size()) for a, b in pairs]
+    same = [k for k, (x, y) in enumerate(sizes) if x == y]
+    got = _by_address(getattr(_kernel, "differ_many", None), [(pairs[k][0].data, pairs[k][1].data, sizes[k][0])
+                                                             for k in same])
+    if got is None:
+        return [_bytes_differ_on_host(p) for p in pairs]
+    out = [True] * len(pairs)
+    for k, d in zip(same, got):
+        out[k] = d
+    return out
 
 
 def _rne_may_differ(group: Pairs) -> torch.Tensor:
