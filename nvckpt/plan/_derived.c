@@ -159,27 +159,18 @@ static void release_batch(Py_buffer *a, Py_buffer *b, Py_buffer *n, Py_buffer *o
     PyBuffer_Release(out);
 }
 
-static PyObject *rne_differs_many(PyObject *self, PyObject *args)
+static int rne_differs_at(uint64_t src, uint64_t cand, uint64_t n)
 {
-    Py_buffer src, cand, n, out;
-    if (get_batch(args, &src, &cand, &n, &out) < 0)
-        return NULL;
-    size_t pairs = (size_t)n.len / sizeof(uint64_t);
-    Py_BEGIN_ALLOW_THREADS
-    for (size_t i = 0; i < pairs; i++) {
-        uint64_t s, c, k;
-        memcpy(&s, (const uint8_t *)src.buf + 8 * i, 8);
-        memcpy(&c, (const uint8_t *)cand.buf + 8 * i, 8);
-        memcpy(&k, (const uint8_t *)n.buf + 8 * i, 8);
-        ((uint8_t *)out.buf)[i] = (uint8_t)rne_differs_impl((const uint8_t *)(uintptr_t)s,
-                                                            (const uint8_t *)(uintptr_t)c, (size_t)k);
-    }
-    Py_END_ALLOW_THREADS
-    release_batch(&src, &cand, &n, &out);
-    Py_RETURN_NONE;
+    return rne_differs_impl((const uint8_t *)(uintptr_t)src, (const uint8_t *)(uintptr_t)cand, (size_t)n);
 }
 
-static PyObject *differ_many(PyObject *self, PyObject *args)
+static int differ_at(uint64_t a, uint64_t b, uint64_t n)
+{
+    return n && memcmp((const void *)(uintptr_t)a, (const void *)(uintptr_t)b, (size_t)n) != 0;
+}
+
+/* check(a[i], b[i], n[i]) of every pair, a flag each into out, with the GIL released. */
+static PyObject *many(PyObject *args, int (*check)(uint64_t, uint64_t, uint64_t))
 {
     Py_buffer a, b, n, out;
     if (get_batch(args, &a, &b, &n, &out) < 0)
@@ -191,13 +182,16 @@ static PyObject *differ_many(PyObject *self, PyObject *args)
         memcpy(&x, (const uint8_t *)a.buf + 8 * i, 8);
         memcpy(&y, (const uint8_t *)b.buf + 8 * i, 8);
         memcpy(&k, (const uint8_t *)n.buf + 8 * i, 8);
-        ((uint8_t *)out.buf)[i] = (uint8_t)(k && memcmp((const void *)(uintptr_t)x, (const void *)(uintptr_t)y,
-                                                        (size_t)k) != 0);
+        ((uint8_t *)out.buf)[i] = (uint8_t)check(x, y, k);
     }
     Py_END_ALLOW_THREADS
     release_batch(&a, &b, &n, &out);
     Py_RETURN_NONE;
 }
+
+static PyObject *rne_differs_many(PyObject *self, PyObject *args) { return many(args, rne_differs_at); }
+
+static PyObject *differ_many(PyObject *self, PyObject *args) { return many(args, differ_at); }
 
 static PyMethodDef methods[] = {
     {"rne", rne, METH_VARARGS, "rne(source, out): the bfloat16 words of bf16_rne of the float32 words of source, into out"},
