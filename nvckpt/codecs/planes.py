@@ -12,9 +12,9 @@ its own choice, and this module makes them in the way that wins on model weights
   planes of weights have almost no long repeats, so libzstd's match finder costs time and, on the
   exponent plane, ratio (1.471 vs 1.505 on MiniLM bf16).  libzstd stores a block raw where Huffman
   does not gain 1/64 (the random low mantissa planes), which also makes them decode at memcpy
-  speed.  A plane that literals shrink below a quarter (integer tensors, zeros; for the top plane
-  of a float, below an eighth unless it is small: near-constant exponents), and a lower plane with runs (more than 1 in 50 bytes equal to the one before:
-  fp32 weights whose low bytes are zero), is also tried with zstd level 1's match finder, and the
+  speed.  A plane that literals shrink below a quarter (zeros; a float's top plane of more than
+  16 KiB: below an eighth, near-constant exponents), and a lower plane with runs (more than 1 in
+  50 bytes equal to the one before: fp32 weights whose low bytes are zero), is also tried with zstd level 1's match finder, and the
   smaller frame is kept;
   so is every plane of an integer or bool tensor (a counter, text, a mask: repeats that literals
   miss), and every plane at a ``zstd_level`` other than 1 (coded by libzstd at that level);
@@ -207,7 +207,8 @@ def _frame_literals(ffi: Any, lib: Any, src: Any, m: int, dst: Any, cap: int) ->
 def encode_planes(planes: np.ndarray, k: int, out: np.ndarray, level: int = 1, matches: bool = False) -> int:
     """Code ``planes`` (k planes of n/k bytes, contiguous) as one zstd frame per plane into ``out``
     (at least ``k * plane_bound(n/k)`` bytes); returns the bytes written.  At the default ``level`` 1 a plane
-    is literals only unless they shrink it below a quarter, or it is a plane below the top one with runs
+    is literals only unless they shrink it below a quarter (the top plane of more than 16 KiB: an eighth),
+    or it is a plane below the top one with runs
     (then level 1's matches are tried too); at any
     other level asked for, or with ``matches`` (integers, bytes), the plane is also coded by libzstd at that
     level, and the smaller frame is kept."""

@@ -26,6 +26,9 @@ try:
     from . import _derived as _kernel  # type: ignore[attr-defined]
 except ImportError:  # installed without a C compiler: torch ops decide every pair
     _kernel = None
+# The batch forms (by address, many pairs a call) where the built kernel has them; one built before them
+# decides each pair in a call of its own.
+_BATCH = _kernel is not None and hasattr(_kernel, "rne_differs_many") and hasattr(_kernel, "differ_many")
 
 if TYPE_CHECKING:
     from .walk import PlannedTensor
@@ -249,7 +252,7 @@ class DerivedSearch:
         differs = _differing(pairs, _rne_may_differ, lambda p: _differs_from_rne(p[0].data, p[1].data), quick_is_exact=False,
                              size=lambda p: p[1].data.numel(),
                              small=lambda p: p[1].data.numel() <= _GROUP_PAIR and _cast_is_rne(p[1].data.device),
-                             host=_rne_differs_on_host, host_many=_rne_differs_on_host_many)
+                             host=_rne_differs_on_host, host_many=_rne_differs_on_host_many if _BATCH else None)
         for (t, src), bad in zip(pairs, differs):
             if t.data is not None and not bad:  # verified bit for bit; the first matching source wins
                 t.entry["derived"] = {"function": BF16_RNE, "source": src.tensor_id}
@@ -268,7 +271,7 @@ class DerivedSearch:
             pairs = [(t, rep) for rep, rest in work for t in rest]
             differs = _differing(pairs, _bytes_differ, lambda p: _bytes_differ([p]), quick_is_exact=True,
                                  size=lambda p: p[0].nbytes, small=lambda p: p[0].nbytes <= _GROUP_PAIR,
-                                 host=_bytes_differ_on_host, host_many=_bytes_differ_on_host_many)
+                                 host=_bytes_differ_on_host, host_many=_bytes_differ_on_host_many if _BATCH else None)
             decided = {id(t): rep for (t, rep), bad in zip(pairs, differs) if not bad}
             next_work = []
             for rep, rest in work:
@@ -561,12 +564,9 @@ def _bytes_differ_on_host(pair: tuple[PlannedTensor, PlannedTensor]) -> bool:
     return _kernel.differ(pair[0].flat_bytes().numpy(), pair[1].flat_bytes().numpy())
 
 
-def _by_address(check: Callable[..., None] | None, rows: list[tuple[torch.Tensor, torch.Tensor, int]]) -> list[bool] | None:
+def _by_address(check: Callable[..., None], rows: list[tuple[torch.Tensor, torch.Tensor, int]]) -> list[bool]:
     """``check(a addresses, b addresses, counts, out)`` (a batch kernel of _derived.c) over C-contiguous host
-    tensors (a, b, count): one call for all of them, the tensors held by ``rows`` meanwhile; None where the
-    built kernel predates the batch forms."""
-    if check is None:
-        return None
+    tensors (a, b, count): one call for all of them, the tensors held by ``rows`` meanwhile."""
     n = len(rows)
     a = np.fromiter((x.data_ptr() for x, _, _ in rows), dtype=np.uint64, count=n)
     b = np.fromiter((y.data_ptr() for _, y, _ in rows), dtype=np.uint64, count=n)
@@ -585,18 +585,14 @@ def _rne_differs_on_host_many(pairs: Pairs) -> list[bool]:
             raise ValueError(f"a source of {source.data.numel()} elements and a candidate of "
                              f"{candidate.data.numel()} do not hold the same number of elements")
         rows.append((source.data, candidate.data, candidate.data.numel()))
-    got = _by_address(getattr(_kernel, "rne_differs_many", None), rows)
-    return got if got is not None else [_rne_differs_on_host(p) for p in pairs]
+    return _by_address(_kernel.rne_differs_many, rows)
 
 
 def _bytes_differ_on_host_many(pairs: Pairs) -> list[bool]:
     """_bytes_differ_on_host of C-contiguous pairs, in one call; pairs of other lengths differ."""
     sizes = [(a.data.numel() * a.data.element_size(), b.data.numel() * b.data.element_size()) for a, b in pairs]
     same = [k for k, (x, y) in enumerate(sizes) if x == y]
-    got = _by_address(getattr(_kernel, "differ_many", None), [(pairs[k][0].data, pairs[k][1].data, sizes[k][0])
-                                                             for k in same])
-    if got is None:
-        return [_bytes_differ_on_host(p) for p in pairs]
+    got = _by_address(_kernel.differ_many, [(pairs[k][0].data, pairs[k][1].data, sizes[k][0]) for k in same])
     out = [True] * len(pairs)
     for k, d in zip(same, got):
         out[k] = d
