@@ -348,6 +348,44 @@ def test_lazy_save_on_the_gpu_copies_batchnorm_statistics_at_the_call(tmp_path):
     assert not torch.equal(model.state_dict()["1.running_mean"], expected["1.running_mean"])
 
 
+def test_a_lazy_saves_reads_do_not_wait_for_what_its_caller_queues_after_the_call(tmp_path):
+    """The save's thread shares the default stream with its caller, who queues the next forward and backward
+    on it: the reads and the derived-tensor comparisons wait for the caller's work at the call alone, so they
+    run beside the next step's kernels, not after them.  A lazy async_save warms up first: the process's
+    first pinned allocation (and nvCOMP's loading) are not what is measured."""
+    import time
+
+    torch.manual_seed(0)
+    master = torch.nn.Linear(1024, 1024).to(DEV)
+    opt = torch.optim.AdamW(master.parameters(), lr=1e-2)
+    master(torch.randn(8, 1024, device=DEV)).sum().backward()
+    opt.step()
+    state = {"master": master.state_dict(), "optimizer": opt.state_dict(),
+             "model": {k: v.to(torch.bfloat16) for k, v in master.state_dict().items()}}
+    expected = {"master": {k: v.clone() for k, v in master.state_dict().items()}, "model": dict(state["model"])}
+    nvckpt.async_save(state, tmp_path / "warm.nvckpt", fence=opt).result(timeout=120)
+    torch.cuda.synchronize()
+    begun = time.perf_counter()
+    future = nvckpt.async_save(state, tmp_path / "lazy.nvckpt", fence=opt)
+    torch.cuda._sleep(4_000_000_000)  # about 2 s of the GPU's time, queued on the caller's stream after the call
+    later = torch.cuda.Event()
+    later.record()
+    assert future.wait_read(timeout=60)
+    read = time.perf_counter() - begun
+    slept = not later.query()
+    later.synchronize()
+    asleep = time.perf_counter() - begun
+    assert slept, f"the save's reads ended at {read:.3f} s, after work queued after the call (ended {asleep:.3f} s)"
+    future.result(timeout=60)
+    loaded = nvckpt.load(tmp_path / "lazy.nvckpt", device="cuda")
+    assert_tree_equal(loaded["master"], expected["master"])
+    assert_tree_equal(loaded["model"], expected["model"])
+    with nvckpt.open(tmp_path / "lazy.nvckpt") as ck:
+        # The weight's rounding was compared on the device, after the call's event, beside the sleep; the small
+        # bias no fence owns was copied to the host at the call, and is stored as it is.
+        assert "model/weight" in {e.name for e in ck.index.tensors if e.derived}
+
+
 @pytest.mark.parametrize("budget", [1 << 30, 1 << 10])
 def test_a_lazy_calls_small_gpu_copies_are_the_values_at_the_call(budget):
     """The small CUDA tensors no fence owns are copied to the host on the caller's stream (gathered into one
