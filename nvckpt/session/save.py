@@ -118,7 +118,7 @@ def _gpu_device(tensors: list[PlannedTensor], options: SaveOptions) -> torch.dev
     codec, engine = options.codec, options.engine
     if engine == "cpu" or isinstance(codec, Pipeline) or codec not in GPU_PRESETS:
         return None
-    device = next((t.data.device for t in tensors if t.data is not None and t.data.device.type == "cuda"), None)
+    device = next((t.data.device for t in tensors if t.data is not None and t.data.is_cuda), None)
     if engine == "auto" and device is None:
         return None
     from ..codecs.nvcomp import backend as nb
