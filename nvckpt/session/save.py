@@ -69,8 +69,9 @@ def write_items(stream: Any, items: Iterable[TensorReady | EncodedChunk], plan: 
                 info: dict[str, Any], progress: Callable[[int], None] | None = None) -> int:
     """Frame an engine's items onto ``stream``; returns the file's length.  ``progress(raw bytes)`` per chunk."""
     try:
-        packed_tree = check_index_floor(plan.entries(), plan.chunk_lengths(), plan.tree, plan.metadata, info)
-        writer = FrameWriter(stream, plan.entries(), plan.chunk_lengths(), alignment=alignment,
+        entries, chunk_lengths = plan.entries(), plan.chunk_lengths()  # once: a list per tensor, thousands
+        packed_tree = check_index_floor(entries, chunk_lengths, plan.tree, plan.metadata, info)
+        writer = FrameWriter(stream, entries, chunk_lengths, alignment=alignment,
                              required_features=plan.required_features)
         held: list[EncodedChunk] = []  # chunks whose frames the writer holds (EncodedChunk.flush False)
         undecided = plan.undecided  # derived-tensor candidates: their chunks are known when they are announced
