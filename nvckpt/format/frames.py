@@ -43,7 +43,7 @@ from .constants import (
     VERSION_MINOR,
 )
 from .index import Index, parse_index, unpack_index
-from .structs import Footer, FrameHeader, Preamble, xxh3
+from .structs import Footer, FrameHeader, Preamble, pack_frame_header, xxh3
 from .tree import check_depth, msgpack_errors, pack_tree, tree_features, unpackb
 
 _ZEROS = bytes(MAX_ALIGNMENT)
@@ -133,23 +133,26 @@ class FrameWriter:
                 raise OSError(errno.EIO, f"the stream took no bytes of the {rest.nbytes} left to write")
             rest = rest[n:]
 
-    def _frame(self, header: FrameHeader, payload: Any) -> int:
-        """Write one frame; returns the payload's offset."""
+    def _frame(self, head: bytes, padding: int, stored: int, payload: Any) -> int:
+        """Write one frame (``head``: its packed header, ``padding`` bytes after it, ``stored`` payload bytes);
+        returns the payload's offset."""
         # Header and padding in one write, and a small payload with them: a save writes thousands of frames
         # (two per small tensor), and each write costs host time.
-        head = header.pack() + _ZEROS[: header.padding_length] if header.padding_length else header.pack()
+        if padding:
+            head += _ZEROS[:padding]
         offset = self.position + len(head)
-        if header.stored_length <= _JOINED:
-            self._write(b"".join((head, payload)), len(head) + header.stored_length)
+        if stored <= _JOINED:
+            self._write(b"".join((head, payload)), len(head) + stored)
         else:
             self._write(head, len(head))
-            self._write(payload, header.stored_length)
+            self._write(payload, stored)
         return offset
 
     def _meta_frame(self, ftype: int, payload: bytes, **ids: int) -> int:
         if ftype != FRAME_INDEX and len(payload) > MAX_META_FRAME_LENGTH:
             raise LimitError(f"a {FRAME_NAMES[ftype]} frame of {len(payload)} bytes exceeds {MAX_META_FRAME_LENGTH}")
-        return self._frame(FrameHeader(ftype, len(payload), len(payload), xxh3(payload), **ids), payload)
+        n = len(payload)
+        return self._frame(pack_frame_header(ftype, n, n, xxh3(payload), **ids), 0, n, payload)
 
     def codec_id(self, pipeline: PipelineLike) -> int:
         cid = self.codec_ids.get(pipeline)
@@ -202,9 +205,8 @@ class FrameWriter:
         padding = 0
         if stored >= self.alignment > 1:
             padding = -(self.position + FRAME_HEADER_SIZE) % self.alignment
-        header = FrameHeader(FRAME_CHUNK, stored, raw_length, checksum, codec_id=cid,
-                             tensor_id=tensor_id, chunk_index=index, padding_length=padding)
-        offset = self._frame(header, payload)
+        head = pack_frame_header(FRAME_CHUNK, stored, raw_length, checksum, cid, tensor_id, index, padding)
+        offset = self._frame(head, padding, stored, payload)
         self.chunks[tensor_id][index] = [offset, stored, raw_length, cid, checksum]
 
     def finish(self, tree: Any, metadata: dict[str, Any], writer_info: dict[str, Any], *,

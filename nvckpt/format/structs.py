@@ -86,6 +86,16 @@ _UNUSED_FIELDS = {
 }
 
 
+def pack_frame_header(frame_type: int, stored_length: int, raw_length: int, payload_checksum: int, codec_id: int = 0,
+                      tensor_id: int = 0, chunk_index: int = 0, padding_length: int = 0, flags: int = 0) -> bytes:
+    """The 48 bytes of a frame header (SPEC 4.1), its header checksum computed: ``FrameHeader(...).pack()``
+    without making the object (a writer packs two headers per small tensor, thousands per save)."""
+    fields = [FRAME_MAGIC, frame_type, flags, codec_id, tensor_id, chunk_index, padding_length, 0,
+              stored_length, raw_length, payload_checksum]
+    fields[7] = _low32(_FRAME.pack(*fields))
+    return _FRAME.pack(*fields)
+
+
 @dataclass(frozen=True)
 class FrameHeader:
     frame_type: int
@@ -106,7 +116,8 @@ class FrameHeader:
         )
 
     def pack(self) -> bytes:
-        return self._pack(_low32(self._pack(0)))
+        return pack_frame_header(self.frame_type, self.stored_length, self.raw_length, self.payload_checksum,
+                                 self.codec_id, self.tensor_id, self.chunk_index, self.padding_length, self.flags)
 
     @property
     def payload_skip(self) -> int:
