@@ -108,13 +108,6 @@ class FrameHeader:
     padding_length: int = 0
     flags: int = 0
 
-    def _pack(self, header_checksum: int) -> bytes:
-        return _FRAME.pack(
-            FRAME_MAGIC, self.frame_type, self.flags, self.codec_id, self.tensor_id,
-            self.chunk_index, self.padding_length, header_checksum,
-            self.stored_length, self.raw_length, self.payload_checksum,
-        )
-
     def pack(self) -> bytes:
         return pack_frame_header(self.frame_type, self.stored_length, self.raw_length, self.payload_checksum,
                                  self.codec_id, self.tensor_id, self.chunk_index, self.padding_length, self.flags)
@@ -134,7 +127,7 @@ class FrameHeader:
         if magic != FRAME_MAGIC:
             raise FormatError(f"bad frame magic {magic.hex()} (expected {FRAME_MAGIC.hex()})", offset=offset)
         header = cls(ftype, stored, raw, pcheck, codec_id, tensor_id, chunk_index, padding, flags)
-        expected = _low32(header._pack(0))
+        expected = _low32(b"".join((bytes(data[:20]), bytes(4), bytes(data[24:FRAME_HEADER_SIZE]))))  # SPEC 4.1
         if hcheck != expected:
             raise ChecksumError(
                 f"frame header checksum 0x{hcheck:08x} != computed 0x{expected:08x}", offset=offset
