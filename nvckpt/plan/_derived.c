@@ -132,6 +132,14 @@ static PyObject *rne(PyObject *self, PyObject *args)
 /* The batch forms: pairs given by address, so that thousands of small pairs (a model's biases and norms,
  * an optimizer's step counts) cost one call instead of several torch calls each.  The caller passes the
  * addresses of live, C-contiguous host tensors it holds for the duration of the call. */
+static void release_batch(Py_buffer *a, Py_buffer *b, Py_buffer *n, Py_buffer *out)
+{
+    PyBuffer_Release(a);
+    PyBuffer_Release(b);
+    PyBuffer_Release(n);
+    PyBuffer_Release(out);
+}
+
 static int get_batch(PyObject *args, Py_buffer *a, Py_buffer *b, Py_buffer *n, Py_buffer *out)
 {
     if (!PyArg_ParseTuple(args, "y*y*y*w*", a, b, n, out))
@@ -140,23 +148,12 @@ static int get_batch(PyObject *args, Py_buffer *a, Py_buffer *b, Py_buffer *n, P
     if (a->len != n->len || b->len != n->len || n->len % (Py_ssize_t)sizeof(uint64_t) || out->len != pairs
         || !PyBuffer_IsContiguous(a, 'C') || !PyBuffer_IsContiguous(b, 'C') || !PyBuffer_IsContiguous(n, 'C')
         || !PyBuffer_IsContiguous(out, 'C')) {
-        PyBuffer_Release(a);
-        PyBuffer_Release(b);
-        PyBuffer_Release(n);
-        PyBuffer_Release(out);
+        release_batch(a, b, n, out);
         PyErr_SetString(PyExc_ValueError, "expected three contiguous arrays of one uint64 per pair and a uint8 "
                         "array of one flag per pair");
         return -1;
     }
     return 0;
-}
-
-static void release_batch(Py_buffer *a, Py_buffer *b, Py_buffer *n, Py_buffer *out)
-{
-    PyBuffer_Release(a);
-    PyBuffer_Release(b);
-    PyBuffer_Release(n);
-    PyBuffer_Release(out);
 }
 
 static int rne_differs_at(uint64_t src, uint64_t cand, uint64_t n)
