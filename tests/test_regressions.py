@@ -612,3 +612,34 @@ def test_a_checkpoints_map_runs_on_the_caller_and_the_shared_threads(tmp_path):
         assert len(started) == n < 20  # nobody took another item after the error
     finally:
         ck.close()
+
+
+def test_the_cpu_engines_output_buffers_are_kept_for_the_next_save_within_their_bound(tmp_path):
+    # A portable save codes each chunk into a buffer of the engine's pool; the pool keeps them for the
+    # next save (fresh memory costs a page fault per 4 KiB), at most its `keep` bytes, and a buffer taken
+    # is never handed out twice while it is held.
+    import nvckpt.engines.cpu as cpu
+
+    pool = cpu._Buffers(keep=3 << 16)
+    a, b = pool.take(1000), pool.take(1 << 16)
+    assert a.nbytes == b.nbytes == 1 << 16 and a is not b
+    pool.give(a)
+    pool.give(b)
+    assert pool.take(5) is b and pool.take(5) is a  # given back, then taken again (last in, first out)
+    big = pool.take((1 << 16) + 1)
+    assert big.nbytes == 1 << 17
+    pool.give(a)
+    pool.give(big)  # 64 + 128 KiB: within the 192 KiB kept
+    pool.give(b)  # beyond it: dropped
+    assert pool._kept == 3 << 16 and pool.take(5) is a and pool.take(5) is not b
+
+    state = {f"w{i}": torch.randn(64, 4096, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+             for i in range(6)}
+    nvckpt.save(state, tmp_path / "one.nvckpt", codec="portable", chunk_size=1 << 18)
+    kept = cpu._KEPT._kept
+    assert 0 < kept <= 64 << 20
+    nvckpt.save(state, tmp_path / "two.nvckpt", codec="portable", chunk_size=1 << 18)
+    assert cpu._KEPT._kept == kept  # the second save ran on the first one's buffers and gave them back
+    assert (tmp_path / "one.nvckpt").read_bytes() == (tmp_path / "two.nvckpt").read_bytes()
+    loaded = nvckpt.load(tmp_path / "two.nvckpt")
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())

@@ -5,7 +5,8 @@ caller's thread writes frames in order.  What keeps it from being the bottleneck
 
 * chunks are read straight from the tensor's memory (no copy for a contiguous CPU tensor) and a
   portable chunk is coded into a reusable output buffer (``_Buffers``), handed to the writer and
-  given back once the writer has copied it (``EncodedChunk.release``): no allocation per chunk;
+  given back once the writer has copied it (``EncodedChunk.release``): no allocation per chunk, and
+  the buffers are kept for the next save (up to 64 MiB);
 * small chunks are grouped into one task (an optimizer's thousands of step counters cost one task
   per ~256 KiB, not one per tensor), and portable chunks under ``TINY`` bytes are stored raw without
   trying a coder (SPEC 12.4: a frame header per byte plane would eat what coding saves);
@@ -50,23 +51,36 @@ def host_bytes(t: PlannedTensor) -> memoryview:
 
 
 class _Buffers:
-    """Reusable output buffers of one size class each (a chunk's bound), shared by the workers."""
+    """Reusable output buffers of one size class each (a chunk's bound), shared by the workers and kept
+    for the next save, up to ``keep`` bytes: fresh memory costs a page fault per 4 KiB on first touch,
+    and a process that gave its free memory back to the OS (glibc's trim) paid them on every save."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep: int = 0) -> None:
         self._free: dict[int, list[np.ndarray]] = {}
         self._lock = threading.Lock()
+        self._keep = keep
+        self._kept = 0
 
     def take(self, size: int) -> np.ndarray:
         cls = max(1 << 16, 1 << (size - 1).bit_length())
         with self._lock:
             free = self._free.get(cls)
             if free:
+                self._kept -= cls
                 return free.pop()
         return np.empty(cls, dtype=np.uint8)
 
     def give(self, buf: np.ndarray) -> None:
         with self._lock:
+            if self._keep and self._kept + buf.nbytes > self._keep:
+                return  # beyond what is kept: freed
+            self._kept += buf.nbytes
             self._free.setdefault(buf.nbytes, []).append(buf)
+
+
+# The CPU engine's buffers, kept between saves: a save holds at most its window of chunks (4 per worker
+# and 2, each at most a chunk's bound; 1 MiB chunks by default), so 64 MiB keeps a whole save's set.
+_KEPT = _Buffers(keep=64 << 20)
 
 
 def encode_chunk(pipeline: Pipeline, raw: memoryview, buffers: _Buffers | None = None
@@ -123,7 +137,7 @@ def encode_cpu(
 ) -> Iterator[TensorReady | EncodedChunk]:
     workers = workers or os.cpu_count() or 1
     window = 4 * workers + 2
-    buffers = _Buffers()
+    buffers = _KEPT
     # In order: ("tensor", tensor_id, checksum future or None) or ("chunks", [(tensor, index)], future of results).
     # A tensor's TENSOR frame comes before its chunks (SPEC 6); chunks of a group may be of several tensors.
     pending: deque[tuple] = deque()
