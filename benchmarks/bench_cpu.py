@@ -12,7 +12,10 @@ cache) in GB/s of raw bytes, twice: into memory the allocator reuses (the second
 the one right before freed) and into fresh memory (a restarted job: the allocator's free memory is handed back to the OS first, so the load pays
 the page faults of every byte it fills; ``fresh_memory``); the median of ``--reps`` repetitions,
 interleaved (every format once per repetition), so that a noisy neighbour slows all formats alike.
-Beside them: the order-0 entropy limit of the byte planes (plain, and after signshift).
+Beside them: the order-0 entropy limit of the byte planes (plain, and after signshift), and each coded
+format's ratio of its coded bytes alone (the file without its container), which sets the codecs side
+by side apart from what each container holds (nvckpt's TENSOR frames, frame headers and index: names,
+shapes, checksums, the tree; the peers' header of names and lengths).
 
 Peers are optional: ZipNN (pip install zipnn; Huffman, its own threads) and blosc2 (zstd level 1 +
 SHUFFLE) are skipped cleanly when not installed.  ZipNN 0.5.4 changes the tensor it compresses (it
@@ -183,11 +186,20 @@ def _read_container(path: str) -> list[tuple[str, memoryview]]:
     return out
 
 
+def _container_payload(path: str) -> int:
+    """Bytes of the coded parts of a file of ``_write_container``: its header (names, lengths) left out."""
+    return sum(len(b) for _, b in _read_container(path))
+
+
 class Format:
     name = ""
 
     def save(self, obj: Any, path: str) -> None: ...
     def load(self, path: str) -> Any: ...
+
+    def payload_bytes(self, path: str) -> int | None:
+        """The file's coded tensor bytes alone, without its container (None: not measured for this format)."""
+        return None
 
 
 class TorchSave(Format):
@@ -213,6 +225,16 @@ class Nvckpt(Format):
 
     def load(self, path):
         return nvckpt.load(path)
+
+    def payload_bytes(self, path):
+        # The CHUNK frames' payloads: the codec's output, without frame headers, TENSOR frames and index.
+        from nvckpt.session.file import CheckpointFile
+
+        f = CheckpointFile(path, workers=1)
+        try:
+            return sum(sum(e.chunks.columns(0, len(e.chunks))[1]) for e in f.index.tensors if e.chunks)
+        finally:
+            f.close()
 
 
 class ZipNN(Format):
@@ -244,6 +266,9 @@ class ZipNN(Format):
             out[name] = self.z.decompress(bytes(b)) if name.startswith("z:") else torch.frombuffer(bytearray(b), dtype=torch.uint8)
         return out
 
+    def payload_bytes(self, path):
+        return _container_payload(path)  # ZipNN's own buffers (each with its header), as it returned them
+
 
 class Blosc2(Format):
     name = "blosc2 zstd-1 SHUFFLE"
@@ -270,6 +295,9 @@ class Blosc2(Format):
         b = self.b
         dp = b.DParams(nthreads=THREADS)
         return {name: (b.decompress2(bytes(c), dparams=dp) if c.nbytes else b"") for name, c in _read_container(path)}
+
+    def payload_bytes(self, path):
+        return _container_payload(path)
 
 
 class DiskLimit(Format):
@@ -342,6 +370,8 @@ def run(datasets: dict[str, Any], reps: int, tmp: str) -> dict[str, Any]:
                     times[f.name]["load_fresh"].append(t3 - t2)
                     times[f.name]["load"].append(t4 - t3)
                 times[f.name]["bytes"] = os.path.getsize(path)
+                if rep == reps:
+                    times[f.name]["payload"] = f.payload_bytes(path)
                 os.remove(path)
         rows = {}
         for f in fmts:
@@ -351,6 +381,8 @@ def run(datasets: dict[str, Any], reps: int, tmp: str) -> dict[str, Any]:
                             "load_gbps": raw / statistics.median(tt["load"]) / 1e9,
                             "load_fresh_gbps": raw / statistics.median(tt["load_fresh"]) / 1e9,
                             "save_s": tt["save"], "load_s": tt["load"], "load_fresh_s": tt["load_fresh"]}
+            if tt.get("payload"):
+                rows[f.name].update(payload_bytes=tt["payload"], payload_ratio=raw / tt["payload"])
         results[dname] = {"raw_bytes": raw, "tensors": len(tensors_of(obj)), "formats": rows,
                           "entropy_limit": entropy_limit(obj, False),
                           "entropy_limit_signshift": entropy_limit(obj, True)}
@@ -446,6 +478,21 @@ def markdown(doc: dict[str, Any]) -> str:
         lines.append(f"| {f} | " + " | ".join(cells) + " |")
     lines += ["", "Data sets: " + "; ".join(f"{d}: {v['raw_bytes'] / 1e6:.1f} MB in {v['tensors']} tensors"
                                           for d, v in doc["run"]["datasets"].items()) + ".", ""]
+    coded = [f for f in fmts if all("payload_ratio" in doc["run"]["datasets"][d]["formats"][f] for d in names)]
+    if coded:
+        lines.append("The coded tensor bytes alone, without the container (nvckpt: the CHUNK frames' payloads, without "
+                     "frame headers, TENSOR frames and index; the peers: their own compressed buffers, without "
+                     "this benchmark's header of names and lengths), as a ratio / the container's bytes:")
+        lines.append("")
+        lines.append("| format | " + " | ".join(names) + " |")
+        lines.append("|---|" + "---|" * len(names))
+        for f in coded:
+            cells = []
+            for d in names:
+                r = doc["run"]["datasets"][d]["formats"][f]
+                cells.append(f"{r['payload_ratio']:.4f} / {r['file_bytes'] - r['payload_bytes']:,}")
+            lines.append(f"| {f} | " + " | ".join(cells) + " |")
+        lines.append("")
     for s in doc["run"]["skipped"]:
         lines.append(f"Skipped: {s}.")
     if doc.get("checksums"):
