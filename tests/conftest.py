@@ -25,6 +25,18 @@ def pytest_configure(config: pytest.Config) -> None:
 
 # -- bit-exact comparison ----------------------------------------------------------------------
 
+@pytest.fixture(params=["in pieces", "whole"])
+def index_decoding(request, monkeypatch):
+    """Both ways an index is decoded (nvckpt.format.bulk): in pieces (from bulk.STREAM_FROM bytes on; the
+    threshold lowered here to 16 KiB, so that the tests' indexes of a few hundred KB take that way) and
+    whole, in one msgpack call."""
+    from nvckpt.format import bulk
+
+    if request.param == "in pieces":
+        monkeypatch.setattr(bulk, "STREAM_FROM", 16 << 10)
+    return request.param
+
+
 @pytest.fixture(autouse=True)
 def _fresh_layouts():
     """Each test plans its states from scratch: a layout an earlier test saved (same names, shapes and, by

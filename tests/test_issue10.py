@@ -207,8 +207,9 @@ def test_a_tensor_spanning_more_than_2p62_bytes_is_refused_before_writing():
 
 # -- 3. a compact index ---------------------------------------------------------------------------------
 
-def test_bulk_decoding_agrees_with_the_plain_decoding():
+def test_bulk_decoding_agrees_with_the_plain_decoding(monkeypatch):
     """Long chunk tables in every int encoding (the conformance file) decode to the same tables both ways."""
+    monkeypatch.setattr(bulk, "STREAM_FROM", 16 << 10)
     data = read(case("valid-many-chunks"))
     with nvckpt.open(io.BytesIO(data)) as ck:
         bulk_table = ck.index.tensors[0].chunks.to_json()
@@ -224,20 +225,21 @@ def test_bulk_decoding_agrees_with_the_plain_decoding():
 
 
 @pytest.mark.parametrize("cid", ["chunk-list-long-negative", "chunk-list-long-bool", "chunk-list-long-overlap"])
-def test_bulk_decoding_finds_the_one_bad_chunk(cid):
+def test_bulk_decoding_finds_the_one_bad_chunk(cid, index_decoding):
     with pytest.raises(nvckpt.FormatError, match=r"chunk 1[234]\d\d"):
         nvckpt.open(case(cid))
 
 
 def _big_index_file(edit_entry) -> bytes:
-    """2000 one-chunk tensors (an index past bulk.STREAM_FROM: decoded in pieces), entry 1000's bytes edited."""
+    """2000 one-chunk tensors (an index of ~150 KB: decoded in pieces where bulk.STREAM_FROM is lowered to
+    16 KiB, ``index_decoding``), entry 1000's bytes edited."""
     n = 2000
     data = bytes(i * 7 & 0xFF for i in range(n))
     h = xxhash.xxh3_64_intdigest
     tensors = [{"name": f"t{i}", "dtype": "uint8", "shape": [1], "chunks": [[72 + i, 1, 1, 0, h(data[i:i + 1])]]}
                for i in range(n)]
     payload = msgpack.packb(hostile._index(tensors, {f"t{i}": hostile._ref(i) for i in range(n)}))
-    assert len(payload) > bulk.STREAM_FROM
+    assert len(payload) > 16 << 10
     entry = msgpack.packb(tensors[1000])
     payload = payload.replace(entry, edit_entry(entry, tensors[1000]), 1)
     body = craft.Preamble().pack() + bytes(48) + data
@@ -255,7 +257,7 @@ def _with_deep_key(entry: bytes, parsed: dict) -> bytes:
     (_with_deep_key, nvckpt.LimitError, "deep"),
     (lambda e, p: e[:-3], nvckpt.FormatError, "msgpack"),
 ], ids=["utf8", "duplicate-key", "ext", "stack", "truncated"])
-def test_an_index_decoded_in_pieces_keeps_every_rule(edit, error, match):
+def test_an_index_decoded_in_pieces_keeps_every_rule(edit, error, match, index_decoding):
     """The piecewise decoding (entries decoded when parsed) reports what the plain decoding reports."""
     nvckpt.open(io.BytesIO(_big_index_file(lambda e, p: e))).close()
     with pytest.raises(error, match=match):

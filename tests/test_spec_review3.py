@@ -206,8 +206,9 @@ def test_negative_ext_under_an_ignored_key_is_accepted(tmp_path):
     assert [d["status"] for d in reference(path)] == ["ok", "ok"]
 
 
-def test_ignored_exts_in_an_index_decoded_in_pieces(tmp_path):
+def test_ignored_exts_in_an_index_decoded_in_pieces(tmp_path, monkeypatch):
     """The same rule where the index is large enough to be decoded key by key (nvckpt.format.bulk)."""
+    monkeypatch.setattr(bulk, "STREAM_FROM", 16 << 10)
     obj = {f"t{i}": torch.full((1,), float(i)) for i in range(400)}
 
     def fn(nv):
