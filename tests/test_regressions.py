@@ -643,3 +643,35 @@ def test_the_cpu_engines_output_buffers_are_kept_for_the_next_save_within_their_
     assert (tmp_path / "one.nvckpt").read_bytes() == (tmp_path / "two.nvckpt").read_bytes()
     loaded = nvckpt.load(tmp_path / "two.nvckpt")
     assert all(torch.equal(loaded[k], v) for k, v in state.items())
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_a_child_forked_while_a_save_held_the_buffer_pools_saves(tmp_path):
+    # The CPU engine's coded-chunk buffers and the file sink's write blocks are process-wide pools with a
+    # lock each; a fork while another thread holds one (a save running beside a DataLoader's fork) must not
+    # leave the child's copy locked forever: its first save would hang.
+    import nvckpt.engines.cpu as cpu
+    from nvckpt.io import sink
+
+    state = {"w": torch.randn(256, 1024, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)}
+    with cpu._KEPT._lock, sink._POOL._lock:
+        pid = os.fork()
+        if pid == 0:  # the child: save, load back, exit without running the parent's test machinery
+            try:
+                torch.set_num_threads(1)  # as a DataLoader worker does (OpenMP's threads do not survive a fork)
+                nvckpt.save(state, tmp_path / "child.nvckpt", codec="portable")
+                ok = torch.equal(nvckpt.load(tmp_path / "child.nvckpt")["w"], state["w"])
+                os._exit(0 if ok else 3)
+            except BaseException:
+                os._exit(4)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung on a pool's lock")
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -77,10 +77,18 @@ class _Buffers:
             self._kept += buf.nbytes
             self._free.setdefault(buf.nbytes, []).append(buf)
 
+    def _after_fork_in_child(self) -> None:
+        # A fork while a parent's thread held the lock leaves it held in the child: a new one, and no buffers.
+        self._lock = threading.Lock()
+        self._free = {}
+        self._kept = 0
+
 
 # The CPU engine's buffers, kept between saves: a save holds at most its window of chunks (4 per worker
 # and 2, each at most a chunk's bound; 1 MiB chunks by default), so 64 MiB keeps a whole save's set.
 _KEPT = _Buffers(keep=64 << 20)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_KEPT._after_fork_in_child)
 
 
 def encode_chunk(pipeline: Pipeline, raw: memoryview, buffers: _Buffers | None = None

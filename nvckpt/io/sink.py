@@ -65,8 +65,15 @@ class _BlockPool:
             if len(free) < keep:
                 free.append(block)
 
+    def _after_fork_in_child(self) -> None:
+        # A fork while a parent's thread held the lock leaves it held in the child: a new one, and no blocks.
+        self._lock = threading.Lock()
+        self._free = {}
+
 
 _POOL = _BlockPool()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_POOL._after_fork_in_child)
 
 
 class FileSink:
