@@ -25,6 +25,22 @@ def pytest_configure(config: pytest.Config) -> None:
 
 # -- bit-exact comparison ----------------------------------------------------------------------
 
+def forked_exit_code(pid: int, seconds: float, hung: str) -> int:
+    """The exit code of the forked child ``pid``; a child still running after ``seconds`` is killed and the
+    test fails with ``hung``."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail(hung)
+
+
 @pytest.fixture(params=["in pieces", "whole"])
 def index_decoding(request, monkeypatch):
     """Both ways an index is decoded (nvckpt.format.bulk): in pieces (from bulk.STREAM_FROM bytes on; the

@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import nvckpt
+from conftest import forked_exit_code
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -462,17 +463,7 @@ def test_a_forked_child_does_not_wait_for_its_parents_lazy_save(tmp_path):
             code = 0
         finally:
             os._exit(code)
-    deadline = time.time() + 30
-    while time.time() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        time.sleep(0.05)
-    else:
-        os.kill(pid, 9)
-        os.waitpid(pid, 0)
-        pytest.fail("the forked child hung in optimizer.step()")
-    assert os.waitstatus_to_exitcode(status) == 0
+    assert forked_exit_code(pid, 30, "the forked child hung in optimizer.step()") == 0
     future.result(timeout=60)
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import nvckpt
-from conftest import assert_tensor_equal
+from conftest import assert_tensor_equal, forked_exit_code
 
 
 def _nested_dicts(levels: int) -> dict:
@@ -545,17 +545,7 @@ def test_a_forked_child_loads_and_saves_on_threads_of_its_own(tmp_path):
             code = 0 if all(np.array_equal(got[k].numpy(), v.numpy()) for k, v in state.items()) else 2
         finally:
             os._exit(code)
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        time.sleep(0.05)
-    else:
-        os.kill(pid, 9)
-        os.waitpid(pid, 0)
-        pytest.fail("the forked child hung in load or save")
-    assert os.waitstatus_to_exitcode(status) == 0
+    assert forked_exit_code(pid, 60, "the forked child hung in load or save") == 0
     assert all(torch.equal(nvckpt.load(tmp_path / "b.nvckpt")[k], v) for k, v in state.items())
 
 
@@ -664,14 +654,4 @@ def test_a_child_forked_while_a_save_held_the_buffer_pools_saves(tmp_path):
                 os._exit(0 if ok else 3)
             except BaseException:
                 os._exit(4)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        time.sleep(0.05)
-    else:
-        os.kill(pid, 9)
-        os.waitpid(pid, 0)
-        pytest.fail("the forked child hung on a pool's lock")
-    assert os.waitstatus_to_exitcode(status) == 0
+    assert forked_exit_code(pid, 30, "the forked child hung on a pool's lock") == 0
