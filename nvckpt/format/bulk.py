@@ -35,7 +35,7 @@ from . import tree
 # Index payloads from this size on are decoded in pieces.  Below it one msgpack call decodes the whole
 # index faster than the pieces' Python steps (opening a 255-tensor training state's file: 2.7 against
 # 3.6-4.8 ms; an 8,000-tensor one's: 91 against 115 ms), and its objects take a few times the payload's
-# size at most, ~30 MB here.
+# size at most (~30 MB for an index of 4 MiB).
 STREAM_FROM = 4 << 20
 BIG_ENTRY = 16 << 10  # tensor entries from this size on are decoded key by key
 COLUMNS_FROM = 1024  # chunk lists from this length on are decoded as columns
