@@ -227,14 +227,11 @@ class Nvckpt(Format):
         return nvckpt.load(path)
 
     def payload_bytes(self, path):
-        # The CHUNK frames' payloads: the codec's output, without frame headers, TENSOR frames and index.
-        from nvckpt.session.file import CheckpointFile
+        # The CHUNK frames' payloads (the codec's output, without frame headers, TENSOR frames and index):
+        # the stored bytes `nvckpt info` reports.
+        from nvckpt.tools.info import describe
 
-        f = CheckpointFile(path, workers=1)
-        try:
-            return sum(sum(e.chunks.columns(0, len(e.chunks))[1]) for e in f.index.tensors if e.chunks)
-        finally:
-            f.close()
+        return describe(path)["stored_bytes"]
 
 
 class ZipNN(Format):
