@@ -36,7 +36,7 @@ def save(obj: Any, target: str | os.PathLike | Any, **options: Any) -> SaveResul
     ``tensor_checksums``: also store each tensor's XXH3-64 (every chunk has its own checksum anyway;
     default yes, except in an async_save that reads the tensors ahead, see async_save).
     ``engine``: "auto" (the GPU engine for CUDA tensors where nvCOMP is), "cpu", "gpu".
-    ``workers``: CPU encode threads (default: all cores; the process keeps one shared pool per count, nvckpt.engines.threads).
+    ``workers``: CPU encode threads (default: all cores; the process keeps one shared pool per count, nvckpt._threads).
     ``direct_io``: write with O_DIRECT where the filesystem allows it.
     ``preemption_grace``: seconds a save may still run after SIGTERM before it is cancelled (README).
     ``gpu``: the GPU engine's knobs (``nvckpt.GpuSaveOptions``).
@@ -79,7 +79,7 @@ def open(target: str | os.PathLike | Any, **options: Any) -> Checkpoint:  # noqa
     stream left at its end from its start).
     ``device``: where every tensor is materialized: "cpu" (the default), "cuda", "cuda:1", a torch.device
     or a CUDA index; the file does not record where a tensor was saved from, so any file loads on any device.
-    ``workers``: CPU decode threads, the caller's among them (default: all cores; shared pools, nvckpt.engines.threads).
+    ``workers``: CPU decode threads, the caller's among them (default: all cores; shared pools, nvckpt._threads).
     ``untrusted``: for files from an untrusted source, decode only with the hardened CPU decoders (no
     nvCOMP; nvcomp-ans chunks are refused) and bound the memory of the decoded index to
     ``max_index_memory`` bytes (default ``nvckpt.options.UNTRUSTED_INDEX_MEMORY``, 1 GiB; a trusted

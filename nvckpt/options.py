@@ -29,6 +29,12 @@ def _positive(owner: Any, *names: str) -> None:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+def _check_storage_options(value: Any) -> None:
+    if value is not None and not (isinstance(value, dict) and all(isinstance(k, str) for k in value)):
+        raise TypeError(f"storage_options must be a dict with str keys (the storage backend's options for a URL), "
+                        f"got {type(value).__qualname__}")
+
+
 @dataclass(frozen=True)
 class GpuSaveOptions:
     """The GPU engine's knobs.  GPU memory: at most ``memory_budget`` (default the smaller of 1 GiB and
@@ -74,7 +80,7 @@ class GpuLoadOptions:
     read_span_bytes: int = 32 * MiB
     read_threads: int = 4
     read_buffers: int = 12  # allocated as needed; more than the reads in flight, so a busy consumer does not stall the disk
-    max_gap: int = 1 * MiB  # bytes between two wanted chunks that one read may still cover
+    max_gap: int = 1 * MiB  # bytes between two wanted chunks that one read may still cover (at least the source's own)
     decode_batch_bytes: int = 256 * MiB
     direct_io: bool = True
     # zstd chunks decode with libzstd on the host, in the reader threads: nvCOMP's Zstd decoder crashed
@@ -111,6 +117,7 @@ class SaveOptions:
     workers: int | None = None
     direct_io: bool = True
     preemption_grace: float = 30.0  # seconds a save may run on after SIGTERM (nvckpt.session.lifecycle)
+    storage_options: dict[str, Any] | None = None  # a URL target's storage backend (endpoint, credentials, ...)
     gpu: GpuSaveOptions = field(default_factory=GpuSaveOptions)
 
     def __post_init__(self) -> None:
@@ -131,6 +138,7 @@ class SaveOptions:
             _positive(self, "workers")
         if not isinstance(self.gpu, GpuSaveOptions):
             raise TypeError(f"gpu must be a nvckpt.GpuSaveOptions, got {type(self.gpu).__qualname__}")
+        _check_storage_options(self.storage_options)
 
     @property
     def derives(self) -> tuple[bool, bool]:
@@ -149,6 +157,7 @@ class LoadOptions:
     untrusted: bool = False
     max_tensor_bytes: int | None = None
     max_index_memory: int | None = None  # None: no bound of its own, or UNTRUSTED_INDEX_MEMORY with untrusted=True
+    storage_options: dict[str, Any] | None = None  # a URL's storage backend (endpoint, credentials, ...)
     gpu: GpuLoadOptions = field(default_factory=GpuLoadOptions)
     # torch.load's keywords, for code migrating from it (see ``open``'s docstring).
     map_location: Any = None
@@ -171,6 +180,7 @@ class LoadOptions:
             _positive(self, "workers")
         if not isinstance(self.gpu, GpuLoadOptions):
             raise TypeError(f"gpu must be a nvckpt.GpuLoadOptions, got {type(self.gpu).__qualname__}")
+        _check_storage_options(self.storage_options)
 
 
 #: The memory the decoded index of a file opened with untrusted=True may take, unless max_index_memory

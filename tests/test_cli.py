@@ -20,9 +20,9 @@ from nvckpt.format.constants import FRAME_TENSOR
 from nvckpt.engines.cpu import encode_cpu
 from nvckpt.engines.items import EncodedChunk, TensorReady
 from nvckpt.format.frames import iter_frames
-from nvckpt.io.source import Source
+from nvckpt.io.source import LocalFile
 from nvckpt.plan.walk import plan_save
-from nvckpt.session.file import CheckpointFile as Reader
+from nvckpt.read.reader import ChunkReader as Reader
 from nvckpt.session.save import write_items
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -219,7 +219,7 @@ def test_verify_wrong_tensor_checksum(capsys, tmp_path):
 
 def test_verify_damaged_tensor_frame(capsys, ckpt):
     # A damaged TENSOR frame does not stop random access, but a streaming reader (and recover) needs it.
-    source = Source(ckpt)
+    source = LocalFile(ckpt)
     try:
         offset, header = next((o, h) for o, h in iter_frames(source) if h.frame_type == FRAME_TENSOR)
     finally:

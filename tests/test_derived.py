@@ -316,7 +316,7 @@ def test_the_cpu_engine_codes_other_tensors_while_the_candidates_are_verified(tm
     from nvckpt.engines import cpu as cpu_engine
     from nvckpt.format.constants import FRAME_TENSOR
     from nvckpt.format.frames import iter_frames
-    from nvckpt.io.source import Source
+    from nvckpt.io.source import LocalFile
     from nvckpt.plan import derived
     from nvckpt.tools.verify import verify
 
@@ -347,7 +347,7 @@ def test_the_cpu_engine_codes_other_tensors_while_the_candidates_are_verified(tm
         names = [e.name for e in ck.index.tensors]
         kinds = {e.name: (e.derived or {}).get("function") for e in ck.index.tensors}
     assert kinds["model/m0"] == kinds["model/m2"] == "bf16_rne" and kinds["model/m1"] is None
-    source = Source(path)
+    source = LocalFile(path)
     try:
         order = [names[h.tensor_id] for _, h in iter_frames(source) if h.frame_type == FRAME_TENSOR]
     finally:
@@ -362,12 +362,12 @@ def test_a_cpu_load_derives_each_tensor_as_soon_as_its_source_is_decoded(monkeyp
     """A derived tensor is computed on the decode thread that finished its source (bytes still in cache,
     beside the other tensors' decoding), not one by one after every chunk is decoded; what the load returns
     is the same, also for a derived tensor whose source is a view's base or loaded alone."""
-    from nvckpt.session import file as file_mod
+    from nvckpt.read import reader as file_mod
     from nvckpt.session import load as load_mod
 
     mapping = [False]
     at_derive: list[bool] = []
-    file_map, derive = file_mod.CheckpointFile.map, load_mod._derive
+    file_map, derive = file_mod.ChunkReader.map, load_mod._derive
 
     def map_(self, fn, items):
         mapping[0] = True
@@ -380,7 +380,7 @@ def test_a_cpu_load_derives_each_tensor_as_soon_as_its_source_is_decoded(monkeyp
         at_derive.append(mapping[0])
         return derive(*args)
 
-    monkeypatch.setattr(file_mod.CheckpointFile, "map", map_)
+    monkeypatch.setattr(file_mod.ChunkReader, "map", map_)
     monkeypatch.setattr(load_mod, "_derive", derive_)
     gen = torch.Generator().manual_seed(12)
     masters_ = {f"m{i}": torch.randn(256, 300, generator=gen) for i in range(4)}

@@ -100,20 +100,20 @@ OPEN = r"""
 import json, sys, time, gc
 sys.path.insert(0, {root!r})
 import nvckpt
-from nvckpt.session.file import CheckpointFile
+from nvckpt.read.reader import ChunkReader
 
 def status(field):
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) * 1024 for l in f if l.startswith(field + ":"))
 
-CheckpointFile({small!r}).close()  # imports (numpy too) before the measurement
+ChunkReader({small!r}).close()  # imports (numpy too) before the measurement
 seconds, grew = [], 0
 for _ in range(3):
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     start = status("VmRSS")
     t = time.perf_counter()
-    reader = CheckpointFile({path!r})
+    reader = ChunkReader({path!r})
     seconds.append(time.perf_counter() - t)
     grew = max(grew, status("VmHWM") - start)
     n = sum(len(e.chunks or ()) for e in reader.index.tensors)

@@ -38,7 +38,7 @@ from conformance import craft  # noqa: E402
 from nvckpt.format import bulk  # noqa: E402
 from nvckpt.format.frames import read_meta_frame  # noqa: E402
 from nvckpt.format.structs import FrameHeader  # noqa: E402
-from nvckpt.io.source import Source  # noqa: E402
+from nvckpt.io.source import LocalFile  # noqa: E402
 from nvckpt.tools.recover import recover  # noqa: E402
 from nvckpt.tools.verify import verify  # noqa: E402
 
@@ -90,9 +90,9 @@ def test_deep_tensor_and_codec_frames(cid, tmp_path):
     assert any("nesting" in p or "frame" in p for p in rec.problems), rec.problems
     nv = craft.parse(read(case(cid)))
     frame = max((f for f in nv.frames if f.frame_type in (craft.TENSOR, craft.CODEC)), key=lambda f: len(f.payload))
-    src = Source(case(cid))
+    src = LocalFile(case(cid))
     try:
-        header = FrameHeader.unpack(src.pread(frame.offset, 48), frame.offset)
+        header = FrameHeader.unpack(src.read(frame.offset, 48), frame.offset)
         with pytest.raises((nvckpt.LimitError, nvckpt.FormatError)):
             read_meta_frame(src, frame.offset, header)
     finally:

@@ -33,7 +33,7 @@ from nvckpt.errors import ChecksumError
 from nvckpt.options import GpuLoadOptions, GpuSaveOptions
 from nvckpt.plan.dtypes import to_torch
 from nvckpt.plan.walk import plan_save
-from nvckpt.session.file import CheckpointFile as Reader
+from nvckpt.read.reader import ChunkReader as Reader
 from nvckpt.session.save import write_items, writer_info
 from nvckpt.engines.gpu import batching
 from nvckpt.engines.gpu.pinned import PINNED
@@ -43,7 +43,6 @@ from nvckpt.engines.gpu.batching import (
     copy_groups,
     first_use_order,
     plan_batches,
-    plan_read_spans,
     size_class,
 )
 from nvckpt.io.sink import FileSink
@@ -139,26 +138,6 @@ def test_copy_groups_properties(cap, raw_lengths, extra, gap):
     if runs[0].shares:
         assert min(runs[0].offsets) == start
     assert not any(r.shares for r in runs[1:])
-
-
-class _Chunk:
-    def __init__(self, offset, stored_length):
-        self.offset, self.stored_length = offset, stored_length
-
-
-def test_plan_read_spans_aligned_bounded_and_complete():
-    items = [_Chunk(100, 5000), _Chunk(5148, 4096), _Chunk(12288, 9000), _Chunk(300_000, 10), _Chunk(300_058, 70_000)]
-    spans = plan_read_spans(items, span_bytes=32 * KiB, align=4096, max_gap=64 * KiB)
-    assert [it for s in spans for it in s.items] == items
-    for s in spans:
-        assert s.start % 4096 == 0 and s.length % 4096 == 0
-        for it in s.items:
-            assert s.start <= it.offset and it.offset + it.stored_length <= s.start + s.length
-        assert s.length <= 32 * KiB or len(s.items) == 1
-    assert len(spans[0].items) == 3  # adjacent chunks share one read
-    assert spans[1].items == [items[3]]  # too far from the previous read, then the big one alone
-    with pytest.raises(ValueError):
-        plan_read_spans([_Chunk(100, 50), _Chunk(120, 10)], span_bytes=4096, align=512, max_gap=0)
 
 
 def test_slot_pool():
@@ -877,18 +856,23 @@ def test_read_ahead_session_reads_before_it_opens_the_file(tmp_path, monkeypatch
     """A read-ahead save (async_save on the GPU engine, here on the host backend) reads every tensor before
     it lists leftovers, opens the temporary file or packs the index: the caller waits for the reads only.
     Beyond the pinned limit it must write while it reads, and does."""
+    from nvckpt.io.target import AtomicFile
     from nvckpt.session import save as session_save
+
+    seen = []
+
+    class Watched(AtomicFile):  # the target a save writes to, noting when the save first asks it something
+        def leftovers(self):
+            seen.append(session.tensors_read.is_set())
+            return super().leftovers()
 
     state = {"w": torch.randn(400, 1000), "b": torch.randn(1000)}
     options = nvckpt.SaveOptions(chunk_size=64 * KiB, gpu=GpuSaveOptions(batch_bytes=300 * KiB, slot_bytes=200 * KiB, pinned_slots=2,
                                                     pinned_limit=pinned_limit))
-    session = session_save.SaveSession(state, tmp_path / "r.nvckpt", options)
+    session = session_save.SaveSession(state, Watched(str(tmp_path / "r.nvckpt")), options)
     session.tensors_read = threading.Event()
     monkeypatch.setattr(session, "_items", lambda: (encode_batches(
         session.plan, chooser("auto", 1), HostBackend(), options.gpu, read_ahead=session.tensors_read), {}))
-    seen = []
-    real = session_save.leftover_temporaries
-    monkeypatch.setattr(session_save, "leftover_temporaries", lambda p: seen.append(session.tensors_read.is_set()) or real(p))
     result = session.run()
     assert seen == [pinned_limit is None]
     assert {"walk", "derived", "start_engine"} <= result.stats["phases"].keys()

@@ -23,7 +23,7 @@ from nvckpt.format.constants import FOOTER_SIZE, FRAME_CHUNK, FRAME_HEADER_SIZE,
 from nvckpt.engines.cpu import encode_cpu
 from nvckpt.engines.items import EncodedChunk
 from nvckpt.format.frames import iter_frames
-from nvckpt.io.source import Source
+from nvckpt.io.source import LocalFile
 from nvckpt.plan.walk import plan_save
 from nvckpt.session.save import write_items
 from nvckpt.tools.recover import LOST, RECOVERED_FROM, recover
@@ -59,7 +59,7 @@ def original(tmp_path_factory) -> str:
 
 def frames_of(path: str) -> list[tuple[int, int, Any]]:
     """(start, end, header) of every frame of an intact file."""
-    source = Source(path)
+    source = LocalFile(path)
     try:
         return [(o, o + h.payload_skip + h.stored_length, h) for o, h in iter_frames(source)]
     finally:

@@ -115,7 +115,7 @@ class _DiskFull(io.RawIOBase):
 
 
 def test_a_closed_cpu_encoder_leaves_no_work_on_the_shared_threads(monkeypatch):
-    # The CPU engine's threads are the process's (nvckpt.engines.threads): a save that ends early (a full
+    # The CPU engine's threads are the process's (nvckpt._threads): a save that ends early (a full
     # disk, an error in the writer: its generator is closed) drops its queued chunks and waits for the
     # running ones, so that no task reads the tensors or the engine's buffers once the save has returned.
     import nvckpt.engines.cpu as cpu
@@ -146,16 +146,16 @@ def test_a_closed_cpu_encoder_leaves_no_work_on_the_shared_threads(monkeypatch):
 def test_gpu_loader_reads_the_file_the_checkpoint_opened(tmp_path):
     """An atomic save over an open checkpoint's path must not change what the GPU loader's reads see."""
     from nvckpt.format.structs import xxh3
-    from nvckpt.io.source import DirectReads, Source
+    from nvckpt.io.source import LocalFile
 
     path = tmp_path / "ck.nvckpt"
     nvckpt.save({"a": torch.arange(100000.0)}, path, codec="raw")
     with nvckpt.open(path) as ck:
         chunk = ck.index.tensors[0].chunks[0]
-    reader = Source(path)
+    reader = LocalFile(path)
     try:
         nvckpt.save({"a": torch.arange(100000.0) + 1}, path, codec="raw")  # replaces the file
-        files = DirectReads(reader, True)
+        files = reader.range_reads(True)
         try:
             head = chunk.offset % 4096
             buf = torch.empty(1 << 20, dtype=torch.uint8)
@@ -552,11 +552,11 @@ def test_a_forked_child_loads_and_saves_on_threads_of_its_own(tmp_path):
 def test_closing_a_checkpoint_waits_for_its_reads_on_the_shared_threads(tmp_path, monkeypatch):
     """close() returns only once the file's own work on the shared threads has ended (its reads use the
     descriptor that close releases), not waiting for other files' work."""
-    import nvckpt.session.file as file_mod
+    import nvckpt.read.reader as file_mod
 
     nvckpt.save({"a": torch.arange(1 << 20, dtype=torch.float32)}, tmp_path / "a.nvckpt", workers=2)
     ended = []
-    ck = file_mod.CheckpointFile(str(tmp_path / "a.nvckpt"), workers=2)
+    ck = file_mod.ChunkReader(str(tmp_path / "a.nvckpt"), workers=2)
 
     def slow() -> None:
         time.sleep(0.3)
@@ -570,12 +570,12 @@ def test_closing_a_checkpoint_waits_for_its_reads_on_the_shared_threads(tmp_path
 
 
 def test_a_checkpoints_map_runs_on_the_caller_and_the_shared_threads(tmp_path):
-    """CheckpointFile.map: the caller and workers - 1 shared threads take the items in turn (not a task
+    """ChunkReader.map: the caller and workers - 1 shared threads take the items in turn (not a task
     each), results in the items' order; the first error stops the others and is raised once they have."""
-    from nvckpt.session.file import CheckpointFile
+    from nvckpt.read.reader import ChunkReader
 
     nvckpt.save({"a": torch.arange(10.0)}, tmp_path / "a.nvckpt")
-    ck = CheckpointFile(str(tmp_path / "a.nvckpt"), workers=3)
+    ck = ChunkReader(str(tmp_path / "a.nvckpt"), workers=3)
     try:
         names = set()
 

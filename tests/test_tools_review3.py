@@ -17,7 +17,7 @@ import torch
 import nvckpt
 from conftest import assert_tensor_equal
 from nvckpt.cli import EXIT_IO, EXIT_OK, EXIT_PROBLEMS, EXIT_UNSUPPORTED, EXIT_USAGE, main
-from nvckpt.session.file import CheckpointFile
+from nvckpt.read.reader import ChunkReader
 from nvckpt.tools.recover import RECOVERED_FROM, recover
 from nvckpt.tools.verify import verify
 
@@ -153,7 +153,7 @@ def test_recover_keeps_complete_tensors_it_cannot_decode(tmp_path, case):
     src, dst = os.path.join(ROOT, "conformance", "files", f"{case}.nvckpt"), tmp_path / "out.nvckpt"
     report = recover(src, dst)
     assert report.complete and report.lost == {} and report.problems == [], report  # before: one tensor dropped
-    with closing(CheckpointFile(src, workers=1)) as a, closing(CheckpointFile(dst, workers=1)) as b:
+    with closing(ChunkReader(src, workers=1)) as a, closing(ChunkReader(dst, workers=1)) as b:
         assert [e.name for e in a.index.tensors] == [e.name for e in b.index.tensors]
         for e, f in zip(a.index.tensors, b.index.tensors):
             assert (e.dtype.name, e.shape, e.kind) == (f.dtype.name, f.shape, f.kind)

@@ -35,7 +35,7 @@ from ..errors import NvckptError
 from ..format.structs import xxh3
 from ..plan.walk import PlannedTensor, SavePlan
 from .items import EncodedChunk, TensorReady
-from .threads import host_pool
+from .._threads import host_pool
 
 TINY = 256  # chunks below this many bytes are stored raw (per-plane frame headers alone would not pay)
 GROUP_BYTES = 256 << 10  # small chunks are coded in tasks of about this many raw bytes
@@ -241,7 +241,7 @@ def encode_cpu(
         flush()
         yield from drain(0)
     finally:
-        # The threads are shared (nvckpt.engines.threads): what has not started is dropped, and what runs
+        # The threads are shared (nvckpt._threads): what has not started is dropped, and what runs
         # is waited for, so that no task reads the tensors or the buffers after the save has ended.
         futures = [item[2] for item in pending if isinstance(item[2], Future)] + ([decision] if decision else [])
         futures += [w[1] for item in pending if item[0] == "chunks" for w in item[1] if isinstance(w[1], Future)]

@@ -6,8 +6,8 @@ padded to the alignment, then the INDEX frame and the footer.  It knows
 entries (maps) and pipelines (anything with ``to_json()``), not torch.
 
 ``locate_index`` (random access), ``iter_frames`` (streaming, recovery) and
-``read_meta_frame`` read through any *source*: an object with ``pread(offset,
-length) -> bytes``, ``size`` and ``name`` (nvckpt.io.source.Source).
+``read_meta_frame`` read through any *source*: an object with ``read(offset,
+length) -> bytes``, ``size`` and ``name`` (nvckpt.io.source.ByteSource).
 """
 
 from __future__ import annotations
@@ -295,12 +295,12 @@ def locate_index(source: Any, *, max_index_memory: int | None = None) -> tuple[P
 
     ``max_index_memory`` bounds the memory the decoded index may take (LimitError)."""
     # SPEC 3: a file shorter than the preamble is FormatError unless its bytes start the magic (TruncatedError).
-    preamble = Preamble.unpack(source.pread(0, min(source.size, PREAMBLE_SIZE)))
+    preamble = Preamble.unpack(source.read(0, min(source.size, PREAMBLE_SIZE)))
     minimum = PREAMBLE_SIZE + FRAME_HEADER_SIZE + FOOTER_SIZE
     if source.size < minimum:
         raise TruncatedError(f"file is {source.size} bytes, too short for an index and footer (try `nvckpt recover`)", path=source.name)
     footer_at = source.size - FOOTER_SIZE
-    footer = Footer.unpack(source.pread(footer_at, FOOTER_SIZE), footer_at)
+    footer = Footer.unpack(source.read(footer_at, FOOTER_SIZE), footer_at)
     if footer.index_length > MAX_INDEX_LENGTH:
         raise LimitError(f"index of {footer.index_length} bytes exceeds the limit of {MAX_INDEX_LENGTH}", offset=footer_at)
     # SPEC 5 check 6, before the INDEX frame header is read (check 7): the header and index_length bytes fit
@@ -309,7 +309,7 @@ def locate_index(source: Any, *, max_index_memory: int | None = None) -> tuple[P
         raise FormatError(f"footer's index (offset {footer.index_offset}, {footer.index_length} bytes after a "
                           f"{FRAME_HEADER_SIZE}-byte header) does not fit between the preamble and the footer at {footer_at}",
                           offset=footer_at)
-    header = FrameHeader.unpack(source.pread(footer.index_offset, FRAME_HEADER_SIZE), footer.index_offset)
+    header = FrameHeader.unpack(source.read(footer.index_offset, FRAME_HEADER_SIZE), footer.index_offset)
     if header.frame_type != FRAME_INDEX:  # SPEC 5 check 7: FormatError for every other type, 5-127 included
         raise FormatError(f"footer points at a {FRAME_NAMES.get(header.frame_type, f'type {header.frame_type}')} "
                           "frame, not the INDEX frame", offset=footer.index_offset)
@@ -317,9 +317,9 @@ def locate_index(source: Any, *, max_index_memory: int | None = None) -> tuple[P
     if (header.stored_length != footer.index_length or header.payload_checksum != footer.index_checksum
             or header.raw_length != header.stored_length or payload_at + header.stored_length != footer_at):
         raise FormatError("INDEX frame header disagrees with the footer (length, checksum or position)", offset=footer.index_offset)
-    if header.padding_length and any(source.pread(footer.index_offset + FRAME_HEADER_SIZE, header.padding_length)):
+    if header.padding_length and any(source.read(footer.index_offset + FRAME_HEADER_SIZE, header.padding_length)):
         raise FormatError("INDEX frame padding is not zero", offset=footer.index_offset + FRAME_HEADER_SIZE)
-    payload = source.pread(payload_at, footer.index_length)
+    payload = source.read(payload_at, footer.index_length)
     if xxh3(payload) != footer.index_checksum:
         raise ChecksumError("index checksum does not match", offset=payload_at)
     # Decoding a large index builds millions of containers, none cyclic (a 1M-tensor index: 7 s of 9 were collections).
@@ -332,7 +332,7 @@ def read_meta_frame(source: Any, offset: int, header: FrameHeader) -> Any:
     """The msgpack payload of a CODEC or TENSOR frame: length limit and checksum checked first."""
     if header.stored_length > MAX_META_FRAME_LENGTH or header.raw_length != header.stored_length:
         raise LimitError(f"frame payload length {header.stored_length} is invalid (limit {MAX_META_FRAME_LENGTH})", offset=offset)
-    payload = source.pread(offset + header.payload_skip, header.stored_length)
+    payload = source.read(offset + header.payload_skip, header.stored_length)
     if xxh3(payload) != header.payload_checksum:
         raise ChecksumError("frame payload checksum does not match", offset=offset)
     with msgpack_errors("frame payload", f"a frame payload of {len(payload)} bytes", offset=offset):
@@ -348,7 +348,7 @@ def iter_frames(source: Any, start: int = PREAMBLE_SIZE) -> Iterator[tuple[int, 
     or the first damaged header (raising its error)."""
     offset = start
     while offset + FRAME_HEADER_SIZE <= source.size:
-        header = FrameHeader.unpack(source.pread(offset, FRAME_HEADER_SIZE), offset)
+        header = FrameHeader.unpack(source.read(offset, FRAME_HEADER_SIZE), offset)
         end = offset + header.payload_skip + header.stored_length
         if end > source.size:
             raise TruncatedError(f"{FRAME_NAMES.get(header.frame_type, 'frame')} payload runs past the end of the file", path=source.name, offset=offset)

@@ -226,8 +226,8 @@ class Turns:
         self._cond = threading.Condition()
         self._queues: dict[str, deque[Turn]] = {}
 
-    def take(self, path: str | os.PathLike, cancel: threading.Event | None = None) -> Turn:
-        key = os.path.realpath(os.path.abspath(os.fspath(path)))
+    def take(self, key: str, cancel: threading.Event | None = None) -> Turn:
+        """A turn among the saves to the target ``key`` names (``Target.order_key``)."""
         turn = Turn(self, key, cancel)
         with self._cond:
             self._queues.setdefault(key, deque()).append(turn)
@@ -309,11 +309,8 @@ class AtomicReplace:
     the writer opens ``tmp`` itself.  Use as a context manager to commit on
     success and abort on any exception."""
 
-    def __init__(self, path: str | os.PathLike, create: Callable[[str], Any] = _create, *,
-                 turn: Turn | None = None, before_publish: Callable[[], None] | None = None) -> None:
+    def __init__(self, path: str | os.PathLike, create: Callable[[str], Any] = _create) -> None:
         self.given = os.fspath(path)
-        self.turn = turn  # publish only after the saves to this path started before this one
-        self.before_publish = before_publish  # the last word before the rename (a cancel check); may raise
         # Through a symlink to the file it names, as open(path, "wb") would write.
         self.path = check_target(self.given)
         try:
@@ -354,21 +351,29 @@ class AtomicReplace:
                 os.chown(self.tmp, self._old.st_uid, self._old.st_gid)
         os.chmod(self.tmp, self._old.st_mode & 0o7777)  # after chown, which clears the setuid and setgid bits
 
-    def commit(self) -> None:
-        """The complete temporary file (fsynced, closed by its writer) becomes the target."""
+    def _keep_attributes_again(self) -> None:
+        try:
+            now = os.stat(self.path)
+        except FileNotFoundError:
+            return
+        if self._old is None or (now.st_mode, now.st_uid, now.st_gid) != (self._old.st_mode, self._old.st_uid,
+                                                                            self._old.st_gid):
+            self._old = now
+            self._keep_attributes()
+
+    def commit(self, before_publish: Callable[[], None] | None = None) -> None:
+        """The complete temporary file (fsynced, closed by its writer) becomes the target.  ``before_publish``:
+        the last word before the rename (waiting for earlier saves to the path, a cancel check); it may raise."""
         try:
             close = getattr(self.writer, "close", None)
             if close is not None:
                 close(sync=True)
             else:
                 fsync_path(self.tmp)
-            if self.turn is not None:
-                self.turn.wait()
-                with contextlib.suppress(FileNotFoundError):  # an earlier save may have replaced it meanwhile
-                    self._old = os.stat(self.path)
             self._keep_attributes()
-            if self.before_publish is not None:
-                self.before_publish()
+            if before_publish is not None:
+                before_publish()
+                self._keep_attributes_again()  # an earlier save may have replaced the file meanwhile
             old = _hold(self.path) if self._old is not None else None
             try:
                 os.replace(self.tmp, self.path)

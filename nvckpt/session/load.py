@@ -23,7 +23,7 @@ from ..options import LoadOptions, index_memory_limit
 from ..plan.derived import bf16_rne
 from ..plan.walk import flat_bytes
 from ..plan.dtypes import to_torch
-from .file import CheckpointFile, check_supported
+from ..read.reader import ChunkReader, check_supported
 
 if TYPE_CHECKING:
     from .slicing import TensorSlice
@@ -220,8 +220,9 @@ class Checkpoint(Mapping):
         self.options = options
         self.device, self._relocate = target_device(options)
         self.untrusted = options.untrusted
-        self._file = CheckpointFile(target, workers=options.workers, max_tensor_bytes=options.max_tensor_bytes,
-                                    max_index_memory=index_memory_limit(options))
+        self._file = ChunkReader(target, workers=options.workers, max_tensor_bytes=options.max_tensor_bytes,
+                                    max_index_memory=index_memory_limit(options),
+                                    storage_options=options.storage_options)
         self._gpu = None if options.untrusted else self._gpu_backend()
         self._stats_lock = threading.Lock()
         self._stats: dict[str, Any] = {"gpu_loads": 0, "gpu_seconds": 0.0, "gpu_stored_bytes": 0}
@@ -264,7 +265,7 @@ class Checkpoint(Mapping):
         return self._file.index
 
     @property
-    def file(self) -> CheckpointFile:
+    def file(self) -> ChunkReader:
         """The parsed file (index, pipelines, checked chunk reads)."""
         return self._file
 

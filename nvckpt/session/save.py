@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import io
 import os
 import platform
 import sys
@@ -27,9 +26,9 @@ from ..codecs.base import Pipeline
 from ..codecs.presets import GPU_PRESETS, chooser
 from ..errors import LeftoverTemporaryWarning, UnsupportedCodecError
 from ..format.frames import FrameWriter, check_index_floor
-from ..io.atomic import TURNS, AtomicReplace, check_target, is_special_file, leftover_temporaries
-from ..io.sink import CPU_BLOCK, CPU_BLOCKS, FileSink
-from ..io.source import forget_position
+from ..io.atomic import TURNS
+from ..io.sink import CPU_BLOCK, CPU_BLOCKS
+from ..io.target import SinkOptions, Target, open_target
 from ..options import SaveOptions
 from ..plan.chunking import CPU_CHUNK_SIZE, GPU_CHUNK_SIZE
 from ..plan.walk import PlannedTensor, SavePlan, plan_save
@@ -145,30 +144,6 @@ def _outside_nvckpt() -> int:
     return level
 
 
-def save_target(target: Any, *, absolute: bool = False) -> Any:
-    """``target`` as a save writes to it: a binary stream (it has ``write``) as it is, else a str path
-    (made absolute with ``absolute``: an async_save's path means the folder of the call, whatever the
-    process's working folder is when the save's thread opens it)."""
-    if hasattr(target, "write"):
-        if isinstance(target, io.TextIOBase):
-            raise TypeError(f"{getattr(target, 'name', 'the file')!r} is open in text mode: a checkpoint is "
-                            "written to a binary file object (open(path, 'wb')) or to a path")
-        return target
-    try:
-        path = os.fspath(target)
-    except TypeError:
-        raise TypeError(f"a checkpoint is saved to a path (str or os.PathLike) or a binary file object with "
-                        f"write(), not {type(target).__qualname__}") from None
-    if isinstance(path, bytes):
-        raise TypeError("a checkpoint is saved to a path (str or os.PathLike) or a binary file object, not "
-                        "bytes: use os.fsdecode(path) for a bytes path")
-    if not absolute:
-        return path
-    absolute_path = os.path.abspath(path)
-    # abspath drops a trailing separator, which says the path names a folder (refused by check_target)
-    return absolute_path + os.sep if path.endswith(("/", os.sep)) and not absolute_path.endswith(os.sep) else absolute_path
-
-
 class SaveSession:
     """One save of ``obj`` to ``target`` (a path, written atomically, or a binary stream that never seeks)."""
 
@@ -176,7 +151,7 @@ class SaveSession:
                  progress: Callable[[int], None] | None = None) -> None:
         self.start = time.perf_counter()
         self.options = options
-        self.target = save_target(target)
+        self.target = open_target(target, storage_options=options.storage_options)
         self.progress = progress
         bf16, copies = options.derives
         # Derived-tensor candidates are verified later (SavePlan.decide): before the engine runs, or, in
@@ -334,13 +309,12 @@ class SaveSession:
             # Read ahead: the caller waits until every tensor is read, so read before anything else
             # (the file, the index bound, the leftover check come after it is released).
             items = _ReadFirst(items, self.tensors_read)
-        stream = hasattr(self.target, "write")
-        special = not stream and is_special_file(os.fspath(self.target))
-        if not stream and not special:
-            left = leftover_temporaries(os.fspath(self.target))
+        target = self.target
+        if target.atomic:
+            left = target.leftovers()
             if left:
                 warnings.warn(LeftoverTemporaryWarning(
-                    f"{len(left)} temporary file(s) of an earlier save to {os.fspath(self.target)} that did not finish: "
+                    f"{len(left)} temporary file(s) of an earlier save to {target.name} that did not finish: "
                     f"{', '.join(map(os.path.basename, left))}; `nvckpt recover TMP OUT` salvages their complete "
                     "tensors (remove them when done)"), stacklevel=_outside_nvckpt())
         info = writer_info(extra)
@@ -348,39 +322,33 @@ class SaveSession:
         alignment = self.options.alignment
         if alignment is None:  # O_DIRECT / GPUDirect reads of single chunks want 4 KiB; the CPU reader nothing
             alignment = 1 if self.device is None else 4096
+
         def last_call() -> None:
-            """Right before the rename (a stream: before its index): a cancel from now on is too late
-            (SaveFuture.cancel returns False)."""
+            """Right before the file appears (the rename; a stream: before its index): a cancel from now on is
+            too late (SaveFuture.cancel returns False)."""
+            if turn is not None:
+                turn.wait()  # saves to this target publish in the order they started
             if self.publishing is not None:
                 self.publishing()
             elif cancel.is_set():
                 raise CancelledError("the save was cancelled; the file at the target path was not changed")
 
-        if stream or special:  # what was written stays written: a cancel stops it before the index, or not at all
+        if not target.atomic:  # what was written stays written: a cancel stops it before the index, or not at all
             items = _then(items, last_call)
-        if stream:
-            forget_position(self.target)  # a load at the stream's end now reads what was written (from the start)
-            size = write_items(self.target, items, self.plan, alignment=alignment, info=info, progress=self.progress)
-            return self._result(None, raw_bytes, size)
-        if special:  # a device or FIFO (/dev/null, a pipe): written through, as torch.save does, never replaced
-            try:
-                with open(os.fspath(self.target), "wb") as f:
-                    size = write_items(f, items, self.plan, alignment=alignment, info=info, progress=self.progress)
-            except OSError as exc:
-                if exc.filename is None and exc.errno is not None:  # ENOSPC from /dev/full names no file
-                    raise type(exc)(exc.errno, exc.strerror, os.fspath(self.target)) from None
-                raise
-            return self._result(os.fspath(self.target), raw_bytes, size)
-        direct = self.options.direct_io
         blocks = {"block_size": CPU_BLOCK, "blocks": CPU_BLOCKS} if self.engine == "cpu" else {}
-
-        out = AtomicReplace(os.fspath(self.target), lambda tmp: FileSink(tmp, direct=direct, **blocks), turn=turn,
-                            before_publish=last_call)
-        with out:  # commits on success; on an error removes the temporary file, naming the target in OSErrors
-            size = write_items(out.writer, items, self.plan, alignment=alignment, info=info, progress=self.progress)
+        try:
+            sink = target.open_sink(SinkOptions(direct=self.options.direct_io, **blocks))
+            size = write_items(sink, items, self.plan, alignment=alignment, info=info, progress=self.progress)
             if cancel.is_set():
                 raise CancelledError("the save was cancelled; the file at the target path was not changed")
-        return self._result(out.path, raw_bytes, size)
+            target.commit(last_call if target.atomic else None)
+        except BaseException as exc:
+            target.abort()  # the target as it was; nothing half-written beside it
+            restated = target.restate(exc)
+            if restated is not exc:
+                raise restated from None
+            raise
+        return self._result(target.path, raw_bytes, size)
 
     def _result(self, path: str | None, raw_bytes: int, size: int) -> SaveResult:
         stats = dict(self.stats)
@@ -560,12 +528,10 @@ def _detach_traceback(exc: BaseException) -> None:
         exc.add_note("in nvckpt's async save thread:\n" + text.rstrip())
 
 
-def _register(target: Any, options: SaveOptions, cancel: threading.Event, future: Any = None) -> lifecycle.Running:
-    """This save as one in progress, and its turn among the saves to its path (taken at the call)."""
-    if hasattr(target, "write"):
-        return lifecycle.begin(str(getattr(target, "name", "<stream>")), cancel, float(options.preemption_grace), future)
-    return lifecycle.begin(os.fspath(target), cancel, float(options.preemption_grace), future,
-                           turn=TURNS.take(target, cancel))
+def _register(target: Target, options: SaveOptions, cancel: threading.Event, future: Any = None) -> lifecycle.Running:
+    """This save as one in progress, and its turn among the saves to its target (taken at the call)."""
+    turn = TURNS.take(target.order_key, cancel) if target.order_key is not None else None
+    return lifecycle.begin(target.name, cancel, float(options.preemption_grace), future, turn=turn)
 
 
 def _gpu_budget(options: SaveOptions) -> Callable[[torch.device], int]:
@@ -606,9 +572,8 @@ def start_async(obj: Any, target: Any, options: SaveOptions, fence: Any = None) 
     With a fence (lazy) the call only copies the object's containers and the metadata and records an event
     on the caller's CUDA stream; planning, reading and writing all happen in the save's thread."""
     start = time.perf_counter()
-    target = save_target(target, absolute=True)
-    if isinstance(target, str) and not is_special_file(target):
-        check_target(target)  # a missing folder or a write-protected file: at the call, as save says it
+    target = open_target(target, absolute=True, storage_options=options.storage_options)
+    target.check()  # a missing folder or a write-protected file: at the call, as save says it
     fences = _fences(fence) if fence is not None else []
     lifecycle.prepare(async_save=True)
     future = SaveFuture()

@@ -8,7 +8,7 @@ import torch
 
 from ..format.entry import TensorEntry
 from ..plan.dtypes import to_torch
-from .file import check_supported
+from ..read.reader import check_supported
 
 if TYPE_CHECKING:
     from .load import Checkpoint

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..dcp.layout import Manifest, foreign_rank_file, metadata_bytes, read_manifest
 from ..errors import NvckptError
-from ..session.file import CheckpointFile
+from ..read.reader import ChunkReader
 from ._util import ProgressFactory, ratio
 from .verify import Problem, VerifyReport, verify
 
@@ -49,7 +49,7 @@ def describe_directory(path: str | os.PathLike) -> dict[str, Any]:
     for name, size in m.files.items():
         row: dict[str, Any] = {"file": name, "bytes": size}
         try:
-            with closing(CheckpointFile(os.path.join(m.directory, name), workers=1)) as f:
+            with closing(ChunkReader(os.path.join(m.directory, name), workers=1)) as f:
                 raw = sum(e.nbytes for e in f.index.tensors if e.chunks is not None)
                 row.update(entries=len(f.index.tensors), raw_bytes=raw, stored_bytes=f.source.size,
                            ratio=ratio(raw, f.source.size), rank=f.index.metadata.get("nvckpt.dcp", {}).get("rank"))
@@ -81,7 +81,7 @@ def list_directory(path: str | os.PathLike, problems: list[str] | None = None) -
     stored_of: dict[tuple[str, str], int] = {}
     for name in m.files:
         try:
-            with closing(CheckpointFile(os.path.join(m.directory, name), workers=1)) as f:
+            with closing(ChunkReader(os.path.join(m.directory, name), workers=1)) as f:
                 for e in f.index.tensors:
                     stored_of[(name, e.name)] = e.stored_bytes
         except (NvckptError, OSError) as exc:  # ls shows what can be read, and says what cannot
@@ -126,7 +126,7 @@ def verify_directory(path: str | os.PathLike, *, progress: ProgressFactory | Non
             setattr(report, field, getattr(report, field) + getattr(one, field))
         report.problems.extend(Problem(f"{name}: {p.message}", p.tensor, p.chunk, p.offset) for p in one.problems)
         report.undecoded.extend(Problem(f"{name}: {p.message}", p.tensor, p.chunk, p.offset) for p in one.undecoded)
-        with closing(CheckpointFile(where, workers=1)) as f:
+        with closing(ChunkReader(where, workers=1)) as f:
             foreign = foreign_rank_file(f.index.metadata, m.save_id, name)
             if foreign:
                 report.problems.append(Problem(foreign))

@@ -7,11 +7,11 @@ from contextlib import closing
 from typing import Any
 
 from ..format.entry import TensorEntry
-from ..session.file import CheckpointFile
+from ..read.reader import ChunkReader
 from ._util import ratio
 
 
-def _codec_descriptions(reader: CheckpointFile, entry: TensorEntry) -> list[str]:
+def _codec_descriptions(reader: ChunkReader, entry: TensorEntry) -> list[str]:
     if entry.view is not None:
         return [f"view of {reader.index.tensors[entry.view['base']].name}"]
     if entry.derived is not None:
@@ -19,7 +19,7 @@ def _codec_descriptions(reader: CheckpointFile, entry: TensorEntry) -> list[str]
     return [reader.pipelines[cid].describe() for cid in entry.chunks.codec_ids()]
 
 
-def tensor_rows(reader: CheckpointFile) -> list[dict[str, Any]]:
+def tensor_rows(reader: ChunkReader) -> list[dict[str, Any]]:
     """One record per index entry, plus one per extra path of a tied tensor (kind "alias")."""
     rows = []
     for entry in reader.index.tensors:
@@ -52,11 +52,11 @@ def tensor_rows(reader: CheckpointFile) -> list[dict[str, Any]]:
 
 def describe(path: str | os.PathLike) -> dict[str, Any]:
     """Everything `nvckpt info` prints, as JSON-able data."""
-    with closing(CheckpointFile(path, workers=1)) as reader:
+    with closing(ChunkReader(path, workers=1)) as reader:
         return describe_reader(reader)
 
 
-def describe_reader(reader: CheckpointFile) -> dict[str, Any]:
+def describe_reader(reader: ChunkReader) -> dict[str, Any]:
     index = reader.index
     kinds = {"data": 0, "view": 0, "derived": 0, "internal": 0}
     dtypes: dict[str, dict[str, Any]] = {}
@@ -106,5 +106,5 @@ def describe_reader(reader: CheckpointFile) -> dict[str, Any]:
 
 
 def list_tensors(path: str | os.PathLike) -> list[dict[str, Any]]:
-    with closing(CheckpointFile(path, workers=1)) as reader:
+    with closing(ChunkReader(path, workers=1)) as reader:
         return tensor_rows(reader)

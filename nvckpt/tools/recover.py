@@ -44,8 +44,8 @@ from ..format.index import Index, parse_index, unpack_index
 from ..format.structs import Footer, FrameHeader, Preamble, xxh3
 from ..format.tree import TensorRef, escape, resolve_refs, tree_features
 from ..io.atomic import atomic_output
-from ..io.source import Source
-from ..session.file import CheckpointFile
+from ..io.source import ByteSource, open_source
+from ..read.reader import ChunkReader
 from ._util import ProgressFactory, UsageError, check_output_folder, nest_by_name, null_bar, overwrites_source
 
 #: Metadata keys a recovered file carries.
@@ -119,12 +119,12 @@ class _Walk:
         self.frames = 0
 
 
-def _footer_problem(source: Source, index_offset: int | None) -> str | None:
+def _footer_problem(source: ByteSource, index_offset: int | None) -> str | None:
     """Why the file's footer is not the one its INDEX frame needs, or None."""
     if source.size < FOOTER_SIZE:
         return "the file has no footer"
     try:
-        footer = Footer.unpack(source.pread(source.size - FOOTER_SIZE, FOOTER_SIZE), source.size - FOOTER_SIZE)
+        footer = Footer.unpack(source.read(source.size - FOOTER_SIZE, FOOTER_SIZE), source.size - FOOTER_SIZE)
     except NvckptError:
         return "the footer is missing or damaged (the file was cut or changed after its INDEX frame)"
     if footer.index_offset != index_offset:
@@ -144,7 +144,7 @@ def _check_header(header: FrameHeader) -> str | None:
     return None
 
 
-def _walk(source: Source, bar: Any, required_features: int) -> _Walk:
+def _walk(source: ByteSource, bar: Any, required_features: int) -> _Walk:
     """``required_features``: the preamble's; the INDEX frame is checked with it, as a random-access reader
     checks it (SPEC 15.2: a typed tree in a file without bit 1 is invalid, 9.2)."""
     walk = _Walk()
@@ -178,7 +178,7 @@ def _walk(source: Source, bar: Any, required_features: int) -> _Walk:
                 walk.dup_chunks.add(key)
                 walk.problems.append(f"offset {offset}: second CHUNK frame for tensor id {key[0]}, chunk {key[1]}: neither is used")
                 continue
-            if xxh3(source.pread(at, header.stored_length)) != header.payload_checksum:
+            if xxh3(source.read(at, header.stored_length)) != header.payload_checksum:
                 walk.bad_chunks[key] = f"its payload at offset {at} is damaged (checksum mismatch)"
                 walk.problems.append(f"offset {offset}: CHUNK frame of tensor id {key[0]}, chunk {key[1]}: payload checksum mismatch, skipped")
                 continue
@@ -209,7 +209,7 @@ def _walk(source: Source, bar: Any, required_features: int) -> _Walk:
                 walk.problems.append(f"offset {offset}: TENSOR frame for tensor id {tid}: {exc.reason}, skipped")
         elif kind == FRAME_INDEX:
             try:
-                payload = source.pread(offset + header.payload_skip, header.stored_length)
+                payload = source.read(offset + header.payload_skip, header.stored_length)
                 if xxh3(payload) != header.payload_checksum:
                     raise ChecksumError("payload checksum does not match")
                 walk.index = parse_index(unpack_index(payload), offset, required_features)
@@ -220,7 +220,7 @@ def _walk(source: Source, bar: Any, required_features: int) -> _Walk:
     return walk
 
 
-def _data_missing(walk: _Walk, t: TensorEntry, source: Source, indexed: TensorEntry | None) -> str | None:
+def _data_missing(walk: _Walk, t: TensorEntry, source: ByteSource, indexed: TensorEntry | None) -> str | None:
     """Why data tensor ``t`` is incomplete, or None: every chunk present, intact and decodable where a decoder
     runs here (nvcomp-ans chunks are checked on a GPU when the file is read; a codec this nvckpt does not know
     is copied as it is, SPEC 7 asks no decode); ``indexed``: its entry in an intact index, whose chunk table
@@ -257,7 +257,7 @@ def _data_missing(walk: _Walk, t: TensorEntry, source: Source, indexed: TensorEn
             hasher = None  # decoded only on a GPU, when the file is read (which checks the tensor checksum)
             continue
         try:
-            decoded = memoryview(pipeline.decode(memoryview(source.pread(c.payload_offset, c.stored_length)), c.raw_length)).cast("B")
+            decoded = memoryview(pipeline.decode(memoryview(source.read(c.payload_offset, c.stored_length)), c.raw_length)).cast("B")
         except UnsupportedCodecError:
             hasher = None  # no decoder here: its payload checksum was checked, it is copied as it is
             continue
@@ -308,7 +308,7 @@ def _use_index(walk: _Walk) -> dict[int, str]:
     return missing
 
 
-def _resolve(walk: _Walk, source: Source) -> tuple[list[TensorEntry], dict[int, str]]:
+def _resolve(walk: _Walk, source: ByteSource) -> tuple[list[TensorEntry], dict[int, str]]:
     """The tensors to keep (in their original order) and why the others were lost."""
     why: dict[int, str] = {}
     index = walk.index
@@ -375,11 +375,11 @@ def recover(src: str | os.PathLike, dst: str | os.PathLike, *, progress: Progres
         raise UsageError("the recovered file must not overwrite its source")
     check_output_folder(dst)
     make_bar = progress or null_bar
-    source = Source(src)
+    source = open_source(src)
     try:
         report = RecoveryReport(os.path.abspath(source.name), os.path.abspath(os.fspath(dst)), src_bytes=source.size)
         try:
-            preamble = Preamble.unpack(source.pread(0, min(PREAMBLE_SIZE, source.size)))
+            preamble = Preamble.unpack(source.read(0, min(PREAMBLE_SIZE, source.size)))
         except NvckptError as exc:
             raise exc.located(path=source.name)
         bar = make_bar("scanning", source.size)
@@ -442,7 +442,7 @@ def recover(src: str | os.PathLike, dst: str | os.PathLike, *, progress: Progres
                         writer.tensor(tid, t.checksum)
                         for i in range(t.nchunks):
                             c = walk.chunks[(t.tensor_id, i)]
-                            payload = source.pread(c.payload_offset, c.stored_length)
+                            payload = source.read(c.payload_offset, c.stored_length)
                             if xxh3(payload) != c.checksum:
                                 raise ChecksumError("the file changed while it was being recovered",
                                                     path=source.name, tensor=t.name, chunk=i, offset=c.payload_offset)
@@ -451,7 +451,7 @@ def recover(src: str | os.PathLike, dst: str | os.PathLike, *, progress: Progres
                     report.dst_bytes = writer.finish(tree, metadata, info)
                 # What we wrote must open as a valid file (it is parsed and checked like any other).
                 try:
-                    CheckpointFile(tmp, workers=1).close()
+                    ChunkReader(tmp, workers=1).close()
                 except NvckptError as exc:
                     raise NvckptError(f"the recovered file does not validate (a bug in nvckpt recover): {exc}") from exc
         finally:

@@ -29,7 +29,7 @@ from ..format.constants import FOOTER_SIZE, FRAME_CHUNK, FRAME_CODEC, FRAME_HEAD
 from ..format.entry import TensorEntry, parse_entry
 from ..format.frames import iter_frames, read_meta_frame
 from ..format.structs import Footer, xxh3
-from ..session.file import CheckpointFile
+from ..read.reader import ChunkReader
 from ._util import ProgressFactory, null_bar
 
 
@@ -80,7 +80,7 @@ class VerifyReport:
         }
 
 
-def _undecoded_reason(reader: CheckpointFile, entry: TensorEntry, i: int, exc: UnsupportedCodecError) -> str:
+def _undecoded_reason(reader: ChunkReader, entry: TensorEntry, i: int, exc: UnsupportedCodecError) -> str:
     pipeline = reader.pipelines[entry.chunks[i].codec_id]
     if pipeline.needs_gpu:
         return f"not decoded (needs nvCOMP on a CUDA GPU): {pipeline.describe()}"
@@ -91,7 +91,7 @@ def verify(path: str | os.PathLike, *, progress: ProgressFactory | None = None, 
     """Check a whole file.  Raises only when it cannot be opened at all (bad footer or index);
     everything found after that is collected in the report.  ``progress(description, total)``
     makes a progress bar (an object with update(n) and close()), fed with stored bytes."""
-    with closing(CheckpointFile(path, workers=1)) as reader:
+    with closing(ChunkReader(path, workers=1)) as reader:
         report = VerifyReport(reader.path, file_bytes=reader.source.size, tensors=len(reader.index.tensors))
         workers = workers or os.cpu_count() or 1
         bar = (progress or null_bar)("verifying", sum(e.stored_bytes for e in reader.index.tensors))
@@ -167,7 +167,7 @@ def _decode_on_gpu(path: str, entries: list[TensorEntry], report: VerifyReport) 
                     report.tensor_checksums += 1
 
 
-def _check_chunk(reader: CheckpointFile, entry: TensorEntry, i: int) -> tuple[Any, Problem | None, Problem | None]:
+def _check_chunk(reader: ChunkReader, entry: TensorEntry, i: int) -> tuple[Any, Problem | None, Problem | None]:
     """(decoded bytes or None, problem, not-decoded note) for chunk i."""
     try:
         data = reader.read_payload(entry, i)
@@ -182,7 +182,7 @@ def _check_chunk(reader: CheckpointFile, entry: TensorEntry, i: int) -> tuple[An
         return None, Problem.from_error(exc, tensor=entry.name, chunk=i, offset=entry.chunks[i].offset), None
 
 
-def _verify_tensor(reader: CheckpointFile, entry: TensorEntry, pool: ThreadPoolExecutor, window: int,
+def _verify_tensor(reader: ChunkReader, entry: TensorEntry, pool: ThreadPoolExecutor, window: int,
                    report: VerifyReport, bar: Any) -> str:
     """Check one stored tensor's chunks; returns "ok", "damaged" or "undecoded" (intact, not all decodable here)."""
     assert entry.chunks is not None
@@ -221,12 +221,12 @@ def _verify_tensor(reader: CheckpointFile, entry: TensorEntry, pool: ThreadPoolE
     return "ok"
 
 
-def _verify_frames(reader: CheckpointFile, report: VerifyReport) -> None:
+def _verify_frames(reader: ChunkReader, report: VerifyReport) -> None:
     """Walk the frames front to back and check them against the index (SPEC.md 4.3)."""
     index = reader.index
     source = reader.source
     problems = report.problems
-    footer = Footer.unpack(source.pread(source.size - FOOTER_SIZE, FOOTER_SIZE), source.size - FOOTER_SIZE)
+    footer = Footer.unpack(source.read(source.size - FOOTER_SIZE, FOOTER_SIZE), source.size - FOOTER_SIZE)
     expected = {c.offset: (e, i, c) for e in index.tensors for i, c in enumerate(e.chunks or ())}
     seen_codecs: set[int] = set()
     seen_tensors: set[int] = set()
@@ -239,7 +239,7 @@ def _verify_frames(reader: CheckpointFile, report: VerifyReport) -> None:
                 framed.add((kind, header.codec_id if kind == FRAME_CODEC else header.tensor_id))
             elif kind == FRAME_CHUNK:  # rules 3 and 4: a streaming reader needs both before the chunk
                 _check_chunk_order(header, offset, framed, out_of_order, problems)
-            if header.padding_length and any(source.pread(offset + FRAME_HEADER_SIZE, header.padding_length)):
+            if header.padding_length and any(source.read(offset + FRAME_HEADER_SIZE, header.padding_length)):
                 problems.append(Problem("frame padding is not zero (SPEC 4.1)", offset=offset + FRAME_HEADER_SIZE))
             if kind == FRAME_CHUNK:
                 hit = expected.pop(offset + header.payload_skip, None)

@@ -4,7 +4,6 @@
   similar size, bounded output memory);
 * ``copy_groups``: how an encoded batch's chunks are packed into pinned slots,
   and the device-to-host copies that move them;
-* ``plan_read_spans``: which chunks a loader reads with one aligned read;
 * ``SlotPool``: a fixed set of host buffers handed out and returned, the
   bound on the pinned memory of a save or a load.
 """
@@ -13,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterable, NamedTuple, Sequence
+from typing import Callable, Hashable, Iterable, NamedTuple, Sequence
 
 import torch
 
@@ -173,41 +172,6 @@ def copy_groups(capacity: int, lengths: Sequence[int], slot_bytes: int, *, start
     return runs
 
 
-@dataclass
-class ReadSpan:
-    """One aligned read [start, start + length) covering the stored bytes of ``items``."""
-
-    start: int
-    length: int
-    items: list[Any]  # objects with .offset and .stored_length, in file order
-
-
-def plan_read_spans(items: Sequence[Any], *, span_bytes: int, align: int, max_gap: int) -> list[ReadSpan]:
-    """Group chunks (sorted by file offset) into reads of at most ``span_bytes`` aligned bytes.
-
-    A read starts at an ``align``-aligned offset and has an aligned length
-    (as O_DIRECT needs); consecutive chunks share a read while the bytes
-    between them are at most ``max_gap`` and the read stays within
-    ``span_bytes``.  A chunk larger than ``span_bytes`` gets a read of its own.
-    """
-    spans: list[ReadSpan] = []
-    cur: ReadSpan | None = None
-    prev_end = 0
-    for it in items:
-        lo = it.offset - it.offset % align
-        hi = -(-(it.offset + it.stored_length) // align) * align
-        if cur is not None and it.offset >= prev_end and it.offset - prev_end <= max_gap and hi - cur.start <= span_bytes:
-            cur.length = max(cur.length, hi - cur.start)
-            cur.items.append(it)
-        else:
-            if cur is not None and it.offset < prev_end:
-                raise ValueError("chunks overlap or are not sorted by offset")
-            cur = ReadSpan(lo, hi - lo, [it])
-            spans.append(cur)
-        prev_end = it.offset + it.stored_length
-    return spans
-
-
 class SlotPool:
     """``count`` host buffers of ``size`` bytes: take() one, give() it back (thread-safe).
 
@@ -258,5 +222,5 @@ def aligned_host_buffer(size: int, *, pin: bool, align: int = 4096) -> torch.Ten
     return buf[skip: skip + size]
 
 
-__all__ = ["ChunkJob", "Batch", "size_class", "plan_batches", "first_use_order", "copy_groups", "SlotRun", "COPY_GAP", "ReadSpan",
-           "plan_read_spans", "SlotPool", "aligned_host_buffer"]
+__all__ = ["ChunkJob", "Batch", "size_class", "plan_batches", "first_use_order", "copy_groups", "SlotRun", "COPY_GAP",
+           "SlotPool", "aligned_host_buffer"]

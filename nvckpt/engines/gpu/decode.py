@@ -3,7 +3,7 @@
 Stages, all overlapping:
 
 1. read: chunks are taken in file order and grouped into aligned reads of up
-   to ``read_span_bytes`` (``batching.plan_read_spans``); ``read_threads``
+   to ``read_span_bytes`` (``nvckpt.io.ranges.coalesce``); ``read_threads``
    threads read them (O_DIRECT where the filesystem allows: a load then costs
    the page cache nothing, and the bytes land in pinned memory directly) into
    a fixed pool of ``read_buffers`` pinned buffers, and check every chunk's
@@ -22,7 +22,7 @@ Stages, all overlapping:
 
 Memory beyond the tensors loaded: see ``nvckpt.GpuLoadOptions``.  ANS chunks
 decode only here (nvCOMP on a CUDA GPU); every other codec also decodes on
-the host (nvckpt.session.file).
+the host (nvckpt.read.reader).
 """
 
 from __future__ import annotations
@@ -42,12 +42,12 @@ from ...codecs.base import DecodeRejected
 from ...codecs.builtin import check_zstd_window
 from ...errors import ChecksumError, FormatError, LimitError, NvckptError
 from ...format.entry import Chunk, TensorEntry
-from ...format.structs import xxh3
-from ...io.source import DirectReads
+from ...io.ranges import Read, coalesce
+from ...io.source import RangeReads
 from ...options import GpuLoadOptions, default_memory_budget
-from ...session.file import CheckpointFile
+from ...read.reader import ChunkReader
 from .backend import Backend
-from .batching import SlotPool, plan_read_spans
+from .batching import SlotPool
 from .hashing import device_digest
 from .pinned import PINNED, cached_allocator
 
@@ -86,22 +86,43 @@ class _Item:
         return self.target.dest[at: at + self.chunk.raw_length]
 
 
+@dataclass
+class _Span:
+    """One read of the file and the chunks it covers (in file order)."""
+
+    read: Read
+    items: list[_Item]
+
+    @property
+    def start(self) -> int:
+        return self.read.start
+
+    @property
+    def length(self) -> int:
+        return self.read.length
+
+
+def _spans(items: list[_Item], options: GpuLoadOptions, policy: Any) -> list[_Span]:
+    """The loader's reads: the source's coalescing policy, widened to the loader's spans and aligned for
+    O_DIRECT; every chunk is read into a pinned buffer, so none is read alone."""
+    policy = policy.with_(max_gap=max(policy.max_gap, options.max_gap), max_span=options.read_span_bytes,
+                          align=_ALIGN, alone_from=1 << 62, max_ranges=1 << 62)
+    reads = coalesce([it.offset for it in items], [it.stored_length for it in items], policy)
+    return [_Span(r, items[r.first: r.stop]) for r in reads]
+
+
 # -- reading ----------------------------------------------------------------------------------
 def _on_host(route: Any) -> bool:
     return route == "cpu" or isinstance(route, tuple) and route[0] == "planes"
 
 
-def _read_and_verify(file: CheckpointFile, reads: DirectReads, span: Any, buf: torch.Tensor,
+def _read_and_verify(file: ChunkReader, reads: RangeReads, span: "_Span", buf: torch.Tensor,
                      routes: list[Any]) -> dict[int, torch.Tensor]:
-    """Read a span, check every chunk's checksum, and decode its host-routed chunks here
+    """Read a span, verified (ChunkReader.read_span), and decode its host-routed chunks here
     (libzstd releases the GIL, so the reader threads decode in parallel): {item number: raw bytes}."""
     need = max(it.offset + it.stored_length for it in span.items) - span.start
-    mv = reads.read(span.start, span.length, need, memoryview(buf.numpy()))
-    for it in span.items:
-        at = it.offset - span.start
-        if xxh3(mv[at: at + it.stored_length]) != it.chunk.checksum:
-            raise ChecksumError("chunk checksum does not match its stored bytes", path=file.path,
-                                tensor=it.target.entry.name, chunk=it.index, offset=it.offset)
+    mv = file.read_span(reads, span.read, need, [(it.target.entry, it.index) for it in span.items],
+                        memoryview(buf.numpy()))
     decoded = {}
     for k, (it, r) in enumerate(zip(span.items, routes)):
         if getattr(r, "algorithm", None) == "zstd":  # to nvCOMP's zstd (gpu_zstd): SPEC 11.4's window bound first
@@ -159,7 +180,7 @@ class _Verifier:
 
 
 # -- the loader -------------------------------------------------------------------------------
-def _dest(dev: Backend, nbytes: int, file: CheckpointFile, entry: TensorEntry) -> torch.Tensor:
+def _dest(dev: Backend, nbytes: int, file: ChunkReader, entry: TensorEntry) -> torch.Tensor:
     """The destination of a tensor's bytes; a failed allocation is a LimitError naming the tensor."""
     try:
         return dev.dest(nbytes)
@@ -172,7 +193,7 @@ def _dest(dev: Backend, nbytes: int, file: CheckpointFile, entry: TensorEntry) -
 
 
 
-def decode_entries(file: CheckpointFile, entries: Sequence[TensorEntry], dev: Backend, options: GpuLoadOptions,
+def decode_entries(file: ChunkReader, entries: Sequence[TensorEntry], dev: Backend, options: GpuLoadOptions,
                    stats: dict[str, Any] | None = None) -> dict[int, torch.Tensor]:
     """The raw bytes (1-D uint8 on ``dev``) of stored tensors: {tensor_id: bytes}."""
     targets = []
@@ -185,7 +206,7 @@ def decode_entries(file: CheckpointFile, entries: Sequence[TensorEntry], dev: Ba
     return {t.entry.tensor_id: t.dest for t in targets}
 
 
-def decode_range(file: CheckpointFile, entry: TensorEntry, lo: int, hi: int, dev: Backend, options: GpuLoadOptions,
+def decode_range(file: ChunkReader, entry: TensorEntry, lo: int, hi: int, dev: Backend, options: GpuLoadOptions,
                  stats: dict[str, Any] | None = None) -> torch.Tensor:
     """Raw bytes [lo, hi) of a stored tensor (1-D uint8 on ``dev``), decoding only the chunks that hold them."""
     if entry.chunks is None:
@@ -200,7 +221,7 @@ def decode_range(file: CheckpointFile, entry: TensorEntry, lo: int, hi: int, dev
     return target.dest[lo - base: hi - base]
 
 
-def _decode(file: CheckpointFile, targets: list[_Target], dev: Backend, options: GpuLoadOptions,
+def _decode(file: ChunkReader, targets: list[_Target], dev: Backend, options: GpuLoadOptions,
             stats: dict[str, Any]) -> None:
     started = time.perf_counter()
     items = []
@@ -208,7 +229,7 @@ def _decode(file: CheckpointFile, targets: list[_Target], dev: Backend, options:
         t.left = len(t.indices)
         items.extend(_Item(t, i, t.entry.chunks[i]) for i in t.indices)
     items.sort(key=lambda it: it.offset)
-    spans = deque(plan_read_spans(items, span_bytes=options.read_span_bytes, align=_ALIGN, max_gap=options.max_gap))
+    spans = deque(_spans(items, options, file.source.coalescing))
     stats.update(spans=len(spans), chunks=len(items), stored_bytes=sum(it.stored_length for it in items))
     verifier = _Verifier(dev, file.path, options.verify_workers, options.piece_bytes)
     for t in targets:
@@ -234,7 +255,7 @@ def _decode(file: CheckpointFile, targets: list[_Target], dev: Backend, options:
     # The arena is the loader's device memory (besides a chunk's staging and nvCOMP's scratch): half the budget.
     arena_bytes = max(min(options.decode_batch_bytes, budget // 2), buf_size)
     stats.update(memory_budget=budget, arena_bytes=arena_bytes)
-    reads = DirectReads(file.source, options.direct_io)
+    reads = file.source.range_reads(options.direct_io)
     pool = SlotPool(min(options.read_buffers, len(spans)), buf_size, cached_allocator(dev.host_buffer), lazy=True)
     arena = dev.alloc(arena_bytes)
     readers = ThreadPoolExecutor(options.read_threads, thread_name_prefix="nvckpt-read",

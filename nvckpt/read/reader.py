@@ -1,10 +1,12 @@
-"""An open checkpoint file: its index, its pipelines, and checked reads of its chunks (SPEC 15.1).
+"""An open checkpoint: its index, its pipelines, and verified reads of its chunks (SPEC 15.1).
 
-``CheckpointFile`` locates and parses the index, builds the codec table's
-pipelines, and reads chunks through ``pread`` (so one serves many threads at
-once), verifying every chunk's checksum before its bytes reach a decoder.
-It decodes on the host; the GPU loader (nvckpt.engines.gpu.decode) uses the
-same reads and checks.  Materializing tensors (torch) is nvckpt.session.load.
+``ChunkReader`` locates and parses the index, builds the codec table's
+pipelines, and reads chunks through a ``ByteSource`` (positional reads, so one
+serves many threads at once), verifying every chunk's checksum (``verify``,
+``verify_run``: the one place) before its bytes reach a decoder.  It decodes
+on the host; the GPU loader (nvckpt.engines.gpu.decode) reads its spans through
+``read_span`` and decodes host-routed chunks here.  Materializing tensors
+(torch) is nvckpt.session.load.
 """
 
 from __future__ import annotations
@@ -21,23 +23,24 @@ import numpy as np
 from ..codecs import planes as fast
 from ..codecs.base import Pipeline
 from ..codecs.registry import pipeline_from_json
-from ..engines.threads import host_pool
+from .._threads import host_pool
 from ..errors import (ChecksumError, FormatError, LimitError, NvckptError, TensorNotFoundError, TruncatedError,
                       UnsupportedCodecError, UnsupportedFeatureError)
 from ..format.entry import TensorEntry
 from ..format.constants import FOOTER_SIZE, FRAME_INDEX
 from ..format.frames import iter_frames, locate_index
 from ..format.structs import xxh3
-from ..io.source import Source
+from ..io.ranges import Read, coalesce
+from ..io.source import ByteSource, RangeReads, open_source
 
 
-def _locate(source: Source, max_index_memory: int | None) -> tuple[Any, Any]:
+def _locate(source: ByteSource, max_index_memory: int | None) -> tuple[Any, Any]:
     """The preamble and index; in a caller's stream that holds more after the checkpoint (two saved back to
     back), its end is found by walking its frames to the INDEX frame: the footer is not the stream's last bytes."""
     try:
         return locate_index(source, max_index_memory=max_index_memory)
     except (FormatError, TruncatedError, ChecksumError) as exc:
-        if not source.is_stream:
+        if source.exact_size:
             raise
         try:
             end = None
@@ -58,13 +61,13 @@ def check_supported(entry: TensorEntry, path: str) -> None:
         raise UnsupportedFeatureError(entry.unsupported, path=path, tensor=entry.name)
 
 
-class CheckpointFile:
+class ChunkReader:
     def __init__(self, target: Any, *, workers: int | None = None, max_tensor_bytes: int | None = None,
-                 max_index_memory: int | None = None) -> None:
+                 max_index_memory: int | None = None, storage_options: dict[str, Any] | None = None) -> None:
         if max_tensor_bytes is not None and (type(max_tensor_bytes) is not int or max_tensor_bytes < 0):
             raise ValueError(f"max_tensor_bytes must be a non-negative integer or None, got {max_tensor_bytes!r}")
         self.max_tensor_bytes = max_tensor_bytes
-        self.source = Source(target)
+        self.source = open_source(target, storage_options)
         self.path = self.source.name
         try:
             self.preamble, self.index = _locate(self.source, max_index_memory)
@@ -85,8 +88,8 @@ class CheckpointFile:
 
     def _after_fork_in_child(self) -> None:
         # A forked child (a DataLoader worker reading through its dataset's open checkpoint) has none of the
-        # parent's decode threads (the shared pools start anew there, nvckpt.engines.threads), nor their
-        # work.  Reads (pread) need no reset.
+        # parent's decode threads (the shared pools start anew there, nvckpt._threads), nor their
+        # work.  Reads (positional) need no reset.
         self._pool_lock = threading.Lock()
         self._inflight = set()
 
@@ -149,30 +152,51 @@ class CheckpointFile:
             raise TensorNotFoundError(f"no tensor named {name!r}", path=self.path)
         return self.index.tensors[tid]
 
-    # -- chunks ------------------------------------------------------------
+    # -- chunks: reads and the one checksum check --------------------------
+    def verify(self, entry: TensorEntry, i: int, stored: Any) -> None:
+        """Chunk ``i``'s stored bytes against its checksum (SPEC 13), before any decoder sees them."""
+        c = entry.chunks[i]
+        if xxh3(stored) != c.checksum:
+            raise ChecksumError("chunk checksum does not match its stored bytes", path=self.path, tensor=entry.name,
+                                chunk=i, offset=c.offset)
+
+    def verify_run(self, entry: TensorEntry, first: int, view: memoryview, at: list[int], stored: list[int],
+                   checks: list[int]) -> None:
+        """``verify`` of chunks ``first, first + 1, ...`` of ``entry``, whose stored bytes are ``view[at[k]:
+        at[k] + stored[k]]`` (a table's columns: no Chunk made per chunk of a run of thousands)."""
+        sums = map(xxh3, map(view.__getitem__, map(slice, at, map(add, at, stored))))
+        if not all(map(eq, sums, checks)):
+            bad = next(k for k, (a, n, c) in enumerate(zip(at, stored, checks)) if xxh3(view[a: a + n]) != c)
+            self.verify(entry, first + bad, view[at[bad]: at[bad] + stored[bad]])
+
     def read_payload(self, entry: TensorEntry, i: int) -> bytes:
         """The stored bytes of chunk ``i``, checksum verified."""
         c = entry.chunks[i]
         try:
-            data = self.source.pread(c.offset, c.stored_length)
+            data = self.source.read(c.offset, c.stored_length)
         except NvckptError as exc:
             raise exc.located(tensor=entry.name, chunk=i)
-        self._check(entry, i, data)
+        self.verify(entry, i, data)
         return data
-
-    def _check(self, entry: TensorEntry, i: int, stored: Any) -> None:
-        """Chunk ``i``'s stored bytes against its checksum."""
-        c = entry.chunks[i]
-        if xxh3(stored) != c.checksum:
-            raise ChecksumError("chunk checksum does not match its stored bytes", path=self.path, tensor=entry.name, chunk=i, offset=c.offset)
 
     def _read_checked(self, entry: TensorEntry, i: int, buf: np.ndarray) -> None:
         """Chunk ``i``'s stored bytes read into ``buf`` (its stored length), checksum verified."""
         try:
-            self.source.pread_into(entry.chunks[i].offset, buf)
+            self.source.read_into(entry.chunks[i].offset, buf)
         except NvckptError as exc:
             raise exc.located(tensor=entry.name, chunk=i)
-        self._check(entry, i, buf)
+        self.verify(entry, i, buf)
+
+    def read_span(self, reads: RangeReads, span: Read, need: int, chunks: list[tuple[TensorEntry, int]],
+                  buf: memoryview) -> memoryview:
+        """Read ``span`` (at least ``need`` bytes) into ``buf`` through ``reads`` and verify ``chunks``, which it
+        covers: the file's bytes from ``span.start``."""
+        view = reads.read(span.start, span.length, need, buf)
+        for entry, i in chunks:
+            c = entry.chunks[i]
+            at = c.offset - span.start
+            self.verify(entry, i, view[at: at + c.stored_length])
+        return view
 
     def decode_payload(self, entry: TensorEntry, i: int, data: Any) -> memoryview:
         c = entry.chunks[i]
@@ -259,12 +283,12 @@ class CheckpointFile:
     def read_into(self, entry: TensorEntry, start: int, stop: int, out: memoryview) -> None:
         """Raw bytes [start, stop) of a stored tensor into ``out`` (writable, stop - start bytes),
         reading and decoding only the chunks that hold them, on the decode threads.
-        Neighbouring small chunks are read with one pread and handed to a thread together, so a
+        Neighbouring small chunks are read with one read and handed to a thread together, so a
         tensor of a million small chunks costs a few thousand tasks, not a million; a chunk on its
         own is read (and decoded) straight into ``out`` where it lies inside it (``fill``)."""
         assert entry.chunks is not None
         dest = np.frombuffer(out, dtype=np.uint8)
-        groups = _groups(entry, entry.chunks.covering(start, stop))
+        groups = _groups(entry, entry.chunks.covering(start, stop), self.source.coalescing)
         self.map(lambda g: self._fill(entry, g, start, dest), groups)
 
     def _fill(self, entry: TensorEntry, group: range, start: int, out: np.ndarray) -> None:
@@ -277,16 +301,12 @@ class CheckpointFile:
         offs, stored, raws, codecs, checks, starts = table.columns(group.start, group.stop)
         base = offs[0]
         try:
-            data = self.source.pread(base, offs[-1] + stored[-1] - base)
+            data = self.source.read(base, offs[-1] + stored[-1] - base)
         except NvckptError as exc:
             raise exc.located(tensor=entry.name, chunk=group.start)
         view = memoryview(data)
         at = [o - base for o in offs]
-        sums = map(xxh3, map(view.__getitem__, map(slice, at, map(add, at, stored))))
-        if not all(map(eq, sums, checks)):
-            bad = next(k for k, (a, n, c) in enumerate(zip(at, stored, checks)) if xxh3(view[a: a + n]) != c)
-            raise ChecksumError("chunk checksum does not match its stored bytes", path=self.path,
-                                tensor=entry.name, chunk=group.start + bad, offset=offs[bad])
+        self.verify_run(entry, group.start, view, at, stored, checks)
         if (offs[-1] - base == starts[-1] - starts[0] and stored == raws
                 and all(self.pipelines[c].is_raw for c in set(codecs))):
             # Raw chunks stored back to back: their bytes are the tensor's bytes, one copy.
@@ -320,7 +340,7 @@ class CheckpointFile:
 
 
 _tls = threading.local()
-_OPEN: "weakref.WeakSet[CheckpointFile]" = weakref.WeakSet()
+_OPEN: "weakref.WeakSet[ChunkReader]" = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
@@ -332,34 +352,14 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-#: Small chunks are read together (one pread, one task): neighbours in the file, at most _GROUP_GAP apart
-#: (a frame header and its alignment padding), _GROUP_BYTES in all.  Larger chunks are read one by one,
-#: so that no byte outside a chunk is read for them.
-_GROUP_SMALL = 16 << 10
-_GROUP_GAP = 8 << 10
-_GROUP_BYTES = 8 << 20
-_GROUP_CHUNKS = 1 << 14
-
-
-def _groups(entry: TensorEntry, indices: range) -> list[range]:
-    """``indices`` cut into runs of chunks that one pread can cover (in file order, close together)."""
-    table = entry.chunks
-    assert table is not None
+def _groups(entry: TensorEntry, indices: range, policy: Any) -> list[range]:
+    """``indices`` cut into runs of chunks that one read covers (io.ranges: the source's coalescing policy;
+    a local file's reads small neighbouring chunks together and a large chunk alone, into its destination)."""
     if len(indices) <= 1:
         return [indices] if indices else []
-    offs, stored = table.columns(indices.start, indices.stop)[:2]
-    groups: list[range] = []
-    begin = 0
-    span_start, end = offs[0], offs[0] + stored[0]
-    for k in range(1, len(offs)):
-        o = offs[k]
-        if (o < end or o - end > _GROUP_GAP or o + stored[k] - span_start > _GROUP_BYTES or k - begin >= _GROUP_CHUNKS
-                or stored[k] >= _GROUP_SMALL or stored[k - 1] >= _GROUP_SMALL):
-            groups.append(range(indices.start + begin, indices.start + k))
-            begin, span_start = k, o
-        end = o + stored[k]
-    groups.append(range(indices.start + begin, indices.stop))
-    return groups
+    assert entry.chunks is not None
+    offs, stored = entry.chunks.columns(indices.start, indices.stop)[:2]
+    return [range(indices.start + r.first, indices.start + r.stop) for r in coalesce(offs, stored, policy)]
 
 
 def _scratch(name: str, n: int) -> np.ndarray:
@@ -371,4 +371,4 @@ def _scratch(name: str, n: int) -> np.ndarray:
     return buf[:n]
 
 
-__all__ = ["CheckpointFile", "check_supported"]
+__all__ = ["ChunkReader", "check_supported"]

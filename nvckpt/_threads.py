@@ -1,7 +1,7 @@
 """The host's worker threads: one pool per worker count, shared by every CPU save and load of the process.
 
 Why shared: the codecs keep per-thread state (a zstd context, scratch buffers for byte planes and stored
-chunks, ``nvckpt.codecs.planes`` and ``nvckpt.session.file``).  A pool of fresh threads per save or per
+chunks, ``nvckpt.codecs.planes`` and ``nvckpt.read.reader``).  A pool of fresh threads per save or per
 open file made every call start cold: new contexts, and scratch memory the kernel first had to fault in
 and zero, which on a 2-core VM cost a portable load of MiniLM bf16 (45 MB) 10-20 % of its time and the
 same again in CPU time.  Kept threads keep their state warm: a few MiB per thread (the largest chunk
@@ -17,7 +17,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from .._signals import leave_to_main_thread
+from ._signals import leave_to_main_thread
 
 _pools: dict[int, ThreadPoolExecutor] = {}
 _lock = threading.Lock()
