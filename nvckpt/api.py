@@ -9,7 +9,8 @@ from ._gc import paused as gc_paused
 from .errors import NvckptError
 from .options import LoadOptions, SaveOptions, options_from, with_signature
 from .session.load import Checkpoint
-from .session.save import SaveFuture, SaveResult, SaveSession, start_async
+from .session.async_save import SaveFuture, start_async
+from .session.save import SaveResult, SaveSession
 from .session.slicing import TensorSlice
 
 
@@ -35,7 +36,8 @@ def save(obj: Any, target: str | os.PathLike | Any, **options: Any) -> SaveResul
     ``zstd_level``: the zstd level, -7..22 (1: fast; higher: smaller and slower).
     ``tensor_checksums``: also store each tensor's XXH3-64 (every chunk has its own checksum anyway;
     default yes, except in an async_save that reads the tensors ahead, see async_save).
-    ``engine``: "auto" (the GPU engine for CUDA tensors where nvCOMP is), "cpu", "gpu".
+    ``engine``: "auto" (the GPU engine for CUDA tensors where nvCOMP is), "cpu", "gpu", or an engine to
+    run (an ``nvckpt.engines.base.Engine``).
     ``workers``: CPU encode threads (default: all cores; the process keeps one shared pool per count, nvckpt._threads).
     ``direct_io``: write with O_DIRECT where the filesystem allows it.
     ``preemption_grace``: seconds a save may still run after SIGTERM before it is cancelled (README).

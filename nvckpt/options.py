@@ -29,6 +29,12 @@ def _positive(owner: Any, *names: str) -> None:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+def _is_engine(value: Any) -> bool:
+    from .engines.base import is_engine
+
+    return is_engine(value)
+
+
 def _check_storage_options(value: Any) -> None:
     if value is not None and not (isinstance(value, dict) and all(isinstance(k, str) for k in value)):
         raise TypeError(f"storage_options must be a dict with str keys (the storage backend's options for a URL), "
@@ -113,7 +119,7 @@ class SaveOptions:
     derive: bool = True  # bf16 roundings of fp32 tensors and exact copies, stored as derived (SPEC 14.2)
     derive_bf16: bool | None = None  # the former option (bf16 roundings only); when given, it wins over ``derive``
     tensor_checksums: bool | None = None  # None: yes, except in an async_save that reads the caller's tensors ahead
-    engine: str = "auto"
+    engine: Any = "auto"  # "auto", "cpu", "gpu", or an Engine (nvckpt.engines.base) to run
     workers: int | None = None
     direct_io: bool = True
     preemption_grace: float = 30.0  # seconds a save may run on after SIGTERM (nvckpt.session.lifecycle)
@@ -123,8 +129,10 @@ class SaveOptions:
     def __post_init__(self) -> None:
         if type(self.preemption_grace) not in (int, float) or not 0 <= self.preemption_grace < float("inf"):
             raise ValueError(f"preemption_grace must be a non-negative number of seconds, got {self.preemption_grace!r}")
-        if self.engine not in ENGINES:
-            raise ValueError(f"engine must be 'auto', 'cpu' or 'gpu', got {self.engine!r}")
+        if isinstance(self.engine, str) or not _is_engine(self.engine):
+            if self.engine not in ENGINES:
+                raise ValueError(f"engine must be 'auto', 'cpu', 'gpu' or an nvckpt.engines.base.Engine, got "
+                                 f"{self.engine!r}")
         check_preset(self.codec)
         if self.alignment is not None:
             check_alignment(self.alignment)

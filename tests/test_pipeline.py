@@ -856,23 +856,24 @@ def test_read_ahead_session_reads_before_it_opens_the_file(tmp_path, monkeypatch
     """A read-ahead save (async_save on the GPU engine, here on the host backend) reads every tensor before
     it lists leftovers, opens the temporary file or packs the index: the caller waits for the reads only.
     Beyond the pinned limit it must write while it reads, and does."""
+    from nvckpt.engines.gpu.engine import GpuEngine
     from nvckpt.io.target import AtomicFile
-    from nvckpt.session import save as session_save
+    from nvckpt.session.save import SaveSession
 
     seen = []
 
     class Watched(AtomicFile):  # the target a save writes to, noting when the save first asks it something
         def leftovers(self):
-            seen.append(session.tensors_read.is_set())
+            seen.append(session.prepared.tensors_read.is_set())
             return super().leftovers()
 
     state = {"w": torch.randn(400, 1000), "b": torch.randn(1000)}
-    options = nvckpt.SaveOptions(chunk_size=64 * KiB, gpu=GpuSaveOptions(batch_bytes=300 * KiB, slot_bytes=200 * KiB, pinned_slots=2,
+    options = nvckpt.SaveOptions(chunk_size=64 * KiB, engine=GpuEngine(backend=HostBackend()),
+                                 gpu=GpuSaveOptions(batch_bytes=300 * KiB, slot_bytes=200 * KiB, pinned_slots=2,
                                                     pinned_limit=pinned_limit))
-    session = session_save.SaveSession(state, Watched(str(tmp_path / "r.nvckpt")), options)
-    session.tensors_read = threading.Event()
-    monkeypatch.setattr(session, "_items", lambda: (encode_batches(
-        session.plan, chooser("auto", 1), HostBackend(), options.gpu, read_ahead=session.tensors_read), {}))
+    session = SaveSession(state, Watched(str(tmp_path / "r.nvckpt")), options)
+    session.prepare_async(lazy=True)  # read ahead, as a lazy async_save's thread does
+    assert session.prepared.tensors_read is not None and not session.prepared.caller_decides
     result = session.run()
     assert seen == [pinned_limit is None]
     assert {"walk", "derived", "start_engine"} <= result.stats["phases"].keys()
@@ -990,26 +991,29 @@ def test_async_save_keeps_the_collector_off_while_its_caller_waits(tmp_path, mon
     was before the call, also when the call fails."""
     import gc
 
-    from nvckpt.session.save import SaveFuture, SaveSession
+    from nvckpt.engines.gpu.engine import GpuEngine
+    from nvckpt.session.async_save import SaveFuture
 
     seen = []
-    wait_read, prepare = SaveFuture.wait_read, SaveSession.prepare_async
+    wait_read = SaveFuture.wait_read
 
-    def read_ahead(self, *a, **k):
-        prepare(self, *a, **k)
-        self.tensors_read, self.caller_decides = threading.Event(), True  # set by the save's thread at its end
-        seen.append(gc.isenabled())
+    class Watched(GpuEngine):  # the GPU engine's scheduling on the host: a state over its budget is read ahead
+        def prepare_async(self, plan, options, lazy=False):
+            prepared = super().prepare_async(plan, options, lazy)
+            assert prepared.tensors_read is not None and prepared.caller_decides
+            seen.append(gc.isenabled())
+            return prepared
 
-    monkeypatch.setattr(SaveSession, "prepare_async", read_ahead)
+    options = {"engine": Watched(backend=HostBackend()), "gpu": GpuSaveOptions(memory_budget=64 * KiB), "chunk_size": 4 * KiB}
     monkeypatch.setattr(SaveFuture, "wait_read", lambda self, *a, **k: (seen.append(gc.isenabled()), wait_read(self, *a, **k))[1])
     (gc.enable if enabled else gc.disable)()
     try:
         state = {"w": torch.randn(100, 100)}
-        nvckpt.async_save(state, tmp_path / "a.nvckpt").result()
+        nvckpt.async_save(state, tmp_path / "a.nvckpt", **options).result()
         assert len(seen) == 2 and not any(seen) and gc.isenabled() is enabled
         assert_tree_equal(nvckpt.load(tmp_path / "a.nvckpt"), state)
         with pytest.raises(FileNotFoundError, match="No such directory"):
-            nvckpt.async_save({"w": torch.randn(10)}, tmp_path / "missing" / "b.nvckpt").result()
+            nvckpt.async_save({"w": torch.randn(10)}, tmp_path / "missing" / "b.nvckpt", **options).result()
         assert gc.isenabled() is enabled
     finally:
         gc.enable()

@@ -28,15 +28,25 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+from .._threads import host_pool
 from ..codecs import planes as fast
 from ..codecs.base import Pipeline
+from ..codecs.presets import chooser
 from ..codecs.registry import RAW
 from ..errors import NvckptError
 from ..format.structs import xxh3
+from ..io.target import SinkOptions
+from ..options import SaveOptions
+from ..plan.chunking import CPU_CHUNK_SIZE
 from ..plan.walk import PlannedTensor, SavePlan
+from .base import Prepared
 from .items import EncodedChunk, TensorReady
-from .._threads import host_pool
 
+# The sink's blocks: the last block's write is the one the encoder cannot overlap, so smaller blocks shorten
+# the tail (MiniLM bf16 saved at 0.71 GB/s with 16 MiB blocks, 0.92 with 2 MiB on the 2-core VM, whose disk
+# takes 2 MiB O_DIRECT writes as fast as 16 MiB ones); the GPU engine keeps the sink's 16 MiB (its disk).
+CPU_BLOCK = 2 << 20
+CPU_BLOCKS = 16
 TINY = 256  # chunks below this many bytes are stored raw (per-plane frame headers alone would not pay)
 GROUP_BYTES = 256 << 10  # small chunks are coded in tasks of about this many raw bytes
 GROUP_CHUNKS = 256
@@ -246,3 +256,34 @@ def encode_cpu(
         futures = [item[2] for item in pending if isinstance(item[2], Future)] + ([decision] if decision else [])
         futures += [w[1] for item in pending if item[0] == "chunks" for w in item[1] if isinstance(w[1], Future)]
         wait([f for f in futures if not f.cancel()])
+
+
+class CpuEngine:
+    """The CPU engine (see the module docstring) as a save asks it (nvckpt.engines.base.Engine)."""
+
+    name = "cpu"
+    chunk_size = CPU_CHUNK_SIZE
+    alignment = 1  # the CPU reader reads chunks where they are
+
+    def sink_options(self, options: SaveOptions) -> SinkOptions:
+        return SinkOptions(direct=options.direct_io, block_size=CPU_BLOCK, blocks=CPU_BLOCKS)
+
+    def prepare_async(self, plan: SavePlan, options: SaveOptions, lazy: bool = False) -> Prepared:
+        """Copy the state into host memory (the CPU engine reads nothing ahead)."""
+        plan.decide()
+        with torch.no_grad():
+            for t in plan.tensors:
+                if t.data is not None:
+                    t.data = torch.empty(t.data.shape, dtype=t.data.dtype, device="cpu").copy_(t.data)
+        return Prepared(snapshot={"cpu": "host"})
+
+    def prepare_lazy(self, plan: SavePlan, options: SaveOptions, ready: Any, tensors_read: threading.Event) -> Prepared:
+        prepared = self.prepare_async(plan, options)
+        tensors_read.set()
+        return prepared
+
+    def encode(self, plan: SavePlan, prepared: Prepared, options: SaveOptions,
+               stats: dict[str, Any]) -> tuple[Iterator[TensorReady | EncodedChunk], dict[str, Any]]:
+        # Derived-tensor candidates are verified by encode_cpu itself, beside its coding of the rest.
+        return encode_cpu(plan, chooser(options.codec, options.zstd_level), workers=options.workers,
+                          tensor_checksums=options.tensor_checksums is not False), {}

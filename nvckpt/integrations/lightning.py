@@ -34,7 +34,7 @@ except ImportError:  # the standalone pytorch_lightning package
 from ..api import async_save, load, save
 from ..errors import UnsupportedObjectError
 from ..format.tree import escape
-from ..session.save import SaveFuture
+from ..session.async_save import SaveFuture
 from ..tools._util import sniff_format
 
 DROPPED = "lightning.dropped"

@@ -25,11 +25,6 @@ from ..errors import NvckptError
 
 DEFAULT_BLOCK = 16 << 20
 DEFAULT_BLOCKS = 6
-# The CPU engine's blocks: the last block's write is the one the encoder cannot overlap, so smaller blocks
-# shorten the tail (MiniLM bf16 saved at 0.71 GB/s with 16 MiB blocks, 0.92 with 2 MiB on the 2-core VM,
-# whose disk takes 2 MiB O_DIRECT writes as fast as 16 MiB ones); the GPU engine keeps 16 MiB (its disk).
-CPU_BLOCK = 2 << 20
-CPU_BLOCKS = 16
 # Two writes in flight: on the H200 machine's virtio disk 1, 2 or 4 O_DIRECT writers run about
 # the same speed (1.8-2.3 GB/s, tools/bench_results/bench_h200.md), but in a save the thread that
 # finished a write may wait for the GIL before it issues the next one; the second keeps the disk busy.

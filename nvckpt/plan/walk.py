@@ -11,7 +11,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -71,6 +71,7 @@ class SavePlan:
     _decide_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _decide_error: BaseException | None = field(default=None, repr=False)
     _layout: Any = field(default=None, repr=False)  # the _Layout this plan was made from (learns what decide() found)
+    _cutter: Any = field(default=None, repr=False)  # the _Layout that cuts its chunks (plan.layout: cut once per size)
     searched: bool = False  # the derived tensors were searched for (False: the pairs of an earlier save were checked)
     layout_reused: bool = False  # entries and chunks taken from an earlier save of the same layout (plan.layout)
 
@@ -100,19 +101,15 @@ class SavePlan:
         if self._decide_error is not None:
             raise self._decide_error
 
-    def data_tensors(self) -> list[PlannedTensor]:
-        return [t for t in self.tensors if t.data is not None]
+    def cut(self, chunk_size: int) -> None:
+        """Cut the stored tensors' chunks of about ``chunk_size`` raw bytes (plan_save(chunk_size=None) did not)."""
+        self._cutter.cut(self.tensors, check_chunk_size(chunk_size))
 
     @property
     def raw_bytes(self) -> int:
         """Bytes of every tensor a load materializes (views and derived tensors too; not internal bases)."""
         return sum(math.prod(t.entry["shape"]) * DTYPES[t.entry["dtype"]].itemsize
                    for t in self.tensors if not t.entry.get("internal"))
-
-    @property
-    def stored_raw_bytes(self) -> int:
-        """Raw bytes of the chunks the file stores."""
-        return sum(t.nbytes for t in self.tensors)
 
     def entries(self) -> list[dict[str, Any]]:
         return [t.entry for t in self.tensors]
@@ -254,7 +251,7 @@ def plan_save(
     obj: Any,
     *,
     metadata: dict[str, Any] | None = None,
-    chunk_size: int | Callable[[list[PlannedTensor]], int] = CPU_CHUNK_SIZE,
+    chunk_size: int | None = CPU_CHUNK_SIZE,
     derive: bool = False,
     copies: bool = False,
     defer: bool = False,
@@ -262,14 +259,16 @@ def plan_save(
 ) -> SavePlan:
     """The plan of saving ``obj``: its tree, one PlannedTensor per distinct tensor, their chunks.
 
-    ``chunk_size``: the target chunk size, or a function of the distinct tensors that picks it (the
-    engine that will run depends on where they live: each tensor is then cut once).  ``derive``: find
+    ``chunk_size``: the target chunk size; None: not cut yet (``SavePlan.cut``, once the engine that will
+    run, which depends on where the tensors live, says its chunk size).  ``derive``: find
     bf16 tensors that are the rounding of a stored fp32 one; ``copies``: find exact copies.  ``defer``:
     only pick the candidates; ``SavePlan.decide()`` verifies them later (until then ``undecided`` names
     the tensors whose storage may change).  ``remember``: take the plan of a layout saved before, and keep
     this one's (plan.layout); False for a plan made only to check an object."""
-    if not callable(chunk_size):
+    if chunk_size is not None:
         check_chunk_size(chunk_size)
+    elif not defer:
+        raise ValueError("plan_save(chunk_size=None) needs defer=True: the derived tensors are decided on cut chunks")
     started = time.perf_counter()
     leaves: list[tuple[str, torch.Tensor, tuple[str, int]]] = []  # (path, tensor, (dtype name, element size)) in tree order
     typed = False  # a value only SPEC 9.2's typed extensions store (FEATURE_TYPED_TREE)
@@ -344,8 +343,8 @@ def plan_save(
         layout = layout_of.Layout(key, plan_tensors, leaf_ids, sources)
     else:
         plan_tensors, leaf_ids = layout.instantiate(leaves)
-    size = check_chunk_size(chunk_size(plan_tensors)) if callable(chunk_size) else chunk_size
-    layout.cut(plan_tensors, size)
+    if chunk_size is not None:
+        layout.cut(plan_tensors, chunk_size)
     walked = time.perf_counter()
     search = None
     if derive or copies:
@@ -360,6 +359,7 @@ def plan_save(
     plan = SavePlan(tree, plan_tensors, copy.deepcopy(metadata) if metadata else {}, FEATURE_TYPED_TREE if typed else 0)
     plan.seconds.update(walk=walked - started + time.perf_counter() - derived, derived=derived - walked)
     plan._search = search
+    plan._cutter = layout
     plan._layout = layout if search is not None else None
     plan.searched = search is not None and not search.hinted
     plan.layout_reused = reused

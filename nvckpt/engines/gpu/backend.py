@@ -62,6 +62,7 @@ class Backend(Protocol):
     def flat(self, tensor: torch.Tensor) -> torch.Tensor: ...
     def source(self, tensor: torch.Tensor) -> torch.Tensor: ...
     def mark(self) -> Any: ...
+    def caller_mark(self) -> Any: ...
     def wait(self, event: Any) -> None: ...
     def ready(self, event: Any) -> bool: ...
     def finish(self) -> None: ...
@@ -211,6 +212,12 @@ class CudaBackend:
     def mark(self) -> Any:
         ev = torch.cuda.Event()
         ev.record(self.stream)
+        return ev
+
+    def caller_mark(self) -> Any:
+        """An event after the caller's work so far, on the caller's current stream."""
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
         return ev
 
     def wait(self, event: Any) -> None:
@@ -415,6 +422,9 @@ class HostBackend:
         return tensor if tensor.device.type == "cpu" and not tensor.is_contiguous() else self.flat(tensor)
 
     def mark(self) -> Any:
+        return None
+
+    def caller_mark(self) -> Any:
         return None
 
     def wait(self, event: Any) -> None:
