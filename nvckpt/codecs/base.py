@@ -22,6 +22,19 @@ class DeviceOp(NamedTuple):
     shuffle: int = 1
     written_by: str = ""  # nvCOMP version that wrote an ANS stream ("" for zstd)
 
+    @property
+    def planes(self) -> bool:
+        """The device splits elements into byte planes before its coder (an encode batch needs scratch)."""
+        return self.shuffle > 1
+
+    def describe(self) -> str:
+        return f"{self.algorithm}({self.data_type}, shuffle={self.shuffle})"
+
+
+#: How a device loader decodes a pipeline's chunks (``Pipeline.device_route``): copy them, decode them on the
+#: host and upload them, or ("planes", k): the coder on the host, the byte planes put back on the device.
+RAW_ROUTE, HOST_ROUTE = "raw", "cpu"
+
 
 class DecodeRejected(ValueError):
     """A decoder refused its input, or it decoded to another length than the chunk's raw length."""
@@ -40,10 +53,17 @@ class Codec:
     readers: ClassVar[str] = "any nvckpt reader"
     # True when no host decoder exists (nvcomp-ans): such chunks decode only on a GPU.
     needs_gpu: ClassVar[bool] = False
+    # Its device decoder runs only when a load asks for it (GpuLoadOptions.gpu_zstd); else the host decodes
+    # the coder and the device undoes the filters.
+    device_decode_opt_in: ClassVar[bool] = False
 
     def device_step(self) -> dict[str, Any] | None:
         """The fields of a DeviceOp this step sets on a CUDA device, or None if it has no device form."""
         return None
+
+    def check_stored(self, payload: memoryview) -> None:
+        """Raise ValueError for stored bytes this codec's readers must refuse although their checksum matches
+        (what a device decoder would not check itself: zstd's window bound, SPEC 11.4).  Coders only."""
 
     def configuration(self) -> dict[str, Any]:
         return {}
@@ -118,7 +138,7 @@ class Pipeline:
 
     def __getstate__(self) -> dict[str, Any]:
         # Without the cached values: a str hash differs in another process.
-        return {k: v for k, v in self.__dict__.items() if k not in ("_hash", "_device_op")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_hash", "_device_op", "_planar_form")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -139,6 +159,71 @@ class Pipeline:
                 return None
             fields.update(part)
         return DeviceOp(**fields) if "algorithm" in fields else None
+
+    def device_route(self, device_opt_in: bool = False) -> Any:
+        """How a device loader decodes this pipeline's chunks: RAW_ROUTE (copied), HOST_ROUTE (decoded on the
+        host, uploaded), ("planes", k) (the coder on the host, the filters undone on the device), or the
+        DeviceOp its device decoder runs.  ``device_opt_in``: run device decoders that need asking for."""
+        if self.is_raw:
+            return RAW_ROUTE
+        op = self.device_op()
+        if op is None:
+            return HOST_ROUTE
+        if self.coder.device_decode_opt_in and not device_opt_in:
+            return ("planes", op.shuffle)
+        return op
+
+    def check_stored(self, payload: memoryview) -> None:
+        """The coder's check of stored bytes (``Codec.check_stored``), for bytes a device wrote or will read."""
+        self.coder.check_stored(payload)
+
+    @property
+    def checks_stored(self) -> bool:
+        """Does the coder check stored bytes at all (so that a caller may skip the call)?"""
+        return type(self.coder).check_stored is not Codec.check_stored
+
+    def planar_form(self) -> tuple[int, bool] | None:
+        """(k, signshift) where this pipeline's host coding is the byte-plane path of nvckpt.codecs.planes
+        (one zstd frame per plane: [signshift(k)?, byteshuffle(k)?, zstd]), else None."""
+        if "_planar_form" not in self.__dict__:
+            from .planes import planar_form
+
+            self.__dict__["_planar_form"] = planar_form(self)
+        return self.__dict__["_planar_form"]
+
+    def decode_into(self, data: Any, out: Any) -> None:
+        """Host decode of a chunk's stored bytes ``data`` into ``out`` (a uint8 numpy array of its raw length):
+        the byte-plane path where it applies, else the steps one after the other (ValueError, ZstdError or
+        UnsupportedCodecError for bytes they refuse)."""
+        form = self.planar_form()
+        if form is not None:
+            from .planes import decode_chunk
+
+            decode_chunk(data, form[0], form[1], out)
+            return
+        import numpy as np
+
+        decoded = memoryview(self.decode(memoryview(data), out.nbytes)).cast("B")
+        if decoded.nbytes != out.nbytes:
+            raise DecodeRejected(f"chunk decoded to {decoded.nbytes} bytes, raw_length is {out.nbytes}")
+        out[:] = np.frombuffer(decoded, dtype=np.uint8)
+
+    def encode_bound(self, n: int) -> int | None:
+        """The most bytes ``encode_into`` writes for ``n`` raw bytes; None where this pipeline has no
+        byte-plane encoder (``encode`` then returns new bytes)."""
+        form = self.planar_form() if self.planar else None
+        if form is None:
+            return None
+        from .planes import chunk_bound
+
+        return chunk_bound(n, form[0])
+
+    def encode_into(self, raw: Any, out: Any) -> int:
+        """Byte-plane encode of ``raw`` into ``out`` (at least ``encode_bound`` bytes); returns the length."""
+        k, signshift = self.planar_form()  # type: ignore[misc]
+        from .planes import encode_chunk
+
+        return encode_chunk(raw, k, signshift, out, self.coder.level, self.matches)  # type: ignore[attr-defined]
 
     def to_json(self) -> list[dict[str, Any]]:
         return [{"name": s.name, "configuration": s.configuration()} for s in self.steps]

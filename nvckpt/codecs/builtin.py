@@ -123,8 +123,15 @@ class Zstd(Codec):
             raise ValueError(f"unknown zstd configuration keys {sorted(unknown)}")
         return cls(configuration.get("level", 1))
 
+    # nvCOMP's Zstd decoder crashed the process (SIGABRT) on a garbage frame with a valid checksum
+    # (conformance suite, H200): a file must never crash its reader, so libzstd decodes unless asked.
+    device_decode_opt_in = True
+
     def device_step(self) -> dict[str, Any]:
         return {"algorithm": "zstd"}  # nvCOMP Zstd with the RAW bitstream writes and reads RFC 8878 frames
+
+    def check_stored(self, payload: memoryview) -> None:
+        check_zstd_window(payload)
 
     def encode(self, data: memoryview) -> bytes:
         import zstandard

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
 from ..codecs.base import Pipeline
-from ..codecs.presets import GPU_PRESETS
+from ..codecs.presets import GPU_PRESETS, gpu_only
 from ..errors import UnsupportedCodecError
 from ..io.target import SinkOptions
 from .items import EncodedChunk, TensorReady
@@ -78,7 +78,7 @@ def gpu_device(tensors: list["PlannedTensor"], options: "SaveOptions") -> Any:
     from ..codecs.nvcomp import backend as nb
 
     if not nb.available():
-        if engine == "gpu" or codec == "ans":
+        if engine == "gpu" or gpu_only(codec):
             raise UnsupportedCodecError("the GPU engine needs CUDA and nvCOMP (pip install 'nvckpt[gpu]')")
         return None
     from .gpu.backend import cuda_device

@@ -29,7 +29,6 @@ import numpy as np
 import torch
 
 from .._threads import host_pool
-from ..codecs import planes as fast
 from ..codecs.base import Pipeline
 from ..codecs.presets import chooser
 from ..codecs.registry import RAW
@@ -109,8 +108,8 @@ def encode_chunk(pipeline: Pipeline, raw: memoryview, buffers: _Buffers | None =
     n = raw.nbytes
     if pipeline.is_raw or (pipeline.planar and n < TINY):
         return RAW, raw, xxh3(raw), None
-    form = fast.planar_form(pipeline) if pipeline.planar else None
-    if form is None:
+    bound = pipeline.encode_bound(n)
+    if bound is None:
         try:
             encoded = pipeline.encode(raw)
         except ValueError as exc:  # a caller's pipeline that does not fit the tensor (byteshuffle(4) on fp16)
@@ -118,10 +117,9 @@ def encode_chunk(pipeline: Pipeline, raw: memoryview, buffers: _Buffers | None =
         if memoryview(encoded).nbytes >= n:
             return RAW, raw, xxh3(raw), None
         return pipeline, encoded, xxh3(encoded), None
-    k, signshift = form
     buffers = buffers or _Buffers()
-    out = buffers.take(fast.chunk_bound(n, k))
-    size = fast.encode_chunk(raw, k, signshift, out, pipeline.steps[-1].level, pipeline.matches)
+    out = buffers.take(bound)
+    size = pipeline.encode_into(raw, out)
     if size >= n:
         buffers.give(out)
         return RAW, raw, xxh3(raw), None

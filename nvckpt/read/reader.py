@@ -20,7 +20,6 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..codecs import planes as fast
 from ..codecs.base import Pipeline
 from ..codecs.registry import pipeline_from_json
 from .._threads import host_pool
@@ -78,8 +77,6 @@ class ChunkReader:
         except BaseException:
             self.source.close()
             raise
-        # (k, signshift) of the pipelines the fast host decoder runs (nvckpt.codecs.planes), else None
-        self.planar = [fast.planar_form(p) for p in self.pipelines]
         self._workers = workers or os.cpu_count() or 1
         self._pool_lock = threading.Lock()
         self._inflight: set[Future] = set()  # this file's work on the shared threads (close waits for it)
@@ -201,8 +198,7 @@ class ChunkReader:
     def decode_payload(self, entry: TensorEntry, i: int, data: Any) -> memoryview:
         c = entry.chunks[i]
         pipeline = self.pipelines[c.codec_id]
-        form = self.planar[c.codec_id]
-        if form is not None:
+        if pipeline.planar_form() is not None:
             out = np.empty(c.raw_length, dtype=np.uint8)
             self.decode_into(entry, i, data, out)
             return memoryview(out)
@@ -218,12 +214,11 @@ class ChunkReader:
                                   path=self.path, tensor=entry.name, chunk=i, offset=c.offset)
             out[:] = np.frombuffer(data, dtype=np.uint8)
             return
-        form = self.planar[c.codec_id]
-        if form is None:
+        if pipeline.planar_form() is None:
             out[:] = np.frombuffer(self.decode_payload(entry, i, data), dtype=np.uint8)
             return
         try:
-            fast.decode_chunk(data, form[0], form[1], out)
+            pipeline.decode_into(data, out)
         except MemoryError:
             raise
         except Exception as exc:  # a frame libzstd rejects, or one that decodes to another length

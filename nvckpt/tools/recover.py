@@ -428,7 +428,7 @@ def recover(src: str | os.PathLike, dst: str | os.PathLike, *, progress: Progres
 
         pipelines = {walk.chunks[(t.tensor_id, i)].codec_id for t in kept for i in range(t.nchunks)}
         nvcomp = [op.written_by for cid in sorted(pipelines) if (op := walk.codecs[cid].device_op()) is not None
-                  and op.algorithm == "ans" and op.written_by]
+                  and op.written_by]
         info = writer_info({"nvcomp": nvcomp[0]} if nvcomp else None)
 
         check_index_floor(entries, lengths, tree, metadata, info)

@@ -121,6 +121,12 @@ def _major(version: str) -> int:
         return 0
 
 
+def check_readable(op: DeviceOp) -> None:
+    """Raise UnsupportedCodecError for chunks this nvCOMP cannot decode (ANS of another major version)."""
+    if op.algorithm == "ans":
+        check_ans_version(op.written_by)
+
+
 def check_ans_version(written_by: str) -> None:
     """Refuse ANS streams from another nvCOMP major version (the bitstream changed in 6.0)."""
     installed = nvcomp_version()
@@ -542,8 +548,7 @@ def _give_back(codecs: dict[tuple, GpuCodec]) -> None:
 def codec_for(op: DeviceOp, *, device: torch.device, stream: torch.cuda.Stream) -> GpuCodec:
     """This thread's GpuCodec for a pipeline's device op on (device, stream): an idle one that an ended
     thread left, else a new one."""
-    if op.algorithm == "ans":
-        check_ans_version(op.written_by)
+    check_readable(op)
     key = (op.algorithm, op.data_type, op.shuffle, device.index, stream.cuda_stream)
     mine = getattr(_local, "mine", None)
     if mine is None:

@@ -335,17 +335,12 @@ class CudaBackend:
 
     # -- decode --
     def route(self, pipeline: Pipeline) -> Any:
-        """"raw", "cpu", ("planes", k) (libzstd on the host, byte planes put back here), or a DeviceOp."""
-        if pipeline.is_raw:
-            return "raw"
-        op = pipeline.device_op()
-        if op is None:
-            return "cpu"
-        if op.algorithm == "ans":
-            self._nb.check_ans_version(op.written_by)  # UnsupportedCodecError before any read
-        if op.algorithm == "zstd" and not self.gpu_zstd:
-            return ("planes", op.shuffle)
-        return op
+        """``Pipeline.device_route``: "raw", "cpu", ("planes", k) (the coder on the host, the byte planes put back
+        here), or a DeviceOp, whose chunks this nvCOMP must be able to read (UnsupportedCodecError before any read)."""
+        route = pipeline.device_route(self.gpu_zstd)
+        if isinstance(route, DeviceOp):
+            self._nb.check_readable(route)
+        return route
 
     def alloc(self, nbytes: int) -> torch.Tensor:
         """Scratch memory of the engine's stream (the arena)."""
@@ -385,8 +380,8 @@ class CudaBackend:
         codec.decode(payloads, outs)
         end = self._timed()
         if self.timing:
-            label = f"ans({key.data_type})" if key.algorithm == "ans" else f"zstd(shuffle={key.shuffle})"
-            self.timings.append((start, end, *(codec.last_codec_events or (None, None)), label, sum(o.numel() for o in outs)))
+            self.timings.append((start, end, *(codec.last_codec_events or (None, None)), key.describe(),
+                                 sum(o.numel() for o in outs)))
 
 
 # -- host stand-in ------------------------------------------------------------------------------
@@ -473,13 +468,11 @@ class HostBackend:
 
     # -- decode --
     def route(self, pipeline: Pipeline) -> Any:
-        # byteshuffle+zstd takes the route it takes on a GPU (libzstd in the reader threads, planes put
-        # back by the "device"); other pipelines stand in for a device codec, so CI runs both paths.
-        if pipeline.is_raw:
-            return "raw"
-        op = pipeline.device_op()
-        if op is not None and op.algorithm == "zstd" and op.shuffle > 1 and not self.gpu_zstd:
-            return ("planes", op.shuffle)
+        # Byte planes coded on the host take the route they take on a GPU (the coder in the reader threads,
+        # planes put back by the "device"); other pipelines stand in for a device codec, so CI runs both paths.
+        route = pipeline.device_route(self.gpu_zstd)
+        if route == "raw" or (isinstance(route, tuple) and route[1] > 1):
+            return route
         return pipeline
 
     def alloc(self, nbytes: int) -> torch.Tensor:

@@ -38,8 +38,7 @@ import numpy as np
 import torch
 
 from ..._signals import leave_to_main_thread
-from ...codecs.base import DecodeRejected
-from ...codecs.builtin import check_zstd_window
+from ...codecs.base import DecodeRejected, DeviceOp
 from ...errors import ChecksumError, FormatError, LimitError, NvckptError
 from ...format.entry import Chunk, TensorEntry
 from ...io.ranges import Read, coalesce
@@ -125,10 +124,10 @@ def _read_and_verify(file: ChunkReader, reads: RangeReads, span: "_Span", buf: t
                         memoryview(buf.numpy()))
     decoded = {}
     for k, (it, r) in enumerate(zip(span.items, routes)):
-        if getattr(r, "algorithm", None) == "zstd":  # to nvCOMP's zstd (gpu_zstd): SPEC 11.4's window bound first
+        if isinstance(r, DeviceOp):  # to a device decoder: what its codec checks in stored bytes first (SPEC 11.4)
             at = it.offset - span.start
             try:
-                check_zstd_window(mv[at: at + it.stored_length])
+                file.pipelines[it.chunk.codec_id].check_stored(mv[at: at + it.stored_length])
             except ValueError as exc:
                 raise FormatError(str(exc), path=file.path, tensor=it.target.entry.name, chunk=it.index,
                                   offset=it.offset) from None
@@ -290,8 +289,8 @@ def _decode(file: ChunkReader, targets: list[_Target], dev: Backend, options: Gp
                 raise  # the device is full: not the file's fault
             except (DecodeRejected, RuntimeError, ValueError) as exc:
                 first = group[0][0]
-                if getattr(key, "algorithm", None) == "zstd":
-                    # A valid zstd frame nvCOMP refuses (a feature it lacks): libzstd on the host decodes it.
+                if isinstance(key, DeviceOp) and not pipelines[first.chunk.codec_id].needs_gpu:
+                    # A valid frame the device decoder refuses (a feature it lacks): the host decodes it.
                     for it, payload in group:
                         raw = file.decode_payload(it.target.entry, it.index, payload.cpu().numpy().tobytes())
                         dev.upload(it.out(), torch.frombuffer(bytearray(raw), dtype=torch.uint8))

@@ -57,7 +57,6 @@ import torch
 
 from ..._signals import leave_to_main_thread
 from ...codecs.base import Pipeline
-from ...codecs.builtin import check_zstd_window
 from ...codecs.registry import RAW
 from ...format.structs import xxh3
 from ...options import GpuSaveOptions, default_memory_budget, default_pinned_limit
@@ -272,14 +271,18 @@ def _digest_all(work: list[tuple[Callable[[memoryview], int], memoryview]]) -> l
     return [digest(payload) for digest, payload in work]
 
 
-def _checked_xxh3(payload: memoryview) -> int:
-    """XXH3-64 of a zstd chunk nvCOMP wrote, after checking its frames obey SPEC 11.4's window bound:
-    a file nvckpt writes must be one that every reader (and nvckpt itself) accepts."""
-    try:
-        check_zstd_window(payload)
-    except ValueError as exc:
-        raise RuntimeError(f"nvCOMP wrote a zstd chunk that SPEC 11.4 does not allow: {exc}") from None
-    return xxh3(payload)
+def _checked(pipeline: Pipeline) -> Callable[[memoryview], int]:
+    """XXH3-64 of a chunk the device wrote, after the codec's check of stored bytes (zstd: SPEC 11.4's window
+    bound): a file nvckpt writes must be one that every reader (and nvckpt itself) accepts."""
+    def digest(payload: memoryview) -> int:
+        try:
+            pipeline.check_stored(payload)
+        except ValueError as exc:
+            raise RuntimeError(f"nvCOMP wrote a {pipeline.describe()} chunk that the format does not allow: "
+                               f"{exc}") from None
+        return xxh3(payload)
+
+    return digest
 
 
 def encode_batches(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, options: GpuSaveOptions, *,
@@ -387,7 +390,7 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
     stored = [t for t in plan.tensors if t.data is not None and t.chunks]
     # Scratch per batch for byte planes; chunks staged from another device or a non-contiguous tensor take
     # what they need (set aside as a whole where that is small, else scratch per batch too).
-    scratch = any((op := choose(dtype).device_op()) is not None and op.algorithm == "zstd" and op.shuffle > 1
+    scratch = any((op := choose(dtype).device_op()) is not None and op.planes
                   for dtype in {t.entry["dtype"] for t in stored})
     staged = 0 if scratch else staged_bytes(stored, dev)
     batch_bytes, budget, scratch, staged = _batch_plan(options, dev, scratch, staged)
@@ -519,7 +522,7 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
                 t0 = time.perf_counter()
                 dev.wait(g.event)
                 waits["copy_out"] += time.perf_counter() - t0
-                digest = _checked_xxh3 if g.pipeline.coder.name == "zstd" else xxh3
+                digest = _checked(g.pipeline) if g.pipeline.checks_stored else xxh3
                 g.hashes = _Digests(hasher, [(digest if i not in g.raw else xxh3, g.payload(i))
                                              for i in range(g.first, g.stop)], options.hash_workers)
 
