@@ -28,7 +28,7 @@ from ..format.tree import escape
 from ..options import LoadOptions
 from ..plan.dtypes import to_torch
 from ..session.load import Checkpoint
-from .layout import key_tag, read_manifest, typed_path
+from .layout import directory_save_id, foreign_rank_file, key_tag, read_manifest, typed_path
 
 
 def assemble(path: str | os.PathLike, *, device: str = "cpu", progress: Any = None) -> Any:
@@ -37,11 +37,15 @@ def assemble(path: str | os.PathLike, *, device: str = "cpu", progress: Any = No
     Non-tensor values (torch.save bytes in DCP) are read with
     ``torch.load(weights_only=True)``.  ``progress(n)`` gets raw bytes read."""
     m = read_manifest(path)
+    save_id = directory_save_id(m)  # what dcp.load checks: every part of the directory is of one save
     opened: dict[str, Checkpoint] = {}
 
     def open_file(name: str) -> Checkpoint:
         if name not in opened:
-            opened[name] = Checkpoint(os.path.join(m.directory, name), LoadOptions(device=device))
+            ck = opened[name] = Checkpoint(os.path.join(m.directory, name), LoadOptions(device=device))
+            foreign = foreign_rank_file(ck.file.index.metadata, save_id, name)
+            if foreign:
+                raise FormatError(foreign, path=m.directory)
         return opened[name]
 
     values: dict[str, Any] = {}

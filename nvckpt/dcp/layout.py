@@ -19,10 +19,12 @@ JSON and nvckpt indexes alone.
 
 from __future__ import annotations
 
+import io
 import json
 import os
-from dataclasses import dataclass, field
+import pickle
 import re
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import FormatError
@@ -45,11 +47,92 @@ _OWN = re.compile(r"(\.metadata|nvckpt-dcp\.json|__\d+\.nvckpt|__\d+_\d+\.distcp
 
 def foreign_rank_file(index_metadata: Any, save_id: str | None, file: str) -> str | None:
     """Why rank file ``file`` (its index's metadata) is not part of the save ``save_id``, or None: a rank
-    file copied in from another save of the same shapes would otherwise load as part of this one."""
-    got = index_metadata.get("nvckpt.dcp", {}).get("save_id") if isinstance(index_metadata, dict) else None
+    file copied in from another save of the same shapes would otherwise load as part of this one, and one
+    copied over another rank's file of the same save would give its rows as the other rank's.
+
+    Every reader of a directory asks this of each rank file it reads, with the save that
+    ``directory_save_id`` (or, in dcp.load, the unpickled ``.metadata``) names."""
+    own = index_metadata.get("nvckpt.dcp") if isinstance(index_metadata, dict) else None
+    own = own if isinstance(own, dict) else {}
+    got, name = own.get("save_id"), own.get("file")
     if save_id and got and got != save_id:
         return f"rank file {file} was written by another save (save_id {got}, the directory's is {save_id})"
+    if isinstance(name, str) and name != file:
+        return f"rank file {file} holds the shards of {name} (a copy or rename of another rank's file)"
     return None
+
+
+def save_of(manifest: "Manifest", metadata_save_id: str | None) -> str | None:
+    """The save a directory is of: the one its ``.metadata`` names (``metadata_save_id``: what dcp.load plans
+    from), which its manifest (what the tools read) must name too; a FormatError where the two name two saves
+    (what a copy taken while a new save was published over the directory can hold)."""
+    if metadata_save_id and manifest.save_id and metadata_save_id != manifest.save_id:
+        raise FormatError(f"{METADATA} and {MANIFEST} are of two saves (save_id {metadata_save_id} and "
+                          f"{manifest.save_id}): parts of another save were copied in", path=manifest.directory)
+    return metadata_save_id or manifest.save_id
+
+
+def directory_save_id(manifest: "Manifest") -> str | None:
+    """``save_of`` for a tool that does not unpickle ``.metadata`` (merge, convert, verify, info, ls): its save_id
+    read by ``metadata_save_id``; a FormatError for a ``.metadata`` missing, damaged, not DCP's, or of
+    another save than the manifest."""
+    return save_of(manifest, metadata_save_id(manifest.directory))
+
+
+class _Named:
+    """An object a pickle names, rebuilt as the arguments and state it was given: a class or function the
+    pickle names is neither imported nor called (``_Inert``), so a ``.metadata`` is read without running it."""
+
+    module = qualname = ""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "_Named":
+        self = object.__new__(cls)
+        self.args, self.state, self.items = args, None, {}
+        return self
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def __setitem__(self, key: Any, value: Any) -> None:  # a dict subclass's items (SETITEMS)
+        self.items[key] = value
+
+    def append(self, value: Any) -> None:  # a list subclass's items (APPENDS)
+        self.items[len(self.items)] = value
+
+    def field(self, name: str) -> Any:
+        return self.state.get(name) if isinstance(self.state, dict) else None
+
+
+class _Inert(pickle.Unpickler):
+    def __init__(self, data: bytes) -> None:
+        super().__init__(io.BytesIO(data))
+        self._classes: dict[tuple[str, str], type] = {}
+
+    def find_class(self, module: str, name: str) -> type:
+        key = (module, name)
+        if key not in self._classes:
+            self._classes[key] = type(name.rpartition(".")[2] or "_", (_Named,), {"module": module, "qualname": name})
+        return self._classes[key]
+
+
+def metadata_save_id(directory: str) -> str | None:
+    """The save_id in the StorageMeta of DCP's ``.metadata`` in ``directory`` (None where it records none), read
+    without unpickling it (the tools that call this never run code from a checkpoint); a FormatError for a
+    ``.metadata`` missing, damaged or not DCP's Metadata."""
+    data = metadata_bytes(directory)
+    try:
+        root = _Inert(data).load()
+    except Exception as exc:  # noqa: BLE001 - opcodes that do not build (a pickle made to look whole)
+        raise FormatError(f"{METADATA} is damaged ({len(data)} bytes, not a whole pickle: {exc})", path=directory) from None
+    name = f"{root.module}.{root.qualname}" if isinstance(root, _Named) else type(root).__qualname__
+    if name != "torch.distributed.checkpoint.metadata.Metadata":
+        raise FormatError(f"{METADATA} holds a {name}, not DCP Metadata", path=directory)
+    storage = root.field("storage_meta")
+    save_id = storage.field("save_id") if isinstance(storage, _Named) else None
+    return save_id if isinstance(save_id, str) and save_id else None
 
 
 def metadata_bytes(directory: str) -> bytes:
@@ -263,4 +346,5 @@ def read_manifest(path: str | os.PathLike) -> Manifest:
 
 
 __all__ = ["MANIFEST", "METADATA", "Manifest", "GlobalTensor", "Shard", "is_dcp_directory", "read_manifest",
-           "rank_file", "shard_key", "KEY_TYPES", "key_tag", "typed_path"]
+           "rank_file", "shard_key", "KEY_TYPES", "key_tag", "typed_path", "foreign_rank_file", "save_of",
+           "directory_save_id", "metadata_save_id"]

@@ -25,7 +25,7 @@ from torch.futures import Future
 from ..errors import FormatError
 from ..options import LoadOptions, options_from
 from ..session.load import Checkpoint
-from .layout import METADATA, foreign_rank_file, metadata_bytes, read_manifest
+from .layout import METADATA, foreign_rank_file, metadata_bytes, read_manifest, save_of
 
 
 class Reader(StorageReader):
@@ -69,6 +69,7 @@ class Reader(StorageReader):
             raise FormatError(f"{METADATA} holds a {type(metadata).__qualname__}, not DCP Metadata", path=self.path)
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
+        save_of(manifest, getattr(metadata.storage_meta, "save_id", None))  # the manifest's save is the plan's
         return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:

@@ -3,7 +3,9 @@
 The manifest (nvckpt.dcp.layout) says which rank file holds which shard of
 which global tensor; each rank file is an ordinary nvckpt file, read through
 its index (info, ls) or checked whole (verify).  Missing or damaged rank
-files and shards that do not cover their tensor are named.
+files, shards that do not cover their tensor, and parts of another save (a
+``.metadata``, manifest or rank file whose save_id is not the directory's,
+which dcp.load refuses) are named.
 """
 
 from __future__ import annotations
@@ -12,20 +14,22 @@ import os
 from contextlib import closing
 from typing import Any
 
-from ..dcp.layout import Manifest, foreign_rank_file, metadata_bytes, read_manifest
+from ..dcp.layout import Manifest, directory_save_id, foreign_rank_file, read_manifest
 from ..errors import NvckptError
 from ..read.reader import ChunkReader
 from ._util import ProgressFactory, ratio
 from .verify import Problem, VerifyReport, verify
 
 
-def _structural_problems(m: Manifest) -> list[Problem]:
-    """What the manifest alone shows: missing rank files, sizes that changed, tensors not fully covered."""
+def _structural_problems(m: Manifest) -> tuple[list[Problem], str | None]:
+    """What the manifest and ``.metadata`` show: a ``.metadata`` missing, damaged or of another save, missing
+    rank files, sizes that changed, tensors not fully covered; and the save the rank files must be of."""
     problems = []
     try:
-        metadata_bytes(m.directory)
+        save_id = directory_save_id(m)
     except NvckptError as exc:
         problems.append(Problem(exc.reason))
+        save_id = m.save_id
     for name, size in m.files.items():
         path = os.path.join(m.directory, name)
         if not os.path.isfile(path):
@@ -37,7 +41,7 @@ def _structural_problems(m: Manifest) -> list[Problem]:
         if gap:
             problems.append(Problem(f"its shards {'miss' if gap > 0 else 'overlap by'} {abs(gap)} elements of the "
                                     f"global tensor {list(t.shape)}", tensor=fqn))
-    return problems
+    return problems, save_id
 
 
 def describe_directory(path: str | os.PathLike) -> dict[str, Any]:
@@ -45,11 +49,14 @@ def describe_directory(path: str | os.PathLike) -> dict[str, Any]:
     m = read_manifest(path)
     files = []
     stored = 0
-    problems = _structural_problems(m)
+    problems, save_id = _structural_problems(m)
     for name, size in m.files.items():
         row: dict[str, Any] = {"file": name, "bytes": size}
         try:
             with closing(ChunkReader(os.path.join(m.directory, name), workers=1)) as f:
+                foreign = foreign_rank_file(f.index.metadata, save_id, name)
+                if foreign:
+                    problems.append(Problem(foreign))
                 raw = sum(e.nbytes for e in f.index.tensors if e.chunks is not None)
                 row.update(entries=len(f.index.tensors), raw_bytes=raw, stored_bytes=f.source.size,
                            ratio=ratio(raw, f.source.size), rank=f.index.metadata.get("nvckpt.dcp", {}).get("rank"))
@@ -76,12 +83,16 @@ def list_directory(path: str | os.PathLike, problems: list[str] | None = None) -
     """One row per global tensor (and per non-tensor value): `nvckpt ls DIR`.  What stops a load (a rank
     file missing, cut or unreadable; shards that do not cover a tensor) is appended to ``problems``."""
     m = read_manifest(path)
+    found, save_id = _structural_problems(m)
     if problems is not None:
-        problems.extend(p.message for p in _structural_problems(m))
+        problems.extend(p.message for p in found)
     stored_of: dict[tuple[str, str], int] = {}
     for name in m.files:
         try:
             with closing(ChunkReader(os.path.join(m.directory, name), workers=1)) as f:
+                foreign = foreign_rank_file(f.index.metadata, save_id, name)
+                if foreign and problems is not None:
+                    problems.append(foreign)
                 for e in f.index.tensors:
                     stored_of[(name, e.name)] = e.stored_bytes
         except (NvckptError, OSError) as exc:  # ls shows what can be read, and says what cannot
@@ -106,7 +117,8 @@ def verify_directory(path: str | os.PathLike, *, progress: ProgressFactory | Non
     """Every rank file verified whole, and the manifest against them; problems name the rank file."""
     m = read_manifest(path)
     report = VerifyReport(m.directory)
-    report.problems.extend(_structural_problems(m))
+    found, save_id = _structural_problems(m)
+    report.problems.extend(found)
     wanted: dict[str, list[tuple[str, str, tuple[int, ...], str]]] = {}
     for fqn, t in m.tensors.items():
         for s in t.shards:
@@ -127,7 +139,7 @@ def verify_directory(path: str | os.PathLike, *, progress: ProgressFactory | Non
         report.problems.extend(Problem(f"{name}: {p.message}", p.tensor, p.chunk, p.offset) for p in one.problems)
         report.undecoded.extend(Problem(f"{name}: {p.message}", p.tensor, p.chunk, p.offset) for p in one.undecoded)
         with closing(ChunkReader(where, workers=1)) as f:
-            foreign = foreign_rank_file(f.index.metadata, m.save_id, name)
+            foreign = foreign_rank_file(f.index.metadata, save_id, name)
             if foreign:
                 report.problems.append(Problem(foreign))
             entries = {e.name: e for e in f.index.tensors}
