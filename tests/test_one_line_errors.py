@@ -64,6 +64,21 @@ def test_a_full_disk_is_one_line_and_exit_4(files, dst):
     assert not [f for f in os.listdir(files) if f.startswith(".full") or f.startswith("full")]  # nothing left
 
 
+def test_a_disk_full_within_a_block_is_named_as_full(files):
+    """A limit that cuts a write short of O_DIRECT's alignment (here 1000 bytes into the file): the kernel then
+    refused the rest with EINVAL, and the error said "Invalid argument" instead of what stopped the write."""
+    def tiny_disk() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))
+
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-m", "nvckpt", "convert", "big.nvckpt", "tiny.nvckpt"], cwd=files, env=env,
+                       capture_output=True, text=True, preexec_fn=tiny_disk, timeout=300)
+    line = one_error_line(p.returncode, p.stdout, p.stderr, EXIT_IO)
+    assert line.startswith("nvckpt: error: tiny.nvckpt: ") and "File too large" in line, line
+    assert not [f for f in os.listdir(files) if "tiny" in f]
+
+
 @pytest.mark.parametrize("args,code,says", [
     (["convert", "big.nvckpt", "nodir/x.nvckpt"], EXIT_IO, "nodir"),
     (["convert", "big.nvckpt", "adir/"], EXIT_USAGE, "cannot tell the format"),

@@ -12,6 +12,7 @@ memory.  An I/O error is raised to the caller at its next write or at close.
 from __future__ import annotations
 
 import errno
+import fcntl
 import mmap
 import os
 import queue
@@ -153,12 +154,30 @@ class FileSink:
         view = block[:padded]
         done = 0
         while done < padded:
-            n = os.pwrite(self.fd, view[done:], offset + done)
+            try:
+                n = os.pwrite(self.fd, view[done:], offset + done)
+            except OSError as exc:
+                if exc.errno == errno.EINVAL and self._without_direct():
+                    continue  # the same bytes through the page cache: its write says what is wrong
+                raise
             if n <= 0:
                 raise OSError(errno.EIO, "write returned 0 bytes")
             done += n
+            if done < padded and done % _DIRECT_ALIGN:
+                self._without_direct()  # a short write left the rest unaligned for O_DIRECT
         with self._written_lock:
             self.written += length
+
+    def _without_direct(self) -> bool:
+        """Write through the page cache from now on; False if this file already did.  A write that the kernel
+        cuts short (a disk filling up, a file size limit: ``ulimit -f``) is, or leaves a rest, no longer aligned,
+        which O_DIRECT refuses with EINVAL, hiding what stopped the write (ENOSPC, EFBIG); the cached write
+        reports it.  The padding of the last block is still truncated at close."""
+        flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
+        if not self.direct or not flags & os.O_DIRECT:
+            return False
+        fcntl.fcntl(self.fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
+        return True
 
     def _check(self) -> None:
         if self._error is not None:
