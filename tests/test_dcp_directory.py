@@ -208,3 +208,39 @@ def test_a_metadata_that_is_no_dcp_metadata_is_named_without_running_it(tmp_path
     code, text = _cli(capsys, "verify", a)
     assert code == 1 and ".metadata holds a posix.system" in text and "not DCP Metadata" in text, text
     assert not marker.exists()
+
+
+# -- a failed save leaves no staging directory -----------------------------------------------------
+def _staging_left(folder) -> list[str]:
+    return [n for n in os.listdir(folder) if n.endswith(TMPDIR_SUFFIX)]
+
+
+def test_a_save_failing_on_a_full_disk_leaves_no_staging_directory(tmp_path):
+    """One process, a disk full after 64 KiB: the save fails naming the disk, and leaves nothing beside its
+    target (before: its staging directory, until the next save)."""
+    code = (
+        "import resource, signal, warnings, torch, torch.distributed.checkpoint as dcp, nvckpt.dcp\n"
+        "warnings.filterwarnings('ignore')\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (65536, resource.RLIM_INFINITY))\n"
+        "try:\n"
+        "    dcp.save({'w': torch.randn(1 << 16)}, storage_writer=nvckpt.dcp.Writer('ck', codec='raw'))\n"
+        "except BaseException as exc:  # DCP's CheckpointException is a BaseException\n"
+        "    print('failed:', repr(exc)[:300])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert "failed:" in done.stdout and "File too large" in done.stdout, done.stdout + done.stderr
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_save_failing_on_one_rank_leaves_no_staging_directory(tmp_path):
+    """Rank 1's disk is full; rank 0 writes its file.  The save fails on both ranks, the previous checkpoint
+    stays, and neither rank's file stays in a staging directory."""
+    a = str(tmp_path / "A")
+    _save_one_process(_state(5), a)
+    _spawn_saves(tmp_path, [a], fail_rank=1)
+    assert os.path.exists(f"{a}.failed-0") and os.path.exists(f"{a}.failed-1")
+    with open(f"{a}.failed-0") as f:
+        assert "File too large" in f.read()  # rank 1's error as the OS gave it (EFBIG; ENOSPC on a full disk)
+    assert _staging_left(tmp_path) == []
+    assert torch.equal(_load(a)["model"]["w"], _state(5)["model"]["w"])

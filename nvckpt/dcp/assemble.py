@@ -16,7 +16,6 @@ from __future__ import annotations
 import io
 import os
 import re
-import shutil
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -216,9 +215,7 @@ def write_directory(state: Any, path: str | os.PathLike, **options: Any) -> Any:
                     raise failures[0] from None
                 raise
     except BaseException:
-        # One process wrote all of it: what the failed save staged is nobody's (convert leaves nothing either).
-        if writer._staging is not None and os.path.isdir(writer._staging):
-            shutil.rmtree(writer._staging, ignore_errors=True)
+        writer.abandon()  # a failure of DCP's own steps too: one process wrote all of it, nothing stays
         raise
     return writer.last_result
 

@@ -141,11 +141,8 @@ class Writer(StorageWriter):
         try:
             future.set_result(self._write(plan, planner))
         except BaseException as exc:  # DCP gathers every rank's failure and raises them together
-            if self._staging is not None:
-                # This save can no longer publish: its staging directory is stale for the next save now.  (The
-                # finalizer would say so only once this Writer is freed, and the exception's traceback, held by
-                # DCP's future, can keep it alive for as long as the process runs.)
-                live_staging(self._staging, False)
+            where = getattr(plan, "storage_data", None)
+            self.abandon(where if isinstance(where, RankPlan) else None)
             if not isinstance(exc, Exception):
                 raise  # KeyboardInterrupt, SystemExit: torch's Future takes Exceptions only; the caller gets it as is
             future.set_exception(exc)
@@ -160,20 +157,35 @@ class Writer(StorageWriter):
         metadata.version = DCP_VERSION
         metadata.storage_data = located
         metadata.storage_meta = self.storage_meta()
-        manifest = self._manifest(metadata, staging, world_size=len(results))
-        with atomic_output(os.path.join(staging, METADATA)) as tmp:
-            with open(tmp, "wb") as f:
-                pickle.dump(metadata, f)
-        with atomic_output(os.path.join(staging, MANIFEST)) as tmp:
-            with open(tmp, "w") as f:
-                json.dump(manifest.to_json(), f, indent=1)
         try:
+            manifest = self._manifest(metadata, staging, world_size=len(results))
+            with atomic_output(os.path.join(staging, METADATA)) as tmp:
+                with open(tmp, "wb") as f:
+                    pickle.dump(metadata, f)
+            with atomic_output(os.path.join(staging, MANIFEST)) as tmp:
+                with open(tmp, "w") as f:
+                    json.dump(manifest.to_json(), f, indent=1)
             publish_directory(staging, self.path, self.number, carry=user_entry)
-        except FileExistsError:
-            shutil.rmtree(staging, ignore_errors=True)  # older than what is there: nothing of it stays
+        except BaseException:
+            # Not published (a full disk, a newer save published first): nothing of it stays.  Where the
+            # exchange was made and what failed came after, the staging name holds the old checkpoint, which
+            # publishing removes anyway.
+            shutil.rmtree(staging, ignore_errors=True)
             raise
         finally:
             live_staging(staging, False)
+
+    def abandon(self, where: RankPlan | None = None) -> None:
+        """This save failed and can no longer publish (DCP publishes only once every rank has succeeded): its
+        staging directory (``where.staging`` on a rank, this Writer's own on the coordinator) is removed with
+        whatever the ranks wrote there.  A rank still writing into it then fails too (``_write`` names why)
+        instead of recreating it, and the failed save leaves nothing beside its target, not even on a full
+        disk (the next save's ``remove_stale`` removed it only then)."""
+        staging = where.staging if where is not None else self._staging
+        if staging is None:
+            return
+        live_staging(staging, False)
+        shutil.rmtree(staging, ignore_errors=True)
 
     # -- the work ---------------------------------------------------------------------------------
     def _check_target(self) -> None:
@@ -200,7 +212,8 @@ class Writer(StorageWriter):
             raise TypeError("nvckpt.dcp.Writer.write_data got a plan its prepare_global_plan did not make")
         if not plan.items:
             return []
-        os.makedirs(where.staging, exist_ok=True)
+        if not os.path.isdir(where.staging):  # made by the coordinator before the plan; removed as a rank failed
+            raise self._abandoned(where)
         state: dict[str, torch.Tensor] = {}
         results = []
         for item in plan.items:
@@ -224,8 +237,16 @@ class Writer(StorageWriter):
         try:
             self.last_result = SaveSession(state, staged, options).run()
         except (OSError, NvckptError) as exc:  # named as the file will be once published, not the staging path
+            if not os.path.isdir(where.staging):
+                raise self._abandoned(where) from None
             raise about_target(exc, os.path.join(self.path, where.file), staged) from None
         return results
+
+    def _abandoned(self, where: RankPlan) -> NvckptError:
+        return NvckptError(f"the save was abandoned while this rank wrote {where.file}: another rank failed (its "
+                           "error says why), or this rank does not see the coordinator's directory "
+                           f"{os.path.dirname(where.staging)} (every rank must write to one shared filesystem)",
+                           path=self.path)
 
     def _manifest(self, metadata: Metadata, staging: str, world_size: int) -> Manifest:
         located: dict[MetadataIndex, Location] = metadata.storage_data

@@ -14,7 +14,8 @@ publishes it over the target in one step:
   renamed aside first: a crash between the two renames leaves no target, but
   the old checkpoint whole under ``.NAME.XXXXXXXX.nvckpt-old``.
 
-A save that fails or is killed leaves only a hidden ``.NAME.XXXXXXXX.nvckpt-tmpdir``
+A save that fails removes its staging directory (nvckpt.dcp.Writer.abandon);
+one that is killed leaves only a hidden ``.NAME.XXXXXXXX.nvckpt-tmpdir``
 beside the target, never a half-visible directory; ``remove_stale`` (the next
 save's coordinator) deletes those, but not the staging directory of a save this
 process is still writing.  Saves to one directory from one process: the newest
