@@ -181,9 +181,9 @@ def test_a_rank_file_renamed_within_its_save_is_refused(tmp_path):
     from contextlib import closing
 
     from nvckpt.dcp.layout import foreign_rank_file
-    from nvckpt.session.file import CheckpointFile
+    from nvckpt.read.reader import ChunkReader
 
-    with closing(CheckpointFile(os.path.join(a, "__0.nvckpt"))) as f:
+    with closing(ChunkReader(os.path.join(a, "__0.nvckpt"))) as f:
         meta = f.index.metadata
     save_id = meta["nvckpt.dcp"]["save_id"]
     assert foreign_rank_file(meta, save_id, "__0.nvckpt") is None
