@@ -31,7 +31,7 @@ from torch.multiprocessing.spawn import ProcessException  # noqa: E402
 
 import nvckpt  # noqa: E402
 import nvckpt.dcp  # noqa: E402
-from nvckpt.dcp.layout import read_manifest  # noqa: E402
+from nvckpt.sharded.layout import read_manifest  # noqa: E402
 
 SPAWN_TIMEOUT = 150
 VOCAB, WIDTH = 50, 16  # 50 rows over 4 ranks: uneven shards (13, 13, 13, 11)

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 import nvckpt  # noqa: E402
 import nvckpt.dcp  # noqa: E402
 from nvckpt import cli  # noqa: E402
-from nvckpt.dcp.assemble import assemble  # noqa: E402
+from nvckpt.sharded.assemble import assemble  # noqa: E402
 from nvckpt.io.publish import TMPDIR_SUFFIX  # noqa: E402
 
 ROWS, WIDTH = 8, 4
@@ -180,7 +180,7 @@ def test_a_rank_file_renamed_within_its_save_is_refused(tmp_path):
     shutil.copy(os.path.join(a, "__0.nvckpt"), os.path.join(a, "__0.copy"))
     from contextlib import closing
 
-    from nvckpt.dcp.layout import foreign_rank_file
+    from nvckpt.sharded.layout import foreign_rank_file
     from nvckpt.read.reader import ChunkReader
 
     with closing(ChunkReader(os.path.join(a, "__0.nvckpt"))) as f:

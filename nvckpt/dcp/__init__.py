@@ -9,7 +9,7 @@
     dcp.load(state, storage_reader=nvckpt.dcp.Reader("ckpt/step-100"))   # any world size or sharding
     dcp.async_save(state, storage_writer=nvckpt.dcp.Writer(path), async_stager=nvckpt.dcp.Stager())
 
-The directory layout is nvckpt.dcp.layout's; ``nvckpt info | ls | verify DIR``,
+The directory layout is nvckpt.sharded.layout's; ``nvckpt info | ls | verify DIR``,
 ``nvckpt merge`` / ``split`` and ``convert`` work on it.  Importing this
 package loads no torch until ``Writer``, ``Reader`` or ``Stager`` is touched.
 """

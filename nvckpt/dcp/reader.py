@@ -25,7 +25,7 @@ from torch.futures import Future
 from ..errors import FormatError
 from ..options import LoadOptions, options_from
 from ..session.load import Checkpoint
-from .layout import METADATA, foreign_rank_file, metadata_bytes, read_manifest, save_of
+from ..sharded.layout import METADATA, foreign_rank_file, metadata_bytes, read_manifest, save_of
 
 
 class Reader(StorageReader):
@@ -55,7 +55,7 @@ class Reader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        from .layout import is_dcp_directory
+        from ..sharded.layout import is_dcp_directory
 
         return isinstance(checkpoint_id, (str, os.PathLike)) and is_dcp_directory(checkpoint_id)
 

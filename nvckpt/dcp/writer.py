@@ -42,8 +42,8 @@ from ..options import SaveOptions, options_from
 from ..plan.dtypes import name_of
 from ..session.save import SaveSession
 from ..format.tree import escape
-from .assemble import empty_dicts
-from .layout import MANIFEST, METADATA, GlobalTensor, Manifest, Shard, key_tag, rank_file, shard_key, user_entry
+from .split import empty_dicts
+from ..sharded.layout import MANIFEST, METADATA, GlobalTensor, Manifest, Shard, key_tag, rank_file, shard_key, user_entry
 
 DCP_VERSION = "1.0.0"  # the Metadata.version FileSystemWriter writes (torch 2.11 to 2.13)
 
@@ -281,7 +281,7 @@ class Writer(StorageWriter):
 def _dict_key_types(path: list[Any], source: Any,
                     by_str: dict[int, dict[str, Any]]) -> tuple[list[int], list[tuple[int, str]]]:
     """Positions in ``path`` (DCP's, dict keys as str) of dict keys that are not str in ``source``: the ints,
-    and the others with their type tag (nvckpt.dcp.layout.KEY_TYPES).  ``by_str``: id(dict) -> its non-str
+    and the others with their type tag (nvckpt.sharded.layout.KEY_TYPES).  ``by_str``: id(dict) -> its non-str
     keys by their str, filled as needed (an optimizer's state has a key per parameter, reached by every path)."""
     ints: list[int] = []
     typed: list[tuple[int, str]] = []

@@ -16,7 +16,7 @@ and tensors) and written in the target format:
   needs arbitrary code to load is refused.  They hold no metadata.
 - a DCP directory (format "dcp": nvckpt.dcp.Writer's, recognised by its
   manifest) is read as its global tensors assembled from the rank files
-  (nvckpt.dcp.assemble), nested as the saved state dict; as a target it is
+  (nvckpt.sharded.assemble), nested as the saved state dict; as a target it is
   written from this one process (one rank file, loadable at any world size).
   ``nvckpt merge`` and ``nvckpt split`` are these two directions to nvckpt.
 """
@@ -75,14 +75,14 @@ def format_of(path: str | os.PathLike, explicit: str | None = None, *, sniff: bo
         if explicit not in FORMATS:
             raise UsageError(f"unknown format {explicit!r} (choose from {', '.join(FORMATS)})")
         return explicit
-    from ..dcp.layout import is_dcp_directory
+    from ..sharded.layout import is_dcp_directory
 
     if is_dcp_directory(path):
         return "dcp"
     if sniff and not os.path.exists(path):  # a source that is not there: say so, not "cannot tell the format"
         raise FileNotFoundError(errno.ENOENT, "No such file or directory", os.fspath(path))
     if sniff and os.path.isdir(path):  # a folder that is no nvckpt DCP directory: what it is, as info says it
-        from ..dcp.layout import read_manifest
+        from ..sharded.layout import read_manifest
 
         read_manifest(path)
     found = sniff_format(path) if sniff else None
@@ -239,7 +239,7 @@ def read_torch(path: str | os.PathLike) -> Loaded:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        from ..dcp.assemble import weights_only_reason
+        from ..sharded.assemble import weights_only_reason
 
         reason = weights_only_reason(exc)
         if "global" in reason.lower():  # a class or function the file would import
@@ -261,8 +261,8 @@ def read_torch(path: str | os.PathLike) -> Loaded:
 def read_dcp(path: str | os.PathLike, make_bar: ProgressFactory) -> Loaded:
     """The state in a DCP directory, its global tensors assembled from the shards (on the GPU where the
     rank files hold GPU-only chunks and there is one)."""
-    from ..dcp.assemble import assemble
-    from ..dcp.layout import read_manifest
+    from ..sharded.assemble import assemble
+    from ..sharded.layout import read_manifest
 
     m = read_manifest(path)
     needs_gpu = False
@@ -279,8 +279,8 @@ def read_dcp(path: str | os.PathLike, make_bar: ProgressFactory) -> Loaded:
 
 
 def write_dcp(loaded: Loaded, dst: str | os.PathLike, *, codec: str, zstd_level: int) -> tuple[int, list[str]]:
-    from ..dcp.assemble import write_directory
-    from ..dcp.layout import read_manifest
+    from ..dcp.split import write_directory
+    from ..sharded.layout import read_manifest
 
     if codec not in CODECS:
         raise UsageError(f"codec must be one of {', '.join(CODECS)}, got {codec!r}")

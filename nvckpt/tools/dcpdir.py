@@ -1,6 +1,6 @@
 """`nvckpt info | ls | verify DIR` on a DCP directory written by nvckpt.dcp.Writer, without torch.
 
-The manifest (nvckpt.dcp.layout) says which rank file holds which shard of
+The manifest (nvckpt.sharded.layout) says which rank file holds which shard of
 which global tensor; each rank file is an ordinary nvckpt file, read through
 its index (info, ls) or checked whole (verify).  Missing or damaged rank
 files, shards that do not cover their tensor, and parts of another save (a
@@ -14,7 +14,7 @@ import os
 from contextlib import closing
 from typing import Any
 
-from ..dcp.layout import Manifest, directory_save_id, foreign_rank_file, read_manifest
+from ..sharded.layout import Manifest, directory_save_id, foreign_rank_file, read_manifest
 from ..errors import NvckptError
 from ..read.reader import ChunkReader
 from ._util import ProgressFactory, ratio
