@@ -654,7 +654,7 @@ def test_tools_name_what_a_path_is_when_it_is_the_wrong_kind(capsys, tmp_path):
     from nvckpt.dcp import Writer
 
     with pytest.raises(FileExistsError, match="is a symlink"):
-        Writer(str(link))._check_target()
+        Writer(str(link)).transaction.check()
 
 
 # -- what the CLI must never replace or mix up ---------------------------------------------------------

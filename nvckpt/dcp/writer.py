@@ -1,12 +1,11 @@
 """``nvckpt.dcp.Writer``: a torch.distributed.checkpoint StorageWriter writing one nvckpt file per rank.
 
 DCP plans what each rank writes (FSDP2/DTensor shards, deduplicated
-replicas); each rank writes its items as one ordinary nvckpt file through
-``SaveSession`` (the path of ``nvckpt.save``: the GPU engine for CUDA
-shards, the CPU engine otherwise), into a hidden staging directory that the
-coordinator chose; after every rank succeeded, the coordinator writes DCP's
-``.metadata`` and the manifest there and publishes the directory
-(nvckpt.io.publish).
+replicas); each rank writes its items as one ordinary nvckpt file (the path of
+``nvckpt.save``: the GPU engine for CUDA shards, the CPU engine otherwise)
+into the staging the coordinator began; after every rank succeeded, the
+coordinator writes DCP's ``.metadata`` and the manifest there and publishes
+the directory (nvckpt.sharded.transaction over nvckpt.io.directory).
 
 What FileSystemWriter does instead: it writes ``__R_N.distcp`` straight into
 the target directory (overwriting a previous checkpoint's files in place)
@@ -23,9 +22,7 @@ import io
 import json
 import os
 import pickle
-import shutil
 import uuid
-import weakref
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -35,15 +32,13 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..errors import NvckptError
-from ..io.atomic import about_target, atomic_output
-from ..io.publish import SAVES, live_staging, publish_directory, remove_stale, staging_name
+from ..format.tree import escape
+from ..io.directory import location, open_directory
 from ..options import SaveOptions, options_from
 from ..plan.dtypes import name_of
-from ..session.save import SaveSession
-from ..format.tree import escape
+from ..sharded.layout import MANIFEST, METADATA, GlobalTensor, Manifest, Shard, key_tag, rank_file, shard_key
+from ..sharded.transaction import DirectorySave
 from .split import empty_dicts
-from ..sharded.layout import MANIFEST, METADATA, GlobalTensor, Manifest, Shard, key_tag, rank_file, shard_key, user_entry
 
 DCP_VERSION = "1.0.0"  # the Metadata.version FileSystemWriter writes (torch 2.11 to 2.13)
 
@@ -66,7 +61,7 @@ class Location(NamedTuple):
 class RankPlan:
     """``SavePlan.storage_data`` from the coordinator: where this rank writes."""
 
-    staging: str
+    staging: str  # the staging's token (nvckpt.io.directory.Staging)
     file: str
     save_id: str = ""  # the coordinator's: every rank file records the one save it belongs to
 
@@ -83,15 +78,15 @@ class Writer(StorageWriter):
 
     def __init__(self, path: str | os.PathLike, *, overwrite: bool = True, **options: Any) -> None:
         super().__init__()
-        self.path = os.path.abspath(os.fspath(path))
+        self.path = location(path)
         self.overwrite = overwrite
         self.options: SaveOptions = options_from(SaveOptions, "nvckpt.dcp.Writer", options)
         self.save_id = uuid.uuid4().hex
-        self.number = SAVES.number()  # started: an older save to this path finishing later does not replace it
+        self.transaction = DirectorySave(open_directory(self.path, self.options.storage_options), overwrite=overwrite)
         self.rank: int | None = None
         self.is_coordinator = False
         self.last_result: Any = None  # this rank's SaveResult (sizes, seconds, engine) after write_data
-        self._staging: str | None = None  # the coordinator's staging directory of the save in progress
+        self._staging: str | None = None  # the coordinator's staging (its token) of the save in progress
         # The state being saved, where the caller has it whole (nvckpt split): DCP's planner data turns dict
         # keys into str, and the manifest's paths then get the keys' own types back (an optimizer's int keys).
         self.source: Any = None
@@ -99,10 +94,13 @@ class Writer(StorageWriter):
     # -- StorageWriter --------------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
-            self.path = os.path.abspath(os.fspath(checkpoint_id))
+            self.path = location(checkpoint_id)
+            self.transaction = DirectorySave(open_directory(self.path, self.options.storage_options),
+                                             overwrite=self.overwrite)
         self.save_id = uuid.uuid4().hex
         if self._staging is not None:  # a Writer used again: a new save, started now
-            self.number, self._staging = SAVES.number(), None
+            self.transaction.restart()
+            self._staging = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
@@ -113,7 +111,7 @@ class Writer(StorageWriter):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return isinstance(checkpoint_id, (str, os.PathLike)) and "://" not in os.fspath(checkpoint_id)
+        return isinstance(checkpoint_id, (str, os.PathLike))
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
@@ -122,17 +120,8 @@ class Writer(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """The coordinator checks the target, clears what failed saves left, and names the staging directory."""
-        self._check_target()
-        remove_stale(self.path)  # (not the staging directory of a save this process is still writing)
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        staging = self._staging = staging_name(self.path)
-        try:
-            os.mkdir(staging)
-        except OSError as exc:  # errors name the user's directory, never the hidden staging one (README)
-            raise about_target(exc, self.path, staging) from None
-        live_staging(staging, True)
-        weakref.finalize(self, live_staging, staging, False)  # a save that failed: its leftover is stale then
+        """The coordinator checks the target, clears what failed saves left, and stages the new checkpoint."""
+        staging = self._staging = self.transaction.begin()
         return [dataclasses.replace(p, storage_data=RankPlan(staging, rank_file(i), self.save_id))
                 for i, p in enumerate(plans)]
 
@@ -159,61 +148,27 @@ class Writer(StorageWriter):
         metadata.storage_meta = self.storage_meta()
         try:
             manifest = self._manifest(metadata, staging, world_size=len(results))
-            with atomic_output(os.path.join(staging, METADATA)) as tmp:
-                with open(tmp, "wb") as f:
-                    pickle.dump(metadata, f)
-            with atomic_output(os.path.join(staging, MANIFEST)) as tmp:
-                with open(tmp, "w") as f:
-                    json.dump(manifest.to_json(), f, indent=1)
-            publish_directory(staging, self.path, self.number, carry=user_entry)
         except BaseException:
-            # Not published (a full disk, a newer save published first): nothing of it stays.  Where the
-            # exchange was made and what failed came after, the staging name holds the old checkpoint, which
-            # publishing removes anyway.
-            shutil.rmtree(staging, ignore_errors=True)
+            self.abandon()
             raise
-        finally:
-            live_staging(staging, False)
+        # Not published (a full disk, a newer save published first): nothing of it stays (the transaction).
+        self.transaction.finish(staging, {METADATA: pickle.dumps(metadata),
+                                          MANIFEST: json.dumps(manifest.to_json(), indent=1).encode()})
 
     def abandon(self, where: RankPlan | None = None) -> None:
         """This save failed and can no longer publish (DCP publishes only once every rank has succeeded): its
-        staging directory (``where.staging`` on a rank, this Writer's own on the coordinator) is removed with
-        whatever the ranks wrote there.  A rank still writing into it then fails too (``_write`` names why)
-        instead of recreating it, and the failed save leaves nothing beside its target, not even on a full
-        disk (the next save's ``remove_stale`` removed it only then)."""
-        staging = where.staging if where is not None else self._staging
-        if staging is None:
-            return
-        live_staging(staging, False)
-        shutil.rmtree(staging, ignore_errors=True)
+        staging (``where.staging`` on a rank, this Writer's own on the coordinator) is removed with whatever
+        the ranks wrote there.  A rank still writing into it then fails too (naming why) instead of recreating
+        it, and the failed save leaves nothing beside its target, not even on a full disk."""
+        self.transaction.abandon(where.staging if where is not None else self._staging)
 
     # -- the work ---------------------------------------------------------------------------------
-    def _check_target(self) -> None:
-        p = self.path
-        if not os.path.lexists(p):
-            return
-        if os.path.islink(p):  # publishing renames over the path: it would replace the link, not what it names
-            raise FileExistsError(17, "is a symlink; nvckpt.dcp.Writer publishes a directory by renaming it into "
-                                      f"place, which would replace the link: give the directory it names "
-                                      f"({os.path.realpath(p)})", p)
-        if not os.path.isdir(p):
-            raise FileExistsError(17, "exists and is not a directory; nvckpt.dcp.Writer writes a directory", p)
-        entries = os.listdir(p)
-        if METADATA in entries or MANIFEST in entries:
-            if not self.overwrite:
-                raise FileExistsError(17, "a checkpoint exists there and overwrite=False", p)
-        elif entries:
-            raise FileExistsError(17, "is a directory holding other files, not a checkpoint; nvckpt.dcp.Writer "
-                                      "replaces a whole directory and will not replace this one", p)
-
     def _write(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         where = plan.storage_data
         if not isinstance(where, RankPlan):
             raise TypeError("nvckpt.dcp.Writer.write_data got a plan its prepare_global_plan did not make")
         if not plan.items:
             return []
-        if not os.path.isdir(where.staging):  # made by the coordinator before the plan; removed as a rank failed
-            raise self._abandoned(where)
         state: dict[str, torch.Tensor] = {}
         results = []
         for item in plan.items:
@@ -233,24 +188,12 @@ class Writer(StorageWriter):
         meta = dict(self.options.metadata or {})
         meta["nvckpt.dcp"] = {"save_id": where.save_id or self.save_id, "file": where.file, "rank": self.rank}
         options = dataclasses.replace(self.options, metadata=meta)
-        staged = os.path.join(where.staging, where.file)
-        try:
-            self.last_result = SaveSession(state, staged, options).run()
-        except (OSError, NvckptError) as exc:  # named as the file will be once published, not the staging path
-            if not os.path.isdir(where.staging):
-                raise self._abandoned(where) from None
-            raise about_target(exc, os.path.join(self.path, where.file), staged) from None
+        self.last_result = self.transaction.write_rank(where.staging, where.file, state, options)
         return results
-
-    def _abandoned(self, where: RankPlan) -> NvckptError:
-        return NvckptError(f"the save was abandoned while this rank wrote {where.file}: another rank failed (its "
-                           "error says why), or this rank does not see the coordinator's directory "
-                           f"{os.path.dirname(where.staging)} (every rank must write to one shared filesystem)",
-                           path=self.path)
 
     def _manifest(self, metadata: Metadata, staging: str, world_size: int) -> Manifest:
         located: dict[MetadataIndex, Location] = metadata.storage_data
-        files = {loc.file: os.stat(os.path.join(staging, loc.file)).st_size for loc in located.values()}
+        files = {loc.file: self.transaction.size(staging, loc.file) for loc in located.values()}
         tensors, objects = {}, {}
         for fqn, md in metadata.state_dict_metadata.items():
             if isinstance(md, BytesStorageMetadata):

@@ -35,6 +35,10 @@ class Staging(Protocol):
         """The Target of the staged file ``name`` (a plain file name)."""
         ...
 
+    def alive(self) -> bool:
+        """The staging is still there to write into (not discarded by a failed save, not published)."""
+        ...
+
     def write_bytes(self, name: str, data: bytes) -> None:
         """Write the whole staged file ``name`` (complete or not at all)."""
         ...
@@ -113,8 +117,10 @@ class LocalStaging:
 
     def target(self, name: str) -> Target:
         _plain_name(name)
-        os.makedirs(self.token, exist_ok=True)  # another rank's view of the coordinator's staging
         return _StagedFile(os.path.join(self.token, name), os.path.join(self.directory.name, name))
+
+    def alive(self) -> bool:
+        return os.path.isdir(self.token)
 
     def write_bytes(self, name: str, data: bytes) -> None:
         _plain_name(name)
@@ -229,6 +235,14 @@ def _named(exc: OSError, name: str) -> OSError:
     return OSError(exc.errno, exc.strerror, name)
 
 
+def location(target: str | os.PathLike) -> str:
+    """A directory's path made absolute (a URL as it is), as a front-end names it."""
+    from .schemes import local_path, url_scheme
+
+    path = os.fspath(target)
+    return path if url_scheme(path) not in (None, "file") else os.path.abspath(local_path(path))
+
+
 def open_directory(target: Any, storage_options: dict[str, Any] | None = None) -> Directory:
     """The Directory for a path or URL (a Directory is returned as it is)."""
     if isinstance(target, Directory):
@@ -242,4 +256,4 @@ def open_directory(target: Any, storage_options: dict[str, Any] | None = None) -
     return LocalDirectory(local_path(path))
 
 
-__all__ = ["Directory", "Staging", "LocalDirectory", "LocalStaging", "open_directory", "SAVES"]
+__all__ = ["Directory", "Staging", "LocalDirectory", "LocalStaging", "location", "open_directory", "SAVES"]
