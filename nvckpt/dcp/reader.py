@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ..errors import FormatError
+from ..io.directory import location, open_directory
 from ..options import LoadOptions, options_from
 from ..session.load import Checkpoint
 from ..sharded.layout import METADATA, foreign_rank_file, metadata_bytes, read_manifest, save_of
@@ -41,8 +42,9 @@ class Reader(StorageReader):
         super().__init__()
         if "device" in options:
             raise TypeError("nvckpt.dcp.Reader decodes on the device of each target tensor; it takes no device=")
-        self.path = os.path.abspath(os.fspath(path))
+        self.path = location(path)
         self.options: LoadOptions = options_from(LoadOptions, "nvckpt.dcp.Reader", options)
+        self.store = open_directory(self.path, self.options.storage_options)
         self.storage_data: dict[Any, Any] = {}
         self.bytes_read = 0  # this rank's bytes read from rank files by the last read_data
         self.save_id: str | None = None  # the save the metadata names (its rank files must be of that save)
@@ -51,7 +53,8 @@ class Reader(StorageReader):
         self.storage_data = {}
         self.save_id = None
         if checkpoint_id:
-            self.path = os.path.abspath(os.fspath(checkpoint_id))
+            self.path = location(checkpoint_id)
+            self.store = open_directory(self.path, self.options.storage_options)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -60,11 +63,11 @@ class Reader(StorageReader):
         return isinstance(checkpoint_id, (str, os.PathLike)) and is_dcp_directory(checkpoint_id)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        manifest = read_manifest(self.path)  # a clear error for a missing, foreign or unfinished directory
-        missing = [f for f in manifest.files if not os.path.isfile(os.path.join(self.path, f))]
+        manifest = read_manifest(self.store)  # a clear error for a missing, foreign or unfinished directory
+        missing = [f for f in manifest.files if self.store.size(f) is None]
         if missing:
             raise FormatError(f"rank file{'s' if len(missing) > 1 else ''} {', '.join(missing)} missing", path=self.path)
-        metadata = pickle.loads(metadata_bytes(self.path))
+        metadata = pickle.loads(metadata_bytes(self.store))
         if not isinstance(metadata, Metadata):
             raise FormatError(f"{METADATA} holds a {type(metadata).__qualname__}, not DCP Metadata", path=self.path)
         if metadata.storage_meta is None:
@@ -125,7 +128,7 @@ class Reader(StorageReader):
             key = (file, str(device))
             if key not in opened:
                 options = through_cache if file in shared else self.options
-                ck = opened[key] = Checkpoint(os.path.join(self.path, file), dataclasses.replace(options, device=device))
+                ck = opened[key] = Checkpoint(self.store.open_source(file), dataclasses.replace(options, device=device))
                 foreign = foreign_rank_file(ck.file.index.metadata, self.save_id, file)
                 if foreign:
                     raise FormatError(foreign, path=self.path)
@@ -182,7 +185,7 @@ class Reader(StorageReader):
                 loc: Any) -> None:
         if box.shape != target.shape:
             raise FormatError(f"stored box of shape {list(box.shape)} for a target of shape {list(target.shape)}",
-                              path=os.path.join(self.path, file), tensor=loc.tensor)
+                              path=self.store.join(file), tensor=loc.tensor)
         target.copy_(box)
         planner.commit_tensor(item, target)
 

@@ -37,7 +37,7 @@ def assemble(path: str | os.PathLike, *, device: str = "cpu", progress: Any = No
 
     def open_file(name: str) -> Checkpoint:
         if name not in opened:
-            ck = opened[name] = Checkpoint(os.path.join(m.directory, name), LoadOptions(device=device))
+            ck = opened[name] = Checkpoint(m.store.open_source(name), LoadOptions(device=device))
             foreign = foreign_rank_file(ck.file.index.metadata, save_id, name)
             if foreign:
                 raise FormatError(foreign, path=m.directory)
@@ -55,7 +55,7 @@ def assemble(path: str | os.PathLike, *, device: str = "cpu", progress: Any = No
                 part = open_file(s.file).get_tensor(s.tensor)
                 if tuple(part.shape) != s.sizes or part.dtype != full.dtype:
                     raise FormatError(f"holds {part.dtype}{list(part.shape)} for a shard of {fqn!r} the manifest "
-                                      f"says is {t.dtype}{list(s.sizes)}", path=os.path.join(m.directory, s.file),
+                                      f"says is {t.dtype}{list(s.sizes)}", path=m.store.join(s.file),
                                       tensor=s.tensor)
                 box = full
                 for d, (o, n) in enumerate(zip(s.offsets, s.sizes)):
@@ -71,7 +71,7 @@ def assemble(path: str | os.PathLike, *, device: str = "cpu", progress: Any = No
             except Exception as exc:  # an object torch.load refuses to unpickle safely
                 raise FormatError(f"the value of {fqn!r} is a pickle that torch.load(weights_only=True) refuses "
                                   f"({weights_only_reason(exc)}); nvckpt never unpickles arbitrary objects",
-                                  path=os.path.join(m.directory, file), tensor=tensor) from None
+                                  path=m.store.join(file), tensor=tensor) from None
     finally:
         for ck in opened.values():
             ck.close()

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import FormatError
+from ..io.directory import open_directory
 from ..format.dtypes import DTYPES
 
 MANIFEST = "nvckpt-dcp.json"
@@ -118,7 +119,7 @@ class _Inert(pickle.Unpickler):
         return self._classes[key]
 
 
-def metadata_save_id(directory: str) -> str | None:
+def metadata_save_id(directory: Any) -> str | None:
     """The save_id in the StorageMeta of DCP's ``.metadata`` in ``directory`` (None where it records none), read
     without unpickling it (the tools that call this never run code from a checkpoint); a FormatError for a
     ``.metadata`` missing, damaged or not DCP's Metadata."""
@@ -135,15 +136,16 @@ def metadata_save_id(directory: str) -> str | None:
     return save_id if isinstance(save_id, str) and save_id else None
 
 
-def metadata_bytes(directory: str) -> bytes:
-    """DCP's ``.metadata`` file in ``directory``, or a FormatError saying what is wrong with it (missing,
-    unreadable, empty, cut short).  Its pickle opcodes are walked, not run (nothing is imported or executed)."""
+def metadata_bytes(directory: Any) -> bytes:
+    """DCP's ``.metadata`` file in ``directory`` (a path, a URL or a Directory), or a FormatError saying what is
+    wrong with it (missing, unreadable, empty, cut short).  Its pickle opcodes are walked, not run (nothing is
+    imported or executed)."""
     import pickletools
 
-    path = os.path.join(directory, METADATA)
+    store = open_directory(directory)
+    directory = store.name
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        data = store.read_bytes(METADATA)
     except FileNotFoundError:
         raise FormatError(f"{METADATA} is missing (dcp.load reads the checkpoint's plan from it)", path=directory) from None
     except OSError as exc:
@@ -227,6 +229,8 @@ class Manifest:
     # {"path": [...], "int_keys": [...], "key_types": [...]} (either list left out when empty): a path as
     # DCP's, its keys' types as above.
     empty_dicts: list[dict[str, Any]] = field(default_factory=list)
+    # The Directory it was read from (reads the rank files); None for a manifest being written.
+    store: Any = field(default=None, compare=False, repr=False)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -283,27 +287,29 @@ def _key_mark(mark: Any) -> tuple[int, str]:
     return int(position), str(tag)
 
 
-def is_dcp_directory(path: str | os.PathLike) -> bool:
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, MANIFEST))
+def is_dcp_directory(path: Any) -> bool:
+    store = open_directory(path)
+    return store.exists() and store.size(MANIFEST) is not None
 
 
-def read_manifest(path: str | os.PathLike) -> Manifest:
-    """The manifest of the nvckpt DCP directory ``path`` (FormatError naming what is wrong)."""
-    path = os.fspath(path)
-    where = os.path.join(path, MANIFEST)
-    if os.path.isfile(path):  # a file given where a DCP directory belongs (nvckpt merge FILE)
+def read_manifest(path: Any) -> Manifest:
+    """The manifest of the nvckpt DCP directory ``path`` (a path, a URL or a Directory; FormatError naming
+    what is wrong).  ``Manifest.store`` is that Directory, which reads its rank files."""
+    store = open_directory(path)
+    path = store.name
+    where = store.join(MANIFEST)
+    if store.is_file():  # a file given where a DCP directory belongs (nvckpt merge FILE)
         raise NotADirectoryError(20, "is a file, not a checkpoint directory (nvckpt.dcp.Writer writes a directory)", path)
-    if not os.path.isdir(path):
+    if not store.exists():
         raise FileNotFoundError(2, "no such checkpoint directory", path)
-    if not os.path.isfile(where):
-        if not os.path.isfile(os.path.join(path, METADATA)):  # no checkpoint of any kind: a folder given for a file
+    if store.size(MANIFEST) is None:
+        if store.size(METADATA) is None:  # no checkpoint of any kind: a folder given for a file
             raise IsADirectoryError(21, f"Is a directory (neither an nvckpt file nor a checkpoint directory: no {MANIFEST})",
                                     path)
         hint = " (it holds a .metadata: a FileSystemWriter checkpoint? read it with FileSystemReader)"
         raise FormatError(f"not an nvckpt DCP directory: no {MANIFEST}{hint}", path=path)
     try:
-        with open(where, "rb") as f:
-            doc = json.loads(f.read())
+        doc = json.loads(store.read_bytes(MANIFEST))
         if doc.get("format") != FORMAT:
             raise ValueError(f"format is {doc.get('format')!r}, not {FORMAT!r}")
         if doc.get("version") != VERSION:
@@ -321,7 +327,7 @@ def read_manifest(path: str | os.PathLike) -> Manifest:
                         "key_types": [_key_mark(m) for m in e.get("key_types") or ()]}
                        for e in doc.get("empty_dicts") or ()]
         manifest = Manifest(path, int(doc["world_size"]), doc.get("save_id"), files, tensors, objects,
-                            dict(doc.get("paths") or {}), int_keys, key_types, empty_dicts)
+                            dict(doc.get("paths") or {}), int_keys, key_types, empty_dicts, store)
         for e in empty_dicts:  # what nest() will convert, checked here (a bad manifest is one FormatError)
             if not all(type(p) in (str, int) for p in e["path"]):
                 raise ValueError(f"an empty dict's path {e['path']!r} holds a value that is not a str or int")

@@ -292,8 +292,11 @@ class DirectoryTests:
         d = self.directory_at("ck", tmp_path)
         self._save(d, {"__0": b"old0", "manifest": b"old"}).publish()
         staging = self._save(d, {"__0": DATA, "manifest": b"new"})
+        other = self.directory_at("ck", tmp_path).staging(staging.token)
+        assert staging.alive() and other.alive()
         staging.discard()
         staging.discard()
+        assert not staging.alive() and not other.alive()  # another rank sees it gone
         assert d.read_bytes("__0") == b"old0" and d.read_bytes("manifest") == b"old"
         assert d.remove_stale() == []
 

@@ -31,11 +31,11 @@ def _structural_problems(m: Manifest) -> tuple[list[Problem], str | None]:
         problems.append(Problem(exc.reason))
         save_id = m.save_id
     for name, size in m.files.items():
-        path = os.path.join(m.directory, name)
-        if not os.path.isfile(path):
+        got = m.store.size(name)
+        if got is None:
             problems.append(Problem(f"rank file {name} is missing"))
-        elif os.path.getsize(path) != size:
-            problems.append(Problem(f"rank file {name} is {os.path.getsize(path)} bytes, the manifest says {size}"))
+        elif got != size:
+            problems.append(Problem(f"rank file {name} is {got} bytes, the manifest says {size}"))
     for fqn, t in m.tensors.items():
         gap = t.coverage_gaps()
         if gap:
@@ -53,7 +53,7 @@ def describe_directory(path: str | os.PathLike) -> dict[str, Any]:
     for name, size in m.files.items():
         row: dict[str, Any] = {"file": name, "bytes": size}
         try:
-            with closing(ChunkReader(os.path.join(m.directory, name), workers=1)) as f:
+            with closing(ChunkReader(m.store.open_source(name), workers=1)) as f:
                 foreign = foreign_rank_file(f.index.metadata, save_id, name)
                 if foreign:
                     problems.append(Problem(foreign))
@@ -63,7 +63,7 @@ def describe_directory(path: str | os.PathLike) -> dict[str, Any]:
                 stored += f.source.size
         except (NvckptError, OSError) as exc:
             row["error"] = str(exc)
-            if os.path.isfile(os.path.join(m.directory, name)):  # a missing one is a structural problem already
+            if m.store.size(name) is not None:  # a missing one is a structural problem already
                 if isinstance(exc, NvckptError):
                     problems.append(Problem(f"rank file {name}: {exc.reason}", exc.tensor, exc.chunk, exc.offset))
                 else:
@@ -89,14 +89,14 @@ def list_directory(path: str | os.PathLike, problems: list[str] | None = None) -
     stored_of: dict[tuple[str, str], int] = {}
     for name in m.files:
         try:
-            with closing(ChunkReader(os.path.join(m.directory, name), workers=1)) as f:
+            with closing(ChunkReader(m.store.open_source(name), workers=1)) as f:
                 foreign = foreign_rank_file(f.index.metadata, save_id, name)
                 if foreign and problems is not None:
                     problems.append(foreign)
                 for e in f.index.tensors:
                     stored_of[(name, e.name)] = e.stored_bytes
         except (NvckptError, OSError) as exc:  # ls shows what can be read, and says what cannot
-            if problems is not None and os.path.isfile(os.path.join(m.directory, name)):
+            if problems is not None and m.store.size(name) is not None:
                 problems.append(f"rank file {name}: {exc.reason if isinstance(exc, NvckptError) else exc.strerror or exc}")
             continue
     rows = []
@@ -126,8 +126,8 @@ def verify_directory(path: str | os.PathLike, *, progress: ProgressFactory | Non
     for fqn, (file, tensor) in m.objects.items():
         wanted.setdefault(file, []).append((fqn, tensor, None, "uint8"))
     for name in m.files:
-        where = os.path.join(m.directory, name)
-        if not os.path.isfile(where):
+        where = m.store.join(name)
+        if m.store.size(name) is None:
             continue
         try:
             one = verify(where, progress=progress, workers=workers)
