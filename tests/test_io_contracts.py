@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import os
-import queue
 import threading
 
 import pytest
@@ -59,52 +58,56 @@ class TestStreamTarget(TargetTests):
 
 
 class TestSpecialFile(TargetTests):
-    """A FIFO, read by a thread of the test as each save writes it."""
+    """A FIFO per save, read to its end by a thread of the test (one FIFO for two saves would merge them: a
+    second writer that opens before the reader has seen the first one's end joins the same read)."""
 
     atomic = False
 
     @pytest.fixture(autouse=True)
-    def _reader(self, tmp_path):
-        self.got: "queue.Queue[bytes]" = queue.Queue()
-        self.closed = 0  # writes closed (committed or aborted): each is one read of the FIFO to its end
-        self.last: bytes | None = None
-        self.fifo = str(tmp_path / "fifo")
-        os.mkfifo(self.fifo)
-        stop = threading.Event()
+    def _fifos(self, tmp_path):
+        self.closed: list[tuple[threading.Thread, list[bytes]]] = []  # the saves that closed their FIFO, in order
+        self.readers: list[tuple[str, threading.Thread]] = []
+        yield
+        for fifo, thread in self.readers:  # a FIFO no save opened: its reader still waits for a writer
+            while thread.is_alive():
+                try:
+                    os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+                except OSError:  # ENXIO: the reader has not opened it yet
+                    pass
+                thread.join(0.05)
+
+    def target_at(self, name, tmp_path):
+        fifo = str(tmp_path / f"fifo{len(self.readers)}")
+        os.mkfifo(fifo)
+        got: list[bytes] = []
 
         def read() -> None:
-            while not stop.is_set():
-                with open(self.fifo, "rb") as f:
-                    self.got.put(f.read())
+            with open(fifo, "rb") as f:
+                got.append(f.read())
 
         thread = threading.Thread(target=read, daemon=True)
         thread.start()
-        yield
-        stop.set()
-        with open(self.fifo, "wb"):  # wake the reader's open
-            pass
-        thread.join(5)
+        self.readers.append((fifo, thread))
+        closed = self.closed
 
-    def target_at(self, name, tmp_path):
-        test = self
-
-        class Counted(SpecialFile):
+        class Read(SpecialFile):
             def commit(self, before_publish=None):
                 super().commit(before_publish)
-                test.closed += 1
+                closed.append((thread, got))
 
             def abort(self):
                 if self._file is not None:
-                    test.closed += 1
+                    closed.append((thread, got))
                 super().abort()
 
-        return Counted(self.fifo)
+        return Read(fifo)
 
     def stored(self, name, tmp_path):
-        while self.closed:
-            self.last = self.got.get(timeout=30)
-            self.closed -= 1
-        return self.last
+        if not self.closed:
+            return None
+        thread, got = self.closed[-1]
+        thread.join(30)
+        return got[0]
 
 
 class TestLocalDirectory(DirectoryTests):
