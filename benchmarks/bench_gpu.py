@@ -369,7 +369,8 @@ def nvcomp_alone(groups: dict[str, list[torch.Tensor]]) -> None:
         dt = data_type_for({torch.bfloat16: "bfloat16", torch.float32: "float32"}[tensors[0].dtype])
         codec = nb.GpuCodec("ans", dt)
         chunk = 4 * MiB
-        chunks = [flat[i: i + chunk] for i in range(0, flat.numel(), chunk)]
+        # (source, start, length) ranges: the form the GPU engine hands nvCOMP (GpuCodec.encode_parts)
+        parts = [(flat, i, min(chunk, flat.numel() - i)) for i in range(0, flat.numel(), chunk)]
         s = codec.stream
 
         def timed(fn: Callable) -> float:
@@ -386,20 +387,20 @@ def nvcomp_alone(groups: dict[str, list[torch.Tensor]]) -> None:
         holder: dict[str, Any] = {}
 
         def enc() -> None:
-            holder["b"] = codec.encode(chunks)
+            holder["b"] = codec.encode_parts(parts)
             holder["b"].sizes()
         te = timed(enc)
         batch = holder.pop("b")
         sizes = batch.sizes()
-        payloads = [batch.buffer[batch.offsets[i]: batch.offsets[i] + batch.sizes()[i]] for i in range(len(chunks))]
+        payloads = [batch.buffer[o: o + n] for o, n in zip(batch.offsets, sizes)]
         dst = torch.empty_like(flat)
-        outs = [dst[i: i + chunk] for i in range(0, flat.numel(), chunk)]
+        outs = [dst[start: start + n] for _, start, n in parts]
         td = timed(lambda: codec.decode(payloads, outs))
         out[label] = {"bytes": flat.numel(), "ratio": round(flat.numel() / sum(sizes), 4),
                       "encode_GBps": round(flat.numel() / te / GB, 1), "decode_GBps": round(flat.numel() / td / GB, 1),
                       "exact": bool(torch.equal(dst, flat)), "data_type": dt, "chunk": chunk}
         log(label, out[label])
-        flat = chunks = batch = payloads = dst = outs = None  # free the device memory before the next group
+        flat = parts = batch = payloads = dst = outs = None  # free the device memory before the next group
 
 
 # -- the methods ---------------------------------------------------------------------------------
