@@ -27,7 +27,7 @@ from ..errors import NvckptError
 DEFAULT_BLOCK = 16 << 20
 DEFAULT_BLOCKS = 6
 # Two writes in flight: on the H200 machine's virtio disk 1, 2 or 4 O_DIRECT writers run about
-# the same speed (1.8-2.3 GB/s, tools/bench_results/bench_h200.md), but in a save the thread that
+# the same speed (1.8-2.3 GB/s, benchmarks/results/bench_h200.md), but in a save the thread that
 # finished a write may wait for the GIL before it issues the next one; the second keeps the disk busy.
 DEFAULT_IO_THREADS = 2
 _DIRECT_ALIGN = 4096
