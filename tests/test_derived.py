@@ -82,7 +82,7 @@ def test_bf16_rounding_of_master_is_stored_derived(rounding_check):
 
 @pytest.fixture(params=["kernel", "cast", "integer"])
 def rounding_check(request, monkeypatch):
-    """Every way find_derived compares: the compiled check of CPU pairs (_derived.c), torch's cast first
+    """Every way the derived-tensor search compares: the compiled check of CPU pairs (_derived.c), torch's cast first
     (where it is the SPEC rounding), or integers only."""
     from nvckpt.plan import derived
 

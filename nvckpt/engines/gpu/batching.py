@@ -186,29 +186,26 @@ class SlotPool:
         self._allocate = allocate
         self.slots = [] if lazy else [allocate(size) for _ in range(count)]
         self._free = list(range(len(self.slots)))
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
 
     @property
     def free(self) -> int:
-        with self._cond:
+        with self._lock:
             return len(self._free) + self.count - len(self.slots)
 
-    def take(self, wait: bool = False, timeout: float | None = None) -> int | None:
-        """A free slot's number, or None when none is free (or none came within ``timeout``)."""
-        with self._cond:
+    def take(self) -> int | None:
+        """A free slot's number, or None when none is free."""
+        with self._lock:
             if not self._free and len(self.slots) < self.count:
                 self.slots.append(self._allocate(self.size))
                 return len(self.slots) - 1
-            if wait:
-                self._cond.wait_for(lambda: bool(self._free), timeout)
             return self._free.pop() if self._free else None
 
     def give(self, slot: int) -> None:
-        with self._cond:
+        with self._lock:
             if slot in self._free:
                 raise RuntimeError(f"slot {slot} returned twice")
             self._free.append(slot)
-            self._cond.notify()
 
 
 def aligned_host_buffer(size: int, *, pin: bool, align: int = 4096) -> torch.Tensor:
