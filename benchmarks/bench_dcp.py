@@ -332,7 +332,7 @@ def environment(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     if args.device == "cuda":
         env["driver"] = sh("nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1")
         try:
-            from nvckpt.codecs.nvcomp import backend as nb
+            from nvckpt.codecs.nvcomp import device as nb
 
             env["nvcomp"] = nb.nvcomp_version() if nb.available() else None
         except Exception as exc:  # noqa: BLE001

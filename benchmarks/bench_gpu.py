@@ -359,7 +359,7 @@ def limits(args: argparse.Namespace) -> None:
 @section("nvcomp_alone")
 def nvcomp_alone(groups: dict[str, list[torch.Tensor]]) -> None:
     """nvCOMP ANS on each dtype group alone: 4 MiB chunks, one batched call, GPU time by CUDA events."""
-    from nvckpt.codecs.nvcomp import backend as nb
+    from nvckpt.codecs.nvcomp import device as nb
     from nvckpt.codecs.nvcomp.ans import data_type_for
 
     out: dict[str, Any] = {}
@@ -692,7 +692,7 @@ def bench_minilm(args: argparse.Namespace) -> None:
 
 # -- report ----------------------------------------------------------------------------------
 def environment(args: argparse.Namespace, argv: list[str]) -> None:
-    from nvckpt.codecs.nvcomp import backend as nb
+    from nvckpt.codecs.nvcomp import device as nb
 
     def sh(cmd: str) -> str:
         return subprocess.run(["sh", "-c", cmd], capture_output=True, text=True).stdout.strip()

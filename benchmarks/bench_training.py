@@ -641,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
     import warnings
 
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-    from nvckpt.codecs.nvcomp import backend as nb
+    from nvckpt.codecs.nvcomp import device as nb
 
     R["environment"] = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                         "gpu": f"{torch.cuda.get_device_name()} ({torch.cuda.get_device_properties(0).total_memory / 2**30:.1f} GiB)",

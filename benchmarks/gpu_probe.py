@@ -530,7 +530,7 @@ def main() -> None:
     c.dev = torch.device("cuda", 0)
     torch.cuda.set_device(c.dev)
     import nvidia.nvcomp as nv
-    from nvckpt.codecs.nvcomp import backend as nb
+    from nvckpt.codecs.nvcomp import device as nb
     c.nv, c.nb = nv, nb
     sd = load_file(DATA, device="cuda")
     c.names = sorted(k for k, v in sd.items() if v.dtype == torch.bfloat16)

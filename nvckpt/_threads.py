@@ -19,6 +19,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ._signals import leave_to_main_thread
 
+#: Small pieces of work (chunks of a few KiB, an optimizer's step counters) go to the threads in tasks of about
+#: this many bytes and at most this many pieces: a task per piece (submit, wake a thread, hand the result back)
+#: costs more than a small chunk's coding.
+TASK_BYTES = 256 << 10
+TASK_PIECES = 256
+
 _pools: dict[int, ThreadPoolExecutor] = {}
 _lock = threading.Lock()
 
@@ -44,4 +50,4 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-__all__ = ["host_pool"]
+__all__ = ["host_pool", "TASK_BYTES", "TASK_PIECES"]

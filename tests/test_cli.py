@@ -557,7 +557,7 @@ def test_python_m_nvckpt(ckpt, tmp_path):
 def _needs_nvcomp() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from nvckpt.codecs.nvcomp import backend as nvcomp_backend
+    from nvckpt.codecs.nvcomp import device as nvcomp_backend
 
     if not nvcomp_backend.available():
         pytest.skip("needs nvCOMP (pip install 'nvckpt[gpu]')")

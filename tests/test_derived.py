@@ -139,7 +139,7 @@ def test_many_small_pairs_are_decided_in_one_call_as_one_by_one(specs, seed):
     """The batch checks (pairs by address, one call) decide every pair as the per-pair checks do: copies and
     bf16 roundings, equal or one element off, of any size (empty ones too), non-contiguous ones beside them."""
     from nvckpt.plan import derived
-    from nvckpt.plan.walk import flat_bytes
+    from nvckpt.tensors import flat_bytes
 
     if derived._kernel is None or not hasattr(derived._kernel, "differ_many"):
         pytest.skip("nvckpt/plan/_derived.c (with its batch checks) is not built here")

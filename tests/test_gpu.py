@@ -18,10 +18,10 @@ pytest.importorskip("nvidia.nvcomp", reason="needs nvCOMP (pip install nvidia-nv
 import nvckpt  # noqa: E402
 from conftest import TinyTransformer, assert_tree_equal, tensors_of  # noqa: E402
 from nvckpt.format.dtypes import DTYPES  # noqa: E402
-from nvckpt.plan.dtypes import TORCH_DTYPES  # noqa: E402
+from nvckpt.tensors.dtypes import TORCH_DTYPES  # noqa: E402
 from nvckpt.errors import ChecksumError, UnsupportedCodecError  # noqa: E402
 from nvckpt.options import GpuLoadOptions, GpuSaveOptions  # noqa: E402
-from nvckpt.codecs.nvcomp import backend as nb  # noqa: E402
+from nvckpt.codecs.nvcomp import device as nb  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda", 0)

@@ -31,7 +31,7 @@ from nvckpt.engines.gpu.encode import encode_batches
 from nvckpt.engines.items import EncodedChunk, TensorReady
 from nvckpt.errors import ChecksumError
 from nvckpt.options import GpuLoadOptions, GpuSaveOptions
-from nvckpt.plan.dtypes import to_torch
+from nvckpt.tensors.dtypes import to_torch
 from nvckpt.plan.walk import plan_save
 from nvckpt.read.reader import ChunkReader as Reader
 from nvckpt.session.save import write_items, writer_info
@@ -242,7 +242,7 @@ def test_the_next_save_of_the_same_state_reuses_the_batch_plan(monkeypatch):
 
 def test_stage_parts_packs_copies_of_byte_ranges_aligned():
     """The staging copy of the GPU engines (chunks of tensors on another device, misaligned chunks)."""
-    from nvckpt.codecs.nvcomp.staging import stage_parts
+    from nvckpt.tensors.staging import stage_parts
 
     a, b = torch.arange(1000, dtype=torch.int32).view(torch.uint8), torch.randint(0, 255, (77,), dtype=torch.uint8)
     parts = [(a, 3, 100), (b, 0, 77), (a, 0, 4000), (b, 70, 7)]
@@ -257,7 +257,7 @@ def test_codecs_outlive_their_thread_for_the_next_one(monkeypatch):
     """An async_save runs in a thread of its own: the next save's thread gets the codecs the last one left,
     threads alive at once never share one, and release_codecs() drops the idle ones."""
     from nvckpt.codecs.base import DeviceOp
-    from nvckpt.codecs.nvcomp import backend as nb
+    from nvckpt.codecs.nvcomp import device as nb
 
     made = []
 
@@ -320,7 +320,7 @@ def test_native_ans_batch_reads_sizes_and_statuses_from_its_table():
 
 def test_native_ans_only_for_the_nvcomp_major_version_it_was_matched_on(monkeypatch):
     """Another nvCOMP major version keeps the Python API: the C prototypes and type numbers are nvCOMP 6's."""
-    from nvckpt.codecs.nvcomp import backend as nb, native
+    from nvckpt.codecs.nvcomp import device as nb, native
 
     asked = []
     monkeypatch.setattr(native, "ans_encoder", lambda *a: asked.append(a) or "encoder")
@@ -1131,7 +1131,7 @@ def test_non_contiguous_tensors_are_staged_chunk_by_chunk_not_copied_whole(tenso
         sums = {e.name: e.checksum for e in ck.index.tensors}
     if tensor_checksums:  # the XXH3-64 of each tensor's C-order bytes, hashed in staged pieces
         from nvckpt.format.structs import xxh3
-        from nvckpt.plan.walk import flat_bytes
+        from nvckpt.tensors import flat_bytes
 
         assert sums == {k: xxh3(flat_bytes(v).numpy().tobytes()) for k, v in state.items()}
     else:
@@ -1143,8 +1143,8 @@ def test_non_contiguous_tensors_are_staged_chunk_by_chunk_not_copied_whole(tenso
 def test_byte_range_views_hold_the_range_of_the_c_order_bytes(shape, data):
     """Property: the views byte_range_views gives, concatenated, are bytes [start, end) of the tensor's
     C-contiguous layout, for any strides (sliced, transposed) and any range of whole elements."""
-    from nvckpt.codecs.nvcomp.staging import byte_range_views
-    from nvckpt.plan.walk import flat_bytes
+    from nvckpt.tensors.staging import byte_range_views
+    from nvckpt.tensors import flat_bytes
 
     dtype = data.draw(st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.uint8]))
     steps = data.draw(st.lists(st.sampled_from([1, 2, 3]), min_size=len(shape), max_size=len(shape)))

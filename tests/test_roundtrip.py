@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import nvckpt
 from nvckpt.format.dtypes import DTYPES
 from nvckpt.plan import layout
-from nvckpt.plan.dtypes import TORCH_DTYPES
+from nvckpt.tensors.dtypes import TORCH_DTYPES
 from nvckpt.codecs import ByteShuffle, Pipeline, Raw, Zstd
 from conftest import assert_tree_equal
 

@@ -358,7 +358,7 @@ DTYPE_SHAPES = {16: (2, 3), 8: (3, 2), 4: (3, 4), 2: (4, 5), 1: (5, 6)}
 def gen_valid(s: Suite) -> dict[str, tuple[Any, dict | None, bytes]]:
     """Writes the valid cases; returns some (object, metadata, bytes) for the invalid ones to start from."""
     from nvckpt.format.dtypes import DTYPES
-    from nvckpt.plan.dtypes import TORCH_DTYPES
+    from nvckpt.tensors.dtypes import TORCH_DTYPES
 
     bases: dict[str, tuple[Any, dict | None, bytes]] = {}
 

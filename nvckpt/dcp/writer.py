@@ -35,7 +35,7 @@ from torch.futures import Future
 from ..format.tree import escape
 from ..io.directory import location, open_directory
 from ..options import SaveOptions, options_from
-from ..plan.dtypes import name_of
+from ..tensors.dtypes import name_of
 from ..sharded.layout import MANIFEST, METADATA, GlobalTensor, Manifest, Shard, key_tag, rank_file, shard_key
 from ..sharded.transaction import DirectorySave
 from .split import empty_dicts

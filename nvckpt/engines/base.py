@@ -75,7 +75,7 @@ def gpu_device(tensors: list["PlannedTensor"], options: "SaveOptions") -> Any:
     device = next((t.data.device for t in tensors if t.data is not None and t.data.is_cuda), None)
     if engine == "auto" and device is None:
         return None
-    from ..codecs.nvcomp import backend as nb
+    from ..codecs.nvcomp import device as nb
 
     if not nb.available():
         if engine == "gpu" or gpu_only(codec):

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from .._threads import host_pool
+from .._threads import TASK_BYTES, TASK_PIECES, host_pool
 from ..codecs.base import Pipeline
 from ..codecs.presets import chooser
 from ..codecs.registry import RAW
@@ -47,8 +47,6 @@ from .items import EncodedChunk, TensorReady
 CPU_BLOCK = 2 << 20
 CPU_BLOCKS = 16
 TINY = 256  # chunks below this many bytes are stored raw (per-plane frame headers alone would not pay)
-GROUP_BYTES = 256 << 10  # small chunks are coded in tasks of about this many raw bytes
-GROUP_CHUNKS = 256
 
 
 def host_bytes(t: PlannedTensor) -> memoryview:
@@ -214,7 +212,7 @@ def encode_cpu(
                 raw = host_bytes(t)
         if not tensor_checksums:
             checksum = None
-        elif raw.nbytes < GROUP_BYTES:
+        elif raw.nbytes < TASK_BYTES:
             checksum = _Known(xxh3(raw))
         else:
             checksum = pool.submit(xxh3, raw)
@@ -224,7 +222,7 @@ def encode_cpu(
             pending.append(("tensor", t.tensor_id, checksum))
         pipeline = choose(t.entry["dtype"])
         for index, (start, length) in enumerate(t.chunks):
-            if length >= GROUP_BYTES:
+            if length >= TASK_BYTES:
                 flush()
                 pending.append(("chunks", [(t, index)],
                                 pool.submit(_encode_group, [(pipeline, raw[start: start + length])], buffers)))
@@ -233,7 +231,7 @@ def encode_cpu(
             group.append((pipeline, raw[start: start + length]))
             where.append((t, index))
             size += length
-            if size >= GROUP_BYTES or len(group) >= GROUP_CHUNKS:
+            if size >= TASK_BYTES or len(group) >= TASK_PIECES:
                 flush()
                 yield from drain(window)
 

@@ -1,4 +1,4 @@
-"""Element types: the dtype names of SPEC.md 10 and their sizes (torch forms: nvckpt.plan.dtypes)."""
+"""Element types: the dtype names of SPEC.md 10 and their sizes (torch forms: nvckpt.tensors.dtypes)."""
 
 from __future__ import annotations
 

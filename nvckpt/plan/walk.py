@@ -24,18 +24,11 @@ from ..format.tree import (BigInt, DeviceName, DtypeName, TensorRef, bigint_byte
 from . import layout as layout_of
 from .chunking import CPU_CHUNK_SIZE, check_chunk_size
 from .derived import DerivedSearch
-from .dtypes import name_of
+from ..tensors import flat_bytes
+from ..tensors.dtypes import name_of
 
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
 _KEY_TYPES = (str, int, float, bool, type(None))
-
-
-def flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    """The C-contiguous raw bytes of ``t`` as a 1-D uint8 tensor (same device)."""
-    data = t.contiguous()
-    # Dense in C order, but a size-1 or empty dim may keep any stride (x[3:4, 2] has stride 7),
-    # which view() would refuse: flatten with an explicit unit stride.
-    return data.as_strided((data.numel(),), (1,)).view(torch.uint8)
 
 
 @dataclass

@@ -14,6 +14,7 @@ import torch
 import xxhash
 
 from .._gc import paused as gc_paused
+from .._threads import TASK_BYTES, TASK_PIECES
 from ..errors import ChecksumError, FormatError, LimitError, TensorNotFoundError, UnsupportedCodecError, UnsupportedFeatureError
 from ..format.constants import BF16_RNE, COPY
 from ..format.entry import TensorEntry
@@ -21,16 +22,14 @@ from ..format.structs import xxh3
 from ..format.tree import DeviceName, DtypeName, TensorRef, find_path, resolve_refs, tensor_refs
 from ..options import LoadOptions, index_memory_limit
 from ..plan.derived import bf16_rne
-from ..plan.walk import flat_bytes
-from ..plan.dtypes import to_torch
+from ..tensors import flat_bytes
+from ..tensors.dtypes import to_torch
 from ..read.reader import ChunkReader, check_supported
 
 if TYPE_CHECKING:
     from .slicing import TensorSlice
 
 
-_GROUP_BYTES = 256 << 10  # chunks smaller than this are decoded in groups (one task, not one per chunk)
-_GROUP_CHUNKS = 256
 
 
 class _InOrderHash:
@@ -231,7 +230,7 @@ class Checkpoint(Mapping):
         """The GPU loader's backend for a CUDA device where nvCOMP is; else None (host decode, then copy)."""
         if self.device.type != "cuda":
             return None
-        from ..codecs.nvcomp import backend as nb
+        from ..codecs.nvcomp import device as nb
 
         if not nb.available():
             return None
@@ -362,12 +361,12 @@ class Checkpoint(Mapping):
         size = 0
         for e in entries:
             for i, c in enumerate(e.chunks):
-                if c.raw_length >= _GROUP_BYTES:
+                if c.raw_length >= TASK_BYTES:
                     tasks.append([(e, i)])
                     continue
                 group.append((e, i))
                 size += c.raw_length
-                if size >= _GROUP_BYTES or len(group) >= _GROUP_CHUNKS:
+                if size >= TASK_BYTES or len(group) >= TASK_PIECES:
                     tasks.append(group)
                     group, size = [], 0
         if group:

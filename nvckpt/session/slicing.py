@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..format.entry import TensorEntry
-from ..plan.dtypes import to_torch
+from ..tensors.dtypes import to_torch
 from ..read.reader import check_supported
 
 if TYPE_CHECKING:

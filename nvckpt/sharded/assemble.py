@@ -21,7 +21,7 @@ import torch
 
 from ..errors import FormatError
 from ..options import LoadOptions
-from ..plan.dtypes import to_torch
+from ..tensors.dtypes import to_torch
 from ..session.load import Checkpoint
 from .layout import directory_save_id, foreign_rank_file, read_manifest, typed_path
 

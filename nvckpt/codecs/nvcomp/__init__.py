@@ -1,4 +1,4 @@
-"""nvCOMP: the nvcomp-ans codec-table entry, and the batched CUDA implementations (backend, imported lazily)."""
+"""nvCOMP: the nvcomp-ans codec-table entry (ans), and the batched CUDA coders (device, imported lazily)."""
 
 from .ans import DATA_TYPES, NvcompAns, data_type_for
 

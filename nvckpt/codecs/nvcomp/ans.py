@@ -3,7 +3,7 @@
 The bitstream is proprietary and undocumented, has no CPU decoder, and changed
 in nvCOMP 6.0, so the configuration records the nvCOMP version that wrote it.
 Only nvCOMP on a CUDA GPU decodes it; the GPU engines do that in batches
-(nvckpt.codecs.nvcomp.backend).  This class is the codec-table entry.
+(nvckpt.codecs.nvcomp.device).  This class is the codec-table entry.
 """
 
 from __future__ import annotations

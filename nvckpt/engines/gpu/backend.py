@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from ...codecs.base import DecodeRejected, DeviceOp, Pipeline
-from ...codecs.nvcomp.staging import align_up, stage_parts
-from ...plan.walk import flat_bytes
+from ...tensors.staging import align_up, stage_parts
+from ...tensors import flat_bytes
 from .batching import Batch, SlotRun, aligned_host_buffer
 
 
@@ -161,7 +161,7 @@ class CudaBackend:
     """nvCOMP on the device's compute stream, device-to-host copies on its copy stream."""
 
     def __init__(self, device: Any, *, gpu_zstd: bool = False, timing: bool = False) -> None:
-        from ...codecs.nvcomp import backend as nb  # imported lazily: nvCOMP is optional
+        from ...codecs.nvcomp import device as nb  # imported lazily: nvCOMP is optional
 
         self._nb = nb
         self.device = cuda_device(device)

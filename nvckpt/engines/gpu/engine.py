@@ -48,7 +48,7 @@ class GpuEngine:
         """nvCOMP's version, which the index records for ANS chunks ("" on the host stand-in, no nvCOMP)."""
         if self._backend is not None:
             return ""
-        from ...codecs.nvcomp import backend as nb
+        from ...codecs.nvcomp import device as nb
 
         return nb.nvcomp_version()
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import xxhash
 
-from ...codecs.nvcomp.staging import is_flat_bytes, stage_parts
+from ...tensors.staging import is_flat_bytes, stage_parts
 
 
 def device_digest(backend: Any, flat: torch.Tensor, stream: Any, pieces: list[torch.Tensor], piece_bytes: int,

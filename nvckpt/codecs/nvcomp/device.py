@@ -1,4 +1,4 @@
-"""GPU codec backend: batched nvCOMP encode and decode of chunks in torch-owned memory.
+"""nvCOMP's device coders: batched nvCOMP encode and decode of chunks in torch-owned memory.
 
 nvCOMP (``nvidia-nvcomp-cu12``, Python package ``nvidia.nvcomp``, version 6) is
 imported lazily, on first use; without it every entry point raises
@@ -61,7 +61,7 @@ from ...errors import UnsupportedCodecError
 from ..base import DecodeRejected, DeviceOp
 from . import native
 from .ans import ITEMSIZE
-from .staging import align_up, packed_offsets, stage_parts
+from ...tensors.staging import align_up, packed_offsets, stage_parts
 
 NVCOMP_PACKAGE = "nvidia-nvcomp-cu12"
 NVCOMP_MODULE = "nvidia.nvcomp"
