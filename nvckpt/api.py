@@ -30,7 +30,8 @@ def save(obj: Any, target: str | os.PathLike | Any, **options: Any) -> SaveResul
     ``derive`` (default True): store a bf16 tensor that is exactly the rounding of a saved fp32
     tensor, and an exact copy of another tensor, as derived (zero bytes; verified bit for bit on
     their device).  ``derive_bf16``: the former option (bf16 roundings only).
-    ``chunk_size``: target raw bytes per chunk (default: 1 MiB on the CPU engine, 4 MiB on the GPU engine).
+    ``chunk_size``: target raw bytes per chunk, whole rows of dim 0 where they fit (default: 1 MiB on the
+    CPU engine, 4 MiB on the GPU engine), or a ``nvckpt.plan.chunking.ChunkPolicy``.
     ``alignment``: large chunk payloads start at a multiple of it (a power of two; default 1 on the
     CPU engine, 4096 on the GPU engine, for O_DIRECT).
     ``zstd_level``: the zstd level, -7..22 (1: fast; higher: smaller and slower).

@@ -16,7 +16,7 @@ from typing import Any, Callable, TypeVar
 from .codecs.base import Pipeline
 from .codecs.presets import check_preset
 from .format.frames import check_alignment
-from .plan.chunking import check_chunk_size
+from .plan.chunking import chunk_policy
 
 MiB = 1 << 20
 ENGINES = ("auto", "cpu", "gpu")
@@ -113,7 +113,7 @@ class SaveOptions:
 
     codec: str | Pipeline = "auto"
     metadata: dict[str, Any] | None = None
-    chunk_size: int | None = None  # None: the engine's own (nvckpt.plan.chunking)
+    chunk_size: Any = None  # None: the engine's own; an int (raw bytes, whole rows) or a ChunkPolicy (nvckpt.plan.chunking)
     alignment: int | None = None  # None: the engine's own (4096 on the GPU engine, 1 on the CPU engine)
     zstd_level: int = 1
     derive: bool = True  # bf16 roundings of fp32 tensors and exact copies, stored as derived (SPEC 14.2)
@@ -139,7 +139,7 @@ class SaveOptions:
         if type(self.derive) is not bool or (self.derive_bf16 is not None and type(self.derive_bf16) is not bool):
             raise ValueError(f"derive must be True or False, got {self.derive!r}")
         if self.chunk_size is not None:
-            check_chunk_size(self.chunk_size)
+            chunk_policy(self.chunk_size)
         if type(self.zstd_level) is not int or not -7 <= self.zstd_level <= 22:
             raise ValueError(f"zstd_level must be an integer in -7..22, got {self.zstd_level!r}")
         if self.workers is not None:

@@ -21,7 +21,7 @@ import torch
 
 from ..format.constants import BF16_RNE
 from ..format.dtypes import DTYPES
-from .chunking import chunk_ranges
+from .chunking import ChunkPolicy, checked_ranges
 
 KEPT = 4  # layouts remembered (a process saves one or two states: the model, the training state)
 SEARCH_EVERY = 8  # a save of a known layout still searches for derived tensors once in this many
@@ -83,7 +83,7 @@ class Layout:
         self.entries = [_copy_entry(t.entry) for t in tensors]
         self.sources = sources
         self.leaf_ids = leaf_ids
-        self._cut: tuple[int, list[list[tuple[int, int]]]] | None = None  # (chunk size, each entry's chunks)
+        self._cut: tuple[ChunkPolicy, list[list[tuple[int, int]]]] | None = None  # (policy, each entry's chunks)
         self._hints: Hints | None = None
         self._since_search = 0
         self.copies = bool(key[1])
@@ -109,12 +109,12 @@ class Layout:
             tensors.append(PlannedTensor(tid, _copy_entry(entry), data))
         return tensors, self.leaf_ids
 
-    def cut(self, tensors: list[Any], size: int) -> None:
+    def cut(self, tensors: list[Any], policy: ChunkPolicy) -> None:
         """Cut every stored tensor's chunks (the lists are shared between saves: nothing changes one)."""
-        cut = self._cut  # (size, chunks), replaced whole: two saves of this layout may cut at once
-        if cut is None or cut[0] != size:
-            cut = self._cut = (size, [chunk_ranges(tuple(e["shape"]), DTYPES[e["dtype"]].itemsize, size)
-                                      if s is not None else [] for e, s in zip(self.entries, self.sources)])
+        cut = self._cut  # (policy, chunks), replaced whole: two saves of this layout may cut at once
+        if cut is None or cut[0] != policy:
+            cut = self._cut = (policy, [checked_ranges(policy, tuple(e["shape"]), DTYPES[e["dtype"]].itemsize)
+                                        if s is not None else [] for e, s in zip(self.entries, self.sources)])
         for t, chunks in zip(tensors, cut[1]):
             if t.data is not None:
                 t.chunks = chunks

@@ -22,7 +22,7 @@ from ..format.dtypes import DTYPES
 from ..format.tree import (BigInt, DeviceName, DtypeName, TensorRef, bigint_bytes, escape, is_typed, same_value,
                            set_item_problem)
 from . import layout as layout_of
-from .chunking import CPU_CHUNK_SIZE, check_chunk_size
+from .chunking import CPU_CHUNK_SIZE, chunk_policy
 from .derived import DerivedSearch
 from ..tensors import flat_bytes
 from ..tensors.dtypes import name_of
@@ -94,9 +94,10 @@ class SavePlan:
         if self._decide_error is not None:
             raise self._decide_error
 
-    def cut(self, chunk_size: int) -> None:
-        """Cut the stored tensors' chunks of about ``chunk_size`` raw bytes (plan_save(chunk_size=None) did not)."""
-        self._cutter.cut(self.tensors, check_chunk_size(chunk_size))
+    def cut(self, chunk_size: Any) -> None:
+        """Cut the stored tensors' chunks: ``chunk_size`` is a ChunkPolicy, or an int for whole rows of about that
+        many raw bytes (nvckpt.plan.chunking); plan_save(chunk_size=None) did not cut."""
+        self._cutter.cut(self.tensors, chunk_policy(chunk_size))
 
     @property
     def raw_bytes(self) -> int:
@@ -244,7 +245,7 @@ def plan_save(
     obj: Any,
     *,
     metadata: dict[str, Any] | None = None,
-    chunk_size: int | None = CPU_CHUNK_SIZE,
+    chunk_size: Any = CPU_CHUNK_SIZE,
     derive: bool = False,
     copies: bool = False,
     defer: bool = False,
@@ -259,7 +260,7 @@ def plan_save(
     the tensors whose storage may change).  ``remember``: take the plan of a layout saved before, and keep
     this one's (plan.layout); False for a plan made only to check an object."""
     if chunk_size is not None:
-        check_chunk_size(chunk_size)
+        chunk_size = chunk_policy(chunk_size)
     elif not defer:
         raise ValueError("plan_save(chunk_size=None) needs defer=True: the derived tensors are decided on cut chunks")
     started = time.perf_counter()
