@@ -35,7 +35,7 @@ def test_an_int_is_whole_rows():
 
 @pytest.mark.parametrize("engine", ["cpu", "gpu-on-host"])
 def test_a_policy_of_ones_own_is_what_the_file_holds(engine):
-    from nvckpt.engines.gpu.backend import HostBackend
+    from nvckpt.testing.host import HostBackend
     from nvckpt.engines.gpu.engine import GpuEngine
 
     state = small_training_state()

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 import nvckpt
 from conftest import assert_tensor_equal, assert_tree_equal, small_training_state
 from nvckpt.codecs.presets import chooser
-from nvckpt.engines.gpu.backend import HostBackend
+from nvckpt.testing.host import HostBackend
 from nvckpt.engines.gpu.decode import decode_entries, decode_range
 from nvckpt.engines.gpu.encode import encode_batches
 from nvckpt.engines.items import EncodedChunk, TensorReady

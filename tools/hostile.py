@@ -220,7 +220,7 @@ def check(path: str, scratch: str, peaks: dict[str, int] | None = None) -> dict[
     peaks = {} if peaks is None else peaks
     import nvckpt
     from nvckpt import cli
-    from nvckpt.engines.gpu.backend import HostBackend
+    from nvckpt.testing.host import HostBackend
     from nvckpt.engines.gpu.decode import decode_entries
     from nvckpt.options import GpuLoadOptions
     from nvckpt.tools.info import describe, list_tensors

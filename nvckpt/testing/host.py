@@ -1,0 +1,130 @@
+"""The GPU engine's host stand-in: ``HostBackend`` runs the engine's scheduling (batches, slots, copy-out,
+read spans, decode rounds) with the host codecs in plain memory, so that CI, which has no GPU, tests the
+engines' logic.  ``GpuEngine(backend=HostBackend())`` is a whole GPU engine on the host."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Hashable
+
+import numpy as np
+import torch
+
+from ..codecs.base import DecodeRejected, Pipeline
+from ..engines.gpu.backend import Encoded, _batch_parts, _copy_run
+from ..engines.gpu.batching import Batch, SlotRun, aligned_host_buffer
+from ..tensors import flat_bytes
+
+
+class HostBackend:
+    """The same engines with the host codecs in host memory: runs their scheduling in CI without a GPU.
+
+    "Device" and "pinned" memory are plain host memory; work is done when issued."""
+
+    def __init__(self, *, gpu_zstd: bool = False, timing: bool = False) -> None:
+        self.device = torch.device("cpu")
+        self.gpu_zstd = gpu_zstd
+
+    # -- both directions --
+    def memory_total(self) -> int | None:
+        return None
+
+    def host_buffer(self, size: int) -> torch.Tensor:
+        return aligned_host_buffer(size, pin=False)
+
+    def to_host(self, src: torch.Tensor, dst: torch.Tensor, stream: Any) -> Any:
+        dst[: src.numel()].copy_(src)
+        return None
+
+    def side_stream(self, after: Any) -> Any:
+        return None
+
+    def flat(self, tensor: torch.Tensor) -> torch.Tensor:
+        flat = flat_bytes(tensor)
+        return flat if flat.device.type == "cpu" else flat.cpu()
+
+    def source(self, tensor: torch.Tensor) -> torch.Tensor:
+        # As on a GPU: a non-contiguous tensor is staged chunk by chunk in encode, not copied whole.
+        return tensor if tensor.device.type == "cpu" and not tensor.is_contiguous() else self.flat(tensor)
+
+    def mark(self) -> Any:
+        return None
+
+    def caller_mark(self) -> Any:
+        return None
+
+    def wait(self, event: Any) -> None:
+        pass
+
+    def ready(self, event: Any) -> bool:
+        return True
+
+    def finish(self) -> None:
+        pass
+
+    def timing_report(self) -> dict[str, Any]:
+        return {}
+
+    # -- encode --
+    def wait_for_caller(self, event: Any) -> None:
+        pass
+
+    @staticmethod
+    def ordered(fn: Callable[[], Any]) -> Any:
+        return fn()
+
+    @staticmethod
+    def capacity(pipeline: Pipeline, length: int) -> int:
+        return length + (length >> 7) + 64  # anything longer than the chunk is stored raw anyway
+
+    def encode(self, batch: Batch, sources: dict[int, torch.Tensor]) -> Encoded:
+        cap = batch.capacity
+        out = torch.zeros(cap * len(batch.jobs), dtype=torch.uint8)
+        parts = _batch_parts(batch, sources, self.device, lambda x: not x.is_contiguous())  # as CudaBackend._parts
+        sizes = []
+        view = out.numpy()
+        for i, j in enumerate(batch.jobs):
+            base, start, _ = parts[i]
+            raw = base[start: start + j.length]
+            data = memoryview(batch.key.encode(memoryview(raw.numpy()))).cast("B")
+            n = data.nbytes
+            if n <= cap:
+                view[i * cap: i * cap + n] = data
+            sizes.append(n)
+        return Encoded(batch, parts, cap, out, None, sizes)
+
+    def copy_out(self, enc: Encoded, run: SlotRun, raw: list[int], slot: torch.Tensor, gather: bool = False) -> Any:
+        _copy_run(enc, run, raw, slot, non_blocking=False, gather=gather)
+        return None
+
+    # -- decode --
+    def route(self, pipeline: Pipeline) -> Any:
+        # Byte planes coded on the host take the route they take on a GPU (the coder in the reader threads,
+        # planes put back by the "device"); other pipelines stand in for a device codec, so CI runs both paths.
+        route = pipeline.device_route(self.gpu_zstd)
+        if route == "raw" or (isinstance(route, tuple) and route[1] > 1):
+            return route
+        return pipeline
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    dest = alloc
+
+    def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)
+
+    copy = upload
+
+    def unshuffle(self, dst: torch.Tensor, planes: torch.Tensor, k: int) -> None:
+        n = planes.numel() // k
+        dst.view(n, k).copy_(planes.view(k, n).t())
+
+    def decode(self, key: Hashable, payloads: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+        for i, (p, o) in enumerate(zip(payloads, outs)):
+            data = memoryview(key.decode(memoryview(p.numpy()), o.numel())).cast("B")
+            if data.nbytes != o.numel():
+                raise DecodeRejected(f"chunk {i} of a batch decoded to {data.nbytes} bytes, expected {o.numel()}")
+            o.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+
+
+__all__ = ["HostBackend"]
