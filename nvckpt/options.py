@@ -97,6 +97,9 @@ class GpuLoadOptions:
     verify_workers: int = 4
     piece_bytes: int = 16 * MiB
     timing: bool = False
+    # The device backend the GPU loader runs on (nvckpt.engines.gpu.backend.Backend), instead of the CUDA
+    # device's: the host stand-in (nvckpt.testing.host.HostBackend) runs the loader's logic without a GPU.
+    backend: Any = None
 
     def __post_init__(self) -> None:
         _positive(self, "read_span_bytes", "read_threads", "read_buffers", "decode_batch_bytes", "verify_workers",

@@ -593,34 +593,32 @@ def test_bench_gpu_without_cuda_is_one_clear_line(capsys, tmp_path):
     assert err.count("\n") == 1 and "needs a CUDA GPU" in err and "Traceback" not in err
 
 
-def test_untrusted_open_never_hands_chunks_to_the_gpu_decoder(tmp_path, monkeypatch):
+def test_untrusted_open_never_hands_chunks_to_the_gpu_decoder(tmp_path):
     """SPEC 20: checksums are not signatures; untrusted=True keeps nvCOMP away from a file's bytes."""
-    from nvckpt.engines.gpu import decode
-    from nvckpt.session.load import Checkpoint
+    from nvckpt.testing.host import HostBackend
 
     path = ans_file(tmp_path / "ans.nvckpt")
 
-    class GpuDecoder:  # stands in for the GPU loader on a machine with CUDA and nvCOMP
-        used = 0
+    class Watched(HostBackend):  # the GPU loader's logic on the host, noting what reaches its decoders
+        routed: list[str] = []
 
-        @staticmethod
-        def decode_entries(file, entries, backend, options, stats):
-            GpuDecoder.used += 1
-            return {e.tensor_id: torch.arange(64).view(torch.uint8) if e.name == "plain" else torch.zeros(e.nbytes, dtype=torch.uint8)
-                    for e in entries}
+        def route(self, pipeline):
+            Watched.routed.append(pipeline.describe())
+            return super().route(pipeline)
 
-    monkeypatch.setattr(Checkpoint, "_gpu_backend", lambda self: "a CUDA backend")
-    monkeypatch.setattr(decode, "decode_entries", GpuDecoder.decode_entries)
-    with nvckpt.open(path) as ck:
-        ck.get_tensor("ans")
-    assert GpuDecoder.used == 1
-    with nvckpt.open(path, untrusted=True) as ck:
+    loader = nvckpt.GpuLoadOptions(backend=Watched())
+    with nvckpt.open(path, gpu=loader) as ck:
+        with pytest.raises(nvckpt.UnsupportedCodecError):  # reached the (stand-in) device decoder: no nvCOMP here
+            ck.get_tensor("ans")
+    assert any("nvcomp-ans" in r for r in Watched.routed)
+    Watched.routed.clear()
+    with nvckpt.open(path, untrusted=True, gpu=loader) as ck:
         assert torch.equal(ck.get_tensor("plain"), torch.arange(64))
         with pytest.raises(nvckpt.UnsupportedCodecError, match="untrusted=True"):
             ck.get_tensor("ans")
     with pytest.raises(nvckpt.UnsupportedCodecError, match="untrusted=True"):
-        nvckpt.load(path, untrusted=True)
-    assert GpuDecoder.used == 1
+        nvckpt.load(path, untrusted=True, gpu=loader)
+    assert Watched.routed == []
 
 
 @pytest.mark.parametrize("args", [("convert", "{missing}", "{out}.safetensors"), ("bench", "{missing}"),

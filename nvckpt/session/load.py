@@ -227,7 +227,10 @@ class Checkpoint(Mapping):
         self._stats: dict[str, Any] = {"gpu_loads": 0, "gpu_seconds": 0.0, "gpu_stored_bytes": 0}
 
     def _gpu_backend(self) -> Any:
-        """The GPU loader's backend for a CUDA device where nvCOMP is; else None (host decode, then copy)."""
+        """The GPU loader's backend: the one the options give, else the CUDA device's where nvCOMP is; else None
+        (host decode, then copy)."""
+        if self.options.gpu.backend is not None:
+            return self.options.gpu.backend
         if self.device.type != "cuda":
             return None
         from ..codecs.nvcomp import device as nb
