@@ -237,6 +237,7 @@ MEASURE = r"""
 import io, json, resource, sys, time
 sys.path.insert(0, {root!r})
 import nvckpt
+import nvckpt.session.load  # torch: imported before the clock starts (12 s on a loaded 2-core machine)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 out = {{}}
 for path in {paths!r}:
