@@ -629,8 +629,9 @@ def test_files_several_ranks_read_are_read_through_the_page_cache(saved, monkeyp
         pass
 
     class Recording:
-        def __init__(self, path, options):
-            opened.append((os.path.basename(path), options.gpu.direct_io))
+        def __init__(self, source, options):  # a rank file's byte source, from the directory
+            opened.append((os.path.basename(source.name), options.gpu.direct_io))
+            source.close()
             raise Opened  # stop the read here: only how the file was opened matters
 
     class Planner:
