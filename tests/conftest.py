@@ -1,7 +1,8 @@
 """Shared test helpers: bit-exact tree comparison, real MiniLM weights, a small training state.
 
 Other test modules import the plain functions (``from conftest import assert_tree_equal``)
-or use the fixtures (``minilm_state``, ``training_state``).
+or use the fixtures (``minilm_state``, ``training_state``; for object storage ``s3_server``, ``s3_bucket``
+and ``fault_proxy``).
 """
 
 from __future__ import annotations
@@ -211,3 +212,43 @@ def small_training_state(steps: int = 3, seed: int = 0) -> dict[str, Any]:
 @pytest.fixture
 def training_state() -> dict[str, Any]:
     return small_training_state()
+
+
+# -- object storage: a real S3 server (SeaweedFS) and a fault-injecting proxy in front of it -----------
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """One SeaweedFS S3 server on loopback for the whole run (nvckpt.testing.seaweedfs.S3Server), stopped by
+    its pid at the end, also when tests failed.  Skipped only where the ``weed`` binary cannot run at all;
+    in CI (``CI`` set) that is a failure, since CI installs it with the test extra."""
+    from nvckpt.testing import seaweedfs
+
+    try:
+        server = seaweedfs.S3Server()
+    except seaweedfs.ServerUnavailable as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"the S3 tests must run in CI: {exc}")
+        pytest.skip(f"no S3 server here: {exc}")
+    with server:
+        yield server
+
+
+@pytest.fixture
+def s3_bucket(s3_server):
+    """A new, empty bucket on the running server.  A test may kill or freeze the server: it is running
+    again, thawed, for the next test."""
+    s3_server.thaw()
+    s3_server.start()
+    yield s3_server.create_bucket()
+    s3_server.thaw()
+    s3_server.start()
+
+
+@pytest.fixture
+def fault_proxy(s3_server):
+    """A FaultProxy (nvckpt.testing.faultproxy) in front of the server, whose kill_server kills it; closed
+    after the test, which ends the connections it stalled."""
+    from nvckpt.testing.faultproxy import FaultProxy
+
+    with FaultProxy(s3_server.endpoint_url, on_kill=s3_server.kill) as proxy:
+        yield proxy
