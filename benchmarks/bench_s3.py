@@ -26,7 +26,7 @@ Parts of the run (``--parts``, comma-separated):
   multipart upload (time to an error, the upload left open?), a source that fails in the middle (does the
   client abort its multipart upload?), and a stalled server (accepts, never answers): the time until an
   error with the client's defaults and with a 20 s no-progress timeout where the client has one, within
-  ``--stall-cap`` seconds.
+  ``--stall-cap`` seconds.  ``stalls`` runs the stall probes with the read timeout alone (to redo rows).
 
 Every measurement runs in a process of its own (one client's imports and memory, no connection reuse
 between clients): wall time, client CPU seconds (user + system of that process, all its threads; the
@@ -329,15 +329,15 @@ class S3fsRaw(RawClient):
         import s3fs
 
         config: dict[str, Any] = {}
-        retries = {}
         if self.timeout is not None:  # a no-progress bound: the read timeout, 3 attempts in all
             config = {"read_timeout": self.timeout, "connect_timeout": min(self.timeout, 10),
                       "retries": {"total_max_attempts": 3, "mode": "standard"}}
-            retries = {"retries": 1}  # s3fs's own retry loop around botocore's
         self.fs = s3fs.S3FileSystem(key=self.env["AWS_ACCESS_KEY_ID"], secret=self.env["AWS_SECRET_ACCESS_KEY"],
                                     endpoint_url=self.endpoint, client_kwargs={"region_name": REGION},
                                     config_kwargs=config, max_concurrency=CONCURRENCY, skip_instance_cache=True,
-                                    use_listings_cache=False, **retries)
+                                    use_listings_cache=False)
+        if self.timeout is not None:
+            self.fs.retries = 1  # s3fs's own retry loop around botocore's (a class attribute, 5)
 
     def put(self, bucket, key, chunks, fail_after=None):
         with self.fs.open(f"{bucket}/{key}", "wb", block_size=PART) as f:
@@ -949,7 +949,8 @@ def tensor_floor(server: Any, file: str) -> dict[str, Any]:
     return out
 
 
-def run_faults(server: Any, file: str, cap: float, clients: list[str]) -> dict[str, Any]:
+def run_faults(server: Any, file: str, cap: float, clients: list[str], only_stalls: bool = False,
+               stall_timeouts: tuple[float | None, ...] = (None, 20.0)) -> dict[str, Any]:
     env = server.env()
     bucket = server.create_bucket()
     client = server.client()
@@ -967,7 +968,7 @@ def run_faults(server: Any, file: str, cap: float, clients: list[str]) -> dict[s
     def visible(key: str) -> bool:
         return key in server.keys(bucket, key)
 
-    for c in clients:
+    for c in clients if not only_stalls else []:
         for scenario in ("throttle", "reset"):
             for method in ("PUT", "GET"):
                 key = f"{c}-{scenario}" if method == "PUT" else "payload"
@@ -996,7 +997,7 @@ def run_faults(server: Any, file: str, cap: float, clients: list[str]) -> dict[s
     procs = []
     for c in clients:
         for method in ("PUT", "GET"):
-            for timeout in (None, 20.0):
+            for timeout in stall_timeouts:
                 if timeout is not None and c == "crt":
                     continue  # S3ClientConfig has no timeout to set
                 s = spec(c, "stall", method, f"{c}-stall" if method == "PUT" else "payload", cap=cap, timeout=timeout)
@@ -1111,6 +1112,8 @@ def markdown(doc: dict[str, Any]) -> str:
                 lines.append(f"| {RAW_CLIENTS[c].name} | {name} | {outcome.replace('|', '/')} | {r.get('seconds')} | "
                              f"{req} | {r.get('open_uploads', '')} | {r.get('object_visible', '')} |")
         lines.append("")
+    for note in doc.get("notes", []):
+        lines += [f"Note: {note}", ""]
     return "\n".join(lines) + "\n"
 
 
@@ -1163,6 +1166,9 @@ def main(argv: list[str] | None = None) -> int:
             doc["tensor_floor"] = tensor_floor(server, file)
         if "faults" in parts:
             doc["faults"] = run_faults(server, file, args.stall_cap, args.fault_clients.split(","))
+        if "stalls" in parts:  # the stall probes alone, with a read timeout only
+            doc["faults"] = run_faults(server, file, args.stall_cap, args.fault_clients.split(","), only_stalls=True,
+                                       stall_timeouts=(20.0,))
         doc["run_seconds"] = round(time.time() - t0)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_s3.json"), "w") as f:
