@@ -77,21 +77,23 @@ def minilm(dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in load_file(path).items()}
 
 
-def training_state(steps: int, seed: int = 0) -> dict[str, Any]:
+def training_state(steps: int, seed: int = 0, *, d: int = 256, layers: int = 4, heads: int = 4, vocab: int = 2048,
+                   rows: int = 64, batch_size: int = 16) -> dict[str, Any]:
     """A small transformer trained ``steps`` AdamW steps: what a mixed-precision checkpoint holds (bf16
     weights, fp32 master weights, Adam moments, step counters).  The steps run in fp32: bf16 autocast on
-    a CPU without bf16 matrix units (CI's kind) takes ~100x longer, for a state of the same layout."""
+    a CPU without bf16 matrix units (CI's kind) takes ~100x longer, for a state of the same layout.
+    (bench_s3.py asks for a larger one: its keyword arguments.)"""
     torch.manual_seed(seed)
-    d, layers, vocab, seq = 256, 4, 2048, 64
+    seq = 64
     model = torch.nn.ModuleDict({
         "emb": torch.nn.Embedding(vocab, d),
-        "enc": torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(d, 4, 4 * d, batch_first=True), layers),
+        "enc": torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(d, heads, 4 * d, batch_first=True), layers),
         "head": torch.nn.Linear(d, vocab),
     })
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01)
-    data = torch.randint(0, vocab, (64, seq + 1))
+    data = torch.randint(0, vocab, (rows, seq + 1))
     for step in range(steps):
-        batch = data[torch.randint(0, 64, (16,))]
+        batch = data[torch.randint(0, rows, (batch_size,))]
         h = model["enc"](model["emb"](batch[:, :-1]))
         loss = torch.nn.functional.cross_entropy(model["head"](h).reshape(-1, vocab), batch[:, 1:].reshape(-1))
         opt.zero_grad()

@@ -637,29 +637,11 @@ PEERS: dict[str, type[Peer]] = {p.key: p for p in (TorchSaveBoto3, S3CheckpointP
 # -- the data -------------------------------------------------------------------------------------------
 def build_state(layers: int, dim: int, steps: int, seed: int = 0) -> dict[str, Any]:
     """bench_cpu.py's training state, at a size for object storage: a transformer of ``layers`` encoder
-    layers of width ``dim`` trained ``steps`` AdamW steps in fp32 on the CPU; bf16 weights, fp32 master
-    weights, Adam moments, step counters."""
-    import torch
-    from bench_cpu import mixed_precision_state
+    layers of width ``dim`` (16 heads, vocabulary 8192) trained ``steps`` AdamW steps in fp32 on the CPU
+    (batches of 4 of 16 sequences); bf16 weights, fp32 master weights, Adam moments, step counters."""
+    from bench_cpu import training_state
 
-    torch.manual_seed(seed)
-    vocab, seq = 8192, 64
-    model = torch.nn.ModuleDict({
-        "emb": torch.nn.Embedding(vocab, dim),
-        "enc": torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(dim, 16, 4 * dim, batch_first=True), layers,
-                                           enable_nested_tensor=False),
-        "head": torch.nn.Linear(dim, vocab),
-    })
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01)
-    data = torch.randint(0, vocab, (16, seq + 1))
-    for _ in range(steps):
-        batch = data[torch.randint(0, 16, (4,))]
-        h = model["enc"](model["emb"](batch[:, :-1]))
-        loss = torch.nn.functional.cross_entropy(model["head"](h).reshape(-1, vocab), batch[:, 1:].reshape(-1))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return mixed_precision_state(model, opt, steps)
+    return training_state(steps, seed, d=dim, layers=layers, heads=16, vocab=8192, rows=16, batch_size=4)
 
 
 def checkpoint_file(work: str, layers: int, dim: int, steps: int) -> str:

@@ -476,14 +476,12 @@ async def _relay_body(headers: dict[str, str], reader: asyncio.StreamReader, wri
                     await counter.write(writer, line)
                     if line == b"\r\n":
                         return
-            left = size + 2  # the data and its CRLF
-            while left:
-                data = await reader.read(min(left, _BLOCK))
-                if not data:
-                    raise _Closed("the body ended early")
-                left -= len(data)
-                await counter.write(writer, data)
-    left = int(headers.get("content-length", "0") or 0)
+            await _relay_exactly(size + 2, reader, writer, counter)  # the data and its CRLF
+    await _relay_exactly(int(headers.get("content-length", "0") or 0), reader, writer, counter)
+
+
+async def _relay_exactly(left: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter | None,
+                         counter: _Counter) -> None:
     while left:
         data = await reader.read(min(left, _BLOCK))
         if not data:
