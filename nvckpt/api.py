@@ -42,6 +42,8 @@ def save(obj: Any, target: str | os.PathLike | Any, **options: Any) -> SaveResul
     ``workers``: CPU encode threads (default: all cores; the process keeps one shared pool per count, nvckpt._threads).
     ``direct_io``: write with O_DIRECT where the filesystem allows it.
     ``preemption_grace``: seconds a save may still run after SIGTERM before it is cancelled (README).
+    ``storage_options``: for a URL target (``s3://bucket/key``, any fsspec URL), its storage backend's options
+    (endpoint, credentials, timeouts), over what the environment and config files say.
     ``gpu``: the GPU engine's knobs (``nvckpt.GpuSaveOptions``).
 
     Returns a ``SaveResult`` (path, raw_bytes, file_bytes, seconds, ratio, stats).
@@ -78,8 +80,8 @@ def open(target: str | os.PathLike | Any, **options: Any) -> Checkpoint:  # noqa
     """Open a checkpoint for random access (use as a context manager); a read-only Mapping of tensor names
     to tensors, like safetensors' ``safe_open``.
 
-    ``target``: a path or a seekable binary file object (read from its position, where save wrote it; a
-    stream left at its end from its start).
+    ``target``: a path, a URL of a storage backend, or a seekable binary file object (read from its position,
+    where save wrote it; a stream left at its end from its start).
     ``device``: where every tensor is materialized: "cpu" (the default), "cuda", "cuda:1", a torch.device
     or a CUDA index; the file does not record where a tensor was saved from, so any file loads on any device.
     ``workers``: CPU decode threads, the caller's among them (default: all cores; shared pools, nvckpt._threads).
@@ -88,6 +90,8 @@ def open(target: str | os.PathLike | Any, **options: Any) -> Checkpoint:  # noqa
     ``max_index_memory`` bytes (default ``nvckpt.options.UNTRUSTED_INDEX_MEMORY``, 1 GiB; a trusted
     open has no bound of its own unless it is given).
     ``max_tensor_bytes``: refuse (LimitError) to materialize a tensor, view or slice larger than this.
+    ``storage_options``: for a URL (``s3://bucket/key``, any fsspec URL), its storage backend's options
+    (endpoint, credentials, timeouts), over what the environment and config files say.
     ``gpu``: the GPU loader's knobs (``nvckpt.GpuLoadOptions``).
     ``map_location``: torch.load's, instead of ``device``: a device, a string, a dict whose values all
     name one device, or a callable ``fn(storage, "cpu") -> storage`` called once per storage.

@@ -719,7 +719,7 @@ def test_a_failed_async_save_does_not_keep_its_snapshot_alive(tmp_path, monkeypa
         assert "in no_space" in "".join(exc.__notes__) and "async save thread" in "".join(exc.__notes__)
     future._ended.wait(10)
     gc.collect()
-    alive = [o for o in gc.get_objects() if isinstance(o, SaveSession)]
+    alive = [o for o in gc.get_objects() if type(o) is SaveSession]  # (isinstance asks each object its __class__)
     assert not alive, "the failed save's session (and its snapshot) is still referenced"
     assert not list(tmp_path.iterdir()), "the failed save left its temporary file"
     assert "No space left" in str(future.exception())

@@ -50,6 +50,7 @@ class SaveFuture(Future):
         self._read: threading.Event | None = None
         self._publish_lock = threading.Lock()
         self._published = False
+        self._notified = False  # the waiters of concurrent.futures.wait / as_completed were told of a cancel
         self._ended: threading.Event | None = None  # set when the save's thread has ended (cleaned up)
         self._failure: lifecycle.Failure | None = None  # set when it fails: exit reports it unless it was seen
 
@@ -107,7 +108,18 @@ class SaveFuture(Future):
             self._stop.set()  # the save stops at its next chunk, or at its commit at the latest
         # Outside the lock: the done-callbacks run here, and one that asks for the outcome waits for the save's
         # thread, which takes the lock on its way out (_publish).
-        return super().cancel()
+        return self._cancel_now()
+
+    def _cancel_now(self) -> bool:
+        """Future.cancel, then what an executor does with a cancelled call it was about to run
+        (set_running_or_notify_cancel): concurrent.futures.wait and as_completed see it at once."""
+        if not Future.cancel(self):
+            return False
+        with self._publish_lock:
+            first, self._notified = not self._notified, True
+        if first:
+            self.set_running_or_notify_cancel()  # returns False: cancelled, and its waiters are told
+        return True
 
     def _publish(self) -> None:
         """The save's last step before its commit: honour a cancel that came in time, refuse later ones."""
@@ -258,7 +270,7 @@ def _start_async(obj: Any, target: Any, options: SaveOptions, fences: list[Any],
             if running.killed:
                 pass  # SIGTERM past its grace: the process exits 143 next; waking result() would run user code
             elif future._stop.is_set():
-                Future.cancel(future)  # stopped by a cancel, or by a second Ctrl-C at exit: cancelled, waiters woken
+                future._cancel_now()  # stopped by a cancel, or by a second Ctrl-C at exit: cancelled, waiters woken
             else:
                 future._finish(exc=exc)
         except BaseException as exc:

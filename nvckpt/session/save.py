@@ -232,8 +232,8 @@ class SaveSession:
         except BaseException as exc:
             target.abort()  # the target as it was; nothing half-written beside it
             restated = target.restate(exc)
-            if restated is not exc:
-                raise restated from None
+            if restated is not exc:  # the same error naming the caller's target; where it came from stays
+                raise restated.with_traceback(exc.__traceback__) from None
             raise
         return self._result(target.path, size)
 
