@@ -709,6 +709,11 @@ def test_a_failed_async_save_does_not_keep_its_snapshot_alive(tmp_path, monkeypa
             sink.write = sink.write_many = no_space
             return sink
 
+    def sessions():  # (isinstance asks each object its __class__)
+        gc.collect()
+        return {id(o) for o in gc.get_objects() if type(o) is SaveSession}
+
+    before = sessions()  # sessions other tests' objects still hold are not this save's
     model = torch.nn.Linear(64, 64)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     state = {"model": model.state_dict(), "w": torch.zeros(1 << 16)}
@@ -718,9 +723,7 @@ def test_a_failed_async_save_does_not_keep_its_snapshot_alive(tmp_path, monkeypa
     if sys.version_info >= (3, 11):  # the thread's stack, as text
         assert "in no_space" in "".join(exc.__notes__) and "async save thread" in "".join(exc.__notes__)
     future._ended.wait(10)
-    gc.collect()
-    alive = [o for o in gc.get_objects() if type(o) is SaveSession]  # (isinstance asks each object its __class__)
-    assert not alive, "the failed save's session (and its snapshot) is still referenced"
+    assert not sessions() - before, "the failed save's session (and its snapshot) is still referenced"
     assert not list(tmp_path.iterdir()), "the failed save left its temporary file"
     assert "No space left" in str(future.exception())
 
