@@ -90,6 +90,7 @@ MAX_CODECS = 65535
 MAX_RANK = 64
 MAX_NAME_BYTES = 4096
 MAX_TREE_DEPTH = 64
+MAX_PAYLOAD_DEPTH = 72  # section 9, "Parser bound": arrays and maps of any payload, its root at level 1
 MAX_PADDING = 1 << 20
 MAX_TENSOR_BYTES = 1 << 62
 MAX_ZSTD_WINDOW = 1 << 24
@@ -231,7 +232,18 @@ class _Ext:
 
 def key_class(k: Any) -> Any:
     """Section 1, "the same key": nil; strs by their bytes; numbers (bool, int, float) by exact value,
-    -0.0 as 0.0, every NaN the same.  Keys of other types get a class of their own (rejected later)."""
+    -0.0 as 0.0, every NaN the same; bins by their bytes; exts by type and data (timestamps by the instant);
+    arrays item by item; maps as sets of (key, value) entries, both compared by this rule."""
+    if isinstance(k, Map):
+        return ("map", frozenset((key_class(a), key_class(b)) for a, b in k))
+    if isinstance(k, list):
+        return ("array", tuple(key_class(x) for x in k))
+    if isinstance(k, bytes):
+        return ("bin", k)
+    if isinstance(k, _Ext):
+        return ("ext", k.code, k.data)
+    if isinstance(k, msgpack.Timestamp):
+        return ("timestamp", k.seconds, k.nanoseconds)
     if k is None:
         return ("nil",)
     if isinstance(k, str):
@@ -276,6 +288,7 @@ def unpack_one(payload: bytes) -> Any:
         # header with no bytes) is trailing bytes too, not the end of the data.
         if u.tell() != n:
             raise FormatError(f"trailing bytes after the msgpack object ({n - u.tell()} of {n})")
+        check_payload_depth(obj)
         return obj
     except NvError:
         raise
@@ -285,6 +298,19 @@ def unpack_one(payload: bytes) -> Any:
         raise FormatError("msgpack data ends early") from None
     except Exception as exc:  # invalid UTF-8, reserved bytes, limits of the parser
         raise FormatError(f"invalid msgpack: {exc}") from None
+
+
+def check_payload_depth(obj: Any) -> None:
+    """Section 9: no array or map (keys included; ext data is not parsed here) below level 72."""
+    stack = [(obj, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if not isinstance(node, list):  # Map is a list of pairs
+            continue
+        if depth > MAX_PAYLOAD_DEPTH:
+            raise LimitError(f"msgpack payload nests deeper than {MAX_PAYLOAD_DEPTH} levels")
+        items = [x for pair in node for x in pair] if isinstance(node, Map) else node
+        stack.extend((x, depth + 1) for x in items)
 
 
 def _dict(m: Any, what: str) -> dict:

@@ -18,8 +18,8 @@ the ext types, nesting, the memory budget): on anything unusual a piece is
 decoded the plain way, so the errors and their messages are the same.
 
 Only the ``"tree"`` value has its ext types decoded (tuples, tensor references, SPEC 9.2's); every
-other value keeps its exts as ``tree.Ext`` (tuples aside, ``tree._plain_ext_hook``): under a key a reader
-ignores they MAY be anything (SPEC 1, 8.1, 8.2), and under a known key the type checks reject them.
+other value keeps its exts as ``tree.Ext``, their data unparsed: under a key a reader ignores they MAY be
+anything (SPEC 1, 8.1, 8.2), and under a known key the type checks reject them.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ MAX_TENSORS = 1 << 24
 MAX_RANK = 64
 MAX_NAME_BYTES = 4096
 MAX_TREE_DEPTH = 64
+MAX_PAYLOAD_DEPTH = 72  # SPEC 9, "Parser bound": how deep any msgpack payload nests (its root is level 1)
 MAX_CODECS = 0xFFFF
 MAX_PADDING = 1 << 20
 MAX_ALIGNMENT = 1 << 20

@@ -13,7 +13,7 @@ from typing import Any, Iterator, NamedTuple, Sequence
 from ..errors import FormatError, LimitError, UnsupportedFeatureError, brief
 from . import dtypes
 from .bulk import ChunkColumns
-from .tree import Ext, check_depth, shown
+from .tree import Ext, check_depth, key_type, shown
 from .constants import (
     DERIVED_FUNCTIONS,
     FRAME_HEADER_SIZE,
@@ -218,7 +218,7 @@ def check_map(value: Any, what: str) -> dict:
         raise FormatError(f"{what} must be a map, got {_type_of(value)}")
     for key in value:
         if not isinstance(key, str):
-            raise FormatError(f"{what} has a key of type {type(key).__name__}; its keys must be strings")
+            raise FormatError(f"{what} has a key of type {key_type(key)}; its keys must be strings")
     return value
 
 
@@ -244,9 +244,10 @@ def parse_entry(tid: int, raw: Any, *, ncodecs: int | None = None, index_offset:
         if quick is not None:
             return quick
     raw = check_map(raw, f"tensor {tid}")
+    inner = 4 if in_index else 2  # the level of the entry's values: index > tensors > entry, or a TENSOR frame's
     if len(raw) > 5 or not raw.keys() <= _COMMON_KEYS:  # unknown keys (ignored, but bounded: SPEC 9, "Parser bound")
         for key in raw.keys() - _KNOWN_KEYS:
-            check_depth(raw[key], f"tensor {tid}: {brief(key)}")
+            check_depth(raw[key], f"tensor {tid}: {brief(key)}", inner)
     name = raw.get("name")
     if not isinstance(name, str):
         raise FormatError(f"tensor {tid}: 'name' must be a string" + ("" if name is None else f", got {shown(name)}"))
@@ -297,7 +298,7 @@ def parse_entry(tid: int, raw: Any, *, ncodecs: int | None = None, index_offset:
     view = derived = None
     if "view" in raw:
         view = check_map(raw["view"], f"{where}: 'view'")
-        check_depth(view, f"{where}: 'view'")
+        check_depth(view, f"{where}: 'view'", inner)
         check_int(view.get("base"), f"{where}: view base", 0, MAX_TENSORS)
         check_int(view.get("offset"), f"{where}: view offset", 0, MAX_TENSOR_BYTES)
         stride = check_list(view.get("stride"), f"{where}: view stride")
@@ -307,7 +308,7 @@ def parse_entry(tid: int, raw: Any, *, ncodecs: int | None = None, index_offset:
             check_int(s, f"{where}: view stride", 0, MAX_TENSOR_BYTES)
     if "derived" in raw:
         derived = check_map(raw["derived"], f"{where}: 'derived'")
-        check_depth(derived, f"{where}: 'derived'")
+        check_depth(derived, f"{where}: 'derived'", inner)
         if not isinstance(derived.get("function"), str):  # only an unknown *name* waits for the read (SPEC 8.5, 1)
             raise FormatError(f"{where}: 'derived' has no 'function'" if "function" not in derived else
                               f"{where}: derived 'function' must be a string, got {brief(derived['function'], 60)}")

@@ -11,7 +11,7 @@ from ..errors import FormatError, LimitError, brief
 from .constants import EXT_TENSOR, EXT_TUPLE, FEATURE_TYPED_TREE, MAX_CODECS, MAX_TENSORS, MAX_TREE_DEPTH, VERSION_MAJOR
 from .bulk import LazyEntries, decode_index
 from .entry import ChunkStore, TensorEntry, check_list, check_map, check_overlaps, parse_entry, reference_problem
-from .tree import MAX_PAYLOAD_DEPTH, Ext, TensorRef, check_depth, check_tree, leaf_paths, memory_budget, msgpack_errors
+from .tree import Ext, TensorRef, check_depth, check_tree, leaf_paths, memory_budget, msgpack_errors
 
 
 
@@ -47,7 +47,7 @@ def parse_index(data: dict[str, Any], index_offset: int, required_features: int 
         raise FormatError(f"index version {version[0]}.{version[1]} disagrees with the preamble's {VERSION_MAJOR}.x")
     for key, value in data.items():  # the parts no other check walks all of (SPEC 9, "Parser bound")
         if key not in ("tensors", "tree", "metadata"):
-            check_depth(value, f"index {brief(key)}", MAX_PAYLOAD_DEPTH - 1)
+            check_depth(value, f"index {brief(key)}", level=2)
     writer = check_map(data.get("writer", {}), "index 'writer'")
     metadata = check_map(data.get("metadata", {}), "index 'metadata'")
     _check_metadata(metadata)
@@ -121,11 +121,12 @@ def _check_metadata(node: Any) -> None:
             raise FormatError(f"metadata holds a {type(item).__name__}; only JSON-like values are allowed")
 
 
-def check_codec_spec(value: Any) -> list[dict[str, Any]]:
-    """One codec table entry (SPEC 11.1), checked for its structure; the codecs layer gives it meaning."""
+def check_codec_spec(value: Any, in_index: bool = True) -> list[dict[str, Any]]:
+    """One codec table entry (SPEC 11.1; ``in_index``: at level 3 of the index, else a CODEC frame's payload),
+    checked for its structure; the codecs layer gives it meaning."""
     if not isinstance(value, list) or not value:
         raise FormatError(f"codec pipeline must be a non-empty array, got {type(value).__name__}")
-    check_depth(value, "a codec pipeline")
+    check_depth(value, "a codec pipeline", level=3 if in_index else 1)
     for step in value:
         if not isinstance(step, dict) or not isinstance(step.get("name"), str):
             raise FormatError(f"codec step must be a map with a string 'name', got {brief(step)}")

@@ -32,6 +32,7 @@ from .constants import (
     EXT_TUPLE,
     FEATURE_TYPED_TREE,
     MAX_BIGINT_BYTES,
+    MAX_PAYLOAD_DEPTH,
     MAX_TREE_DEPTH,
     MAX_TYPE_NAME_BYTES,
 )
@@ -46,14 +47,14 @@ class TensorRef:
     tensor_id: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class DtypeName:
     """A ``torch.dtype`` in the tree (ext 3), by its name in the torch module ("float32")."""
 
     name: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class DeviceName:
     """A ``torch.device`` in the tree (ext 4), as ``str(device)`` ("cpu", "cuda:0")."""
 
@@ -201,7 +202,8 @@ def _type_name(data: bytes, pattern: re.Pattern, what: str) -> str:
     return text
 
 
-def _set_items(data: bytes, what: str) -> list:
+def _set_items(data: bytes, what: str) -> tuple[list, set]:
+    """A set's items, checked (SPEC 9.2), and the set of their same_value keys."""
     items = _nested_array(data, what)
     seen: set = set()
     for item in items:
@@ -213,24 +215,37 @@ def _set_items(data: bytes, what: str) -> list:
             shown = brief(item) if isinstance(item, (tuple, frozenset)) else f"{item!r:.80}"
             raise FormatError(f"{what} holds {shown} twice (SPEC 9.2)")
         seen.add(key)
-    return items
+    return items, seen
+
+
+def _charged(value: Any, extra: int = 0) -> Any:
+    """``value``, charged to the memory budget of this thread's decoding (memory_budget) as it is built: a
+    typed value takes up to ~30 times its bytes in the file (a 3-byte ext 4 is a DeviceName and its str)."""
+    budget = getattr(_nesting, "budget", None)
+    if budget is not None:
+        budget.spend(getsizeof(value) + extra)
+    return value
 
 
 def _ext_hook(code: int, data: bytes) -> Any:
+    return _charged(*_ext_value(code, data))
+
+
+def _ext_value(code: int, data: bytes) -> tuple[Any, int]:
+    """The tree's value of an ext, and the memory it holds beyond its own object (for _charged)."""
     if code == EXT_TENSOR:
         if len(data) != 4:
             raise FormatError(f"tensor reference has {len(data)} bytes, expected 4")
-        return TensorRef(struct.unpack("<I", data)[0])
+        return TensorRef(struct.unpack("<I", data)[0]), 0
     if code == EXT_TUPLE:
-        return tuple(_nested_array(data, "tuple"))
-    if code == EXT_DTYPE:
-        return DtypeName(_type_name(data, _DTYPE_NAME, "dtype"))
-    if code == EXT_DEVICE:
-        return DeviceName(_type_name(data, _DEVICE_SPEC, "device"))
+        return tuple(_nested_array(data, "tuple")), 0
+    if code in (EXT_DTYPE, EXT_DEVICE):
+        name = _type_name(data, *((_DTYPE_NAME, "dtype") if code == EXT_DTYPE else (_DEVICE_SPEC, "device")))
+        return (DtypeName if code == EXT_DTYPE else DeviceName)(name), getsizeof(name)
     if code == EXT_COMPLEX:
         if len(data) != 16:
             raise FormatError(f"complex ext payload has {len(data)} bytes, expected 16")
-        return complex(*struct.unpack("<dd", data))
+        return complex(*struct.unpack("<dd", data)), 0
     if code == EXT_BIGINT:
         if len(data) > MAX_BIGINT_BYTES:
             raise LimitError(f"integer of {len(data)} bytes exceeds the limit of {MAX_BIGINT_BYTES}")
@@ -238,41 +253,81 @@ def _ext_hook(code: int, data: bytes) -> Any:
         if _INT_MIN <= value <= _INT_MAX or bigint_bytes(value) != data:
             raise FormatError(f"integer ext payload {data.hex()[:80]} is not the shortest encoding of an int "
                               "outside [-2^63, 2^64) (SPEC 9.2)")
-        return value
-    if code == EXT_SET:
-        return set(_set_items(data, "set"))
-    if code == EXT_FROZENSET:
-        return frozenset(_set_items(data, "frozenset"))
+        return value, 0
+    if code in (EXT_SET, EXT_FROZENSET):
+        items, seen = _set_items(data, "set" if code == EXT_SET else "frozenset")
+        # The set of keys that checked the items for duplicates was as large as the set: charged too.
+        return (set if code == EXT_SET else frozenset)(items), getsizeof(seen)
     raise FormatError(f"unknown ext type {code} in the tree")
 
 
 def _plain_ext_hook(code: int, data: bytes) -> Any:
-    """Exts outside the tree (SPEC 1: under a key a reader ignores they MAY be any value).  A tuple (ext 2)
-    whose data is one msgpack array is still decoded, as a container whose nesting is bounded as in the
-    tree (and which reads back as before); every other ext, and such data that is not one valid array,
-    stays an ``Ext``: nothing outside the tree gives it a meaning, and the checks of known keys reject it."""
-    if code != EXT_TUPLE:
-        return Ext(code, data)
-    with _one_level_deeper(f"tuples nest more than {MAX_TREE_DEPTH} levels deep"):
-        try:
-            items = unpackb(data)
-        except (LimitError, MemoryError, RecursionError, msgpack.StackError):
-            raise  # bounds, not malformed data: reported as the whole payload's (msgpack_errors)
-        except Exception:  # not one valid msgpack object: opaque bytes, as any other ext's
-            return Ext(code, data)
-    return tuple(items) if isinstance(items, list) else Ext(code, data)
+    """Exts outside the tree: kept as stored (``Ext``), their data never parsed.  Only the tree gives ext
+    types a meaning (SPEC 1, 9): under a key a reader ignores an ext MAY hold any data (a tuple's data nested
+    200 deep included), and under a known key the type checks reject it."""
+    return _charged(Ext(code, data), getsizeof(data))
 
 
 def _is_nan(key: Any) -> bool:
     return isinstance(key, float) and key != key
 
 
+def _key_form(key: Any) -> Any:
+    """What SPEC 1 compares map keys by, for keys inside a key: numbers by exact value across bool, int and
+    float (Python's equality, which also makes -0.0 0.0) with every NaN one value; strs, bins and exts by
+    their bytes (msgpack's timestamps by the instant); arrays item by item; maps as sets of entries."""
+    if isinstance(key, ContainerKey):
+        return key.form
+    if isinstance(key, list):
+        return ("array", tuple(map(_key_form, key)))
+    if isinstance(key, dict):
+        return ("map", frozenset((_key_form(k), _key_form(v)) for k, v in key.items()))
+    if isinstance(key, float) and key != key:
+        return ("nan",)
+    if isinstance(key, (set, frozenset)):  # a set in the tree (ext 7 or 8): never a valid key (SPEC 9.2)
+        return ("set", frozenset(map(_key_form, key)))
+    return key
+
+
+class ContainerKey:
+    """A map key that is an array or a map (valid msgpack, allowed only inside values a reader ignores,
+    SPEC 1), kept hashable by its SPEC 1 form so that the map can still be a dict."""
+
+    __slots__ = ("value", "form")
+
+    def __init__(self, value: Any) -> None:
+        self.value, self.form = value, _key_form(value)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ContainerKey) and self.form == other.form
+
+    def __hash__(self) -> int:
+        return hash(self.form)
+
+    def __repr__(self) -> str:
+        return f"ContainerKey({self.value!r:.80})"
+
+    @property
+    def kind(self) -> str:
+        return "an array" if isinstance(self.value, list) else "a map" if isinstance(self.value, dict) else "a set"
+
+
+def key_type(key: Any) -> str:
+    """A map key's type, for messages ("array" for a ContainerKey of one)."""
+    return key.kind.split()[-1] if isinstance(key, ContainerKey) else f"ext {key.code}" if isinstance(key, Ext) else type(key).__name__
+
+
 def unique_map(pairs: list[tuple[Any, Any]]) -> dict:
     """msgpack object_pairs_hook: a map may not hold the same key twice (SPEC 1).
 
-    "The same key" is Python's dict equality (1, 1.0 and True; 0.0 and -0.0)
-    plus one rule Python's dict lacks: every NaN is the same key as every other."""
-    out = dict(pairs)
+    "The same key" is Python's dict equality (1, 1.0 and True; 0.0 and -0.0; bins and exts by their
+    bytes) plus one rule Python's dict lacks: every NaN is the same key as every other.  Array and map
+    keys become ContainerKeys (the checks of every map with a meaning reject them)."""
+    try:
+        out = dict(pairs)
+    except TypeError:  # an array, map or set key: unhashable as itself
+        pairs = [(ContainerKey(k) if isinstance(k, (list, dict, set)) else k, v) for k, v in pairs]
+        out = dict(pairs)
     if len(out) != len(pairs):
         seen: set = set()
         dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
@@ -282,26 +337,23 @@ def unique_map(pairs: list[tuple[Any, Any]]) -> dict:
     return out
 
 
-#: How deep any value read from a file may nest, counted from the payload's root (level 1).  Well
-#: above what SPEC.md lets a valid file use (the tree and metadata: 64 levels inside the index map;
-#: values under unknown keys: 64 levels, SPEC 9 "Parser bound"), well below what recursion in
-#: Python (repr, ==, json) or C could trip on.
-MAX_PAYLOAD_DEPTH = 2 * MAX_TREE_DEPTH + 8
-
-
-def check_depth(value: Any, what: str, limit: int = MAX_PAYLOAD_DEPTH) -> None:
-    """LimitError if containers in ``value`` nest more than ``limit`` levels (``value`` is level 1).
+def check_depth(value: Any, what: str, level: int = 1) -> None:
+    """LimitError if containers in ``value``, whose root is at ``level`` of its payload, reach past level
+    MAX_PAYLOAD_DEPTH (SPEC 9, "Parser bound": every payload, values under ignored keys included).
 
     Iterative, so any depth msgpack produced is safe to look at."""
     containers = (list, tuple, dict, set, frozenset)
     if not isinstance(value, containers):
         return
-    stack = [(value, 1)]
+    stack = [(value, level)]
     while stack:
         item, depth = stack.pop()
-        if depth > limit:
-            raise LimitError(f"{what} nests more than {limit} levels deep")
-        children = item.values() if isinstance(item, dict) else item
+        if depth > MAX_PAYLOAD_DEPTH:
+            raise LimitError(f"{what} nests past level {MAX_PAYLOAD_DEPTH} of its payload (SPEC 9, MAX_PAYLOAD_DEPTH)")
+        if isinstance(item, dict):  # an array or map key (ContainerKey) nests too
+            children = [*item.values(), *(k.value for k in item if isinstance(k, ContainerKey))]
+        else:
+            children = item
         deeper = [(x, depth + 1) for x in children if isinstance(x, containers)]
         if deeper:
             stack.extend(deeper)
@@ -417,7 +469,7 @@ def check_tree(node: Any, num_tensors: int, required_features: int = FEATURE_TYP
         elif isinstance(item, dict):
             for k, v in item.items():
                 if not isinstance(k, _KEY_TYPES):
-                    raise FormatError(f"tree map key of type {type(k).__name__} is not allowed")
+                    raise FormatError(f"tree map key of type {key_type(k)} is not allowed")
                 if is_typed(k):  # an int only ext 6 encodes: typed extensions are never map keys (SPEC 9.2)
                     raise FormatError("tree map key is an integer ext (6); typed extensions are never map keys (SPEC 9.2)")
                 stack.append((v, depth + 1))

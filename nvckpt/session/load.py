@@ -164,10 +164,14 @@ def torch_value(node: DtypeName | DeviceName) -> Any:
                                           f"({torch.__version__}) does not have")
         return dtype
     try:
-        return torch.device(node.spec)
+        device = torch.device(node.spec)
     except RuntimeError:
         raise UnsupportedFeatureError(f"the saved object holds the device {node.spec!r}, which this torch "
                                       f"({torch.__version__}) does not know") from None
+    if str(device) != node.spec:  # SPEC 9.2: kept exactly or refused (torch keeps a device index in 8 bits)
+        raise UnsupportedFeatureError(f"the saved object holds the device {node.spec!r}, which this torch "
+                                      f"({torch.__version__}) cannot represent (it would be {str(device)!r})")
+    return device
 
 
 def _c_order(shape: Sequence[int], stride: Sequence[int]) -> bool:
