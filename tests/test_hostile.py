@@ -68,11 +68,18 @@ def test_every_path_ran_on_every_file(results):
 
 
 def test_item1_nests_are_named_errors_everywhere(results):
-    """Tuples 200 deep (a segfault before issue 10) and arrays 5000 deep, in every payload of the index."""
+    """Tuples 200 deep (a segfault before issue 10) and arrays 5000 deep, in every payload of the index.  Under a
+    key a reader ignores (the writer map, unknown keys, a view's unknown key) tuples are ext data, which is
+    never parsed outside the tree (SPEC 1): those files load."""
+    ignored = ("writer", "unknown-key", "entry-key", "view")
     for place in ("tree", "metadata", "writer", "unknown-key", "entry-key", "entry-shape", "view", "codec-config"):
         for kind in ("tuples-200", "arrays-5000", "maps-1025", "array-count-2p32"):
             r = results[f"{place}-{kind}"]
             for path in ("load", "untrusted", "info", "ls", "verify", "gpu-host"):
+                if kind == "tuples-200" and place in ignored:
+                    if path != "verify":  # verify: the view's copy in its TENSOR frame lacks the key (4.3)
+                        assert r["outcomes"][path] == "ok", (place, kind, path, r["outcomes"])
+                    continue
                 assert r["outcomes"][path] in {"LimitError", "FormatError"}, (place, kind, path, r["outcomes"])
     for frame in ("tensor-frame", "codec-frame"):  # only the streaming side (verify, recover) parses them
         for kind in ("tuples-200", "arrays-5000", "array-count-2p32"):

@@ -773,7 +773,9 @@ def gen_invalid(s: Suite, bases: dict) -> None:
         flags=["frame", "lengths"], description="the INDEX frame's raw_length differs from its stored_length",
         danger="a non-CHUNK frame is not coded; a mismatch means a damaged header")
     inv("index-frame-wrong-type", edit(frame_set(idx, frame_type=craft.CODEC)), "format", section="5",
-        flags=["frame"], description="the frame the footer points at is a CODEC frame (type 1), not the INDEX",
+        flags=["frame"], readers=["random-access"],
+        description="the frame the footer points at is a CODEC frame (type 1), not the INDEX (a random-access "
+                    "case: to a streaming reader the file has no INDEX frame and a second CODEC frame)",
         danger="the footer points at the wrong frame: an index parsed from it would be garbage")
     inv("index-frame-tensor-id-nonzero", edit(frame_set(idx, tensor_id=1)), "format", section="4.2",
         flags=["frame", "reserved"], description="the INDEX frame's tensor_id is 1 (must be 0)",
@@ -1046,12 +1048,15 @@ def gen_invalid(s: Suite, bases: dict) -> None:
     inv("entry-both-chunks-and-view", index_edit(lambda ix: ix["tensors"][T["i"]].__setitem__(
         "view", {"base": T["v/0@base"], "offset": 0, "stride": [1]})), "format", section="8.3", flags=["entry-kind"],
         description="an entry with both 'chunks' and 'view'", danger="two readers could build different tensors")
-    inv("entry-no-kind", index_edit(entry_del("i", "chunks"), sync=True), "format", section="8.3", flags=["entry-kind"],
-        description="an entry with none of 'chunks', 'view', 'derived'", danger="a tensor with no data")
-    inv("entry-shape-negative", index_edit(entry_set("i", "shape", [-5]), sync=True), "format", section="8.3",
-        flags=["shape"], description="shape [-5]", danger="negative sizes wrap to huge unsigned ones")
     _, _, empty_base = bases["valid-empty"]
     E = {e["name"]: i for i, e in enumerate(craft.parse(empty_base).index["tensors"])}
+    inv("entry-no-kind", index_edit(lambda ix: ix["tensors"][E["c"]].pop("chunks"), src=empty_base, sync=True),
+        "format", section="8.3", flags=["entry-kind"],
+        description="an empty tensor's entry (float16 [3, 0, 2]) with none of 'chunks', 'view', 'derived'; no CHUNK "
+                    "frame held it, and its TENSOR frame says 0 chunks as before",
+        danger="a tensor with no data")
+    inv("entry-shape-negative", index_edit(entry_set("i", "shape", [-5]), sync=True), "format", section="8.3",
+        flags=["shape"], description="shape [-5]", danger="negative sizes wrap to huge unsigned ones")
 
     def empty_shape(name: str, shape: list[int]) -> bytes:
         """An empty tensor of valid-empty given another empty shape: no chunk, the same (empty) checksum."""
@@ -1275,24 +1280,41 @@ def gen_issue10(s: Suite, bases: dict, raw_index: Callable) -> None:
         "limit", section="8.6", flags=["depth", "limit", "metadata", "stack"], also=["format"],
         description="metadata arrays nested 2000 deep", danger="a stack bomb in the metadata, which tools print")
 
-    def frame_payload(kind: int, payload: bytes) -> bytes:
+    # Deep nesting where a reader must still parse: a tensor entry's unknown key (a streaming reader meets its
+    # TENSOR frame copy first) and an unregistered codec's configuration (its CODEC frame too).  As tuples
+    # (ext data, which no reader parses outside the tree, SPEC 1) the same nesting is valid.
+    def ignored_nest(value: Any) -> bytes:
         nv = craft.parse(base)
-        next(f for f in nv.frames if f.frame_type == kind).payload = payload
-        return craft.build(nv)  # chunk offsets follow the frames that moved: only the frame is wrong
+        nv.index["tensors"][0]["x-future"] = value
+        craft.sync_tensor_frames(nv)
+        add_unregistered_codec(nv, {"x": value})
+        return craft.build(nv)
 
-    deep = craft.pack(nest(200, 1, "tuple"))
-    entry0 = craft.unpack(next(f for f in nv0.frames if f.frame_type == craft.TENSOR).payload)
-    tensor_deep = _pack_map([(craft.pack(k), deep if k == "shape" else craft.pack(v)) for k, v in entry0.items()])
-    inv("tensor-frame-tuple-depth-200", frame_payload(craft.TENSOR, tensor_deep), "format", section="8.3",
-        flags=["depth", "tuples", "stack", "frame"], readers=STREAMING, also=["limit"],
-        description="a TENSOR frame whose 'shape' is tuples nested 200 deep",
-        danger="a streaming or recovering reader parses TENSOR frames: the same stack bomb, where nothing else looks")
-    codec_deep = b"\x91" + _pack_map([(craft.pack("name"), craft.pack("raw")),
-                                      (craft.pack("configuration"), _pack_map([(craft.pack("x"), deep)]))])
-    inv("codec-frame-tuple-depth-200", frame_payload(craft.CODEC, codec_deep), "format", section="11.1",
-        flags=["depth", "tuples", "stack", "frame"], readers=STREAMING, also=["limit"],
-        description="a CODEC frame whose step configuration holds tuples nested 200 deep",
+    def deep_in(where: str) -> bytes:
+        nv = craft.parse(base)
+        if where == "entry":
+            nv.index["tensors"][0]["x-future"] = nest(200, 1)
+            craft.sync_tensor_frames(nv)
+        else:
+            add_unregistered_codec(nv, {"x": nest(200, 1)})
+        return craft.build(nv)
+
+    inv("tensor-frame-unknown-key-depth-200", deep_in("entry"), "limit", section="9", also=["format"],
+        flags=["depth", "limit", "stack", "frame", "unknown-keys"],
+        description="an unknown key of a tensor entry, and of its TENSOR frame as a writer must copy it, holds "
+                    "arrays nested 200 deep (past MAX_PAYLOAD_DEPTH, 72)",
+        danger="a streaming or recovering reader parses TENSOR frames: a stack bomb where nothing else looks")
+    inv("codec-frame-configuration-depth-200", deep_in("codec"), "limit", section="9", also=["format"],
+        flags=["depth", "limit", "stack", "frame", "unknown-codec"],
+        description="an unregistered codec's configuration, in the codec table and in its CODEC frame, holds "
+                    "arrays nested 200 deep (past MAX_PAYLOAD_DEPTH, 72)",
         danger="as above, in the codec table a streaming reader builds from CODEC frames")
+    obj, meta, _ = bases["valid-base"]
+    s.valid("valid-ignored-tuples-depth-200", ignored_nest(nest(200, 1, "tuple")), expected_decode(obj, meta, base),
+            section="1", flags=["depth", "tuples", "unknown-keys", "unknown-codec"],
+            description="tuples nested 200 deep, each in the ext data of the one around it, under an unknown key of "
+                        "a tensor entry (and its TENSOR frame) and in an unregistered codec's configuration (and its "
+                        "CODEC frame): ext data outside the tree is opaque, never parsed, so the file is valid")
     inv("index-array-count-2p32", raw_index(_pack_map_raw(nv0.index, "tensors", b"\xdd\xff\xff\xff\xff\xc0")),
         "format", section="20", flags=["limit", "lying-size", "count"], also=["limit", "truncated"],
         description="the 'tensors' array header says 2^32-1 entries; the payload holds one byte of them",
@@ -1789,6 +1811,15 @@ def _zstd_with_dict_id(data: bytes) -> bytes:
 
 def _deep_index(index: dict, depth: int) -> bytes:
     return _index_with_raw_tree(index, b"\x91" * depth + b"\xc0")
+
+
+def add_unregistered_codec(nv: craft.NvFile, configuration: dict) -> None:
+    """Append an unregistered codec ('x-future', used by no chunk) to the codec table, and its CODEC frame."""
+    pipeline = [{"name": "x-future", "configuration": configuration}]
+    nv.index["codecs"].append(pipeline)
+    codec_id = len(nv.index["codecs"]) - 1
+    last = max(i for i, f in enumerate(nv.frames) if f.frame_type == craft.CODEC)
+    nv.frames.insert(last + 1, craft.Frame(craft.CODEC, craft.pack(pipeline), codec_id=codec_id))
 
 
 def _index_with_raw_tree(index: dict, tree: bytes) -> bytes:

@@ -49,7 +49,8 @@ MiB = 1 << 20
 GiB = 1 << 30
 
 #: Conformance cases of issue 10 and before that these paths should also survive.
-CONFORMANCE = ["tree-tuple-depth-200", "metadata-depth-2000", "tensor-frame-tuple-depth-200", "codec-frame-tuple-depth-200",
+CONFORMANCE = ["tree-tuple-depth-200", "metadata-depth-2000", "tensor-frame-unknown-key-depth-200",
+               "codec-frame-configuration-depth-200", "valid-ignored-tuples-depth-200",
                "index-array-count-2p32", "tree-map-count-2p32", "metadata-str-length-2p32", "chunk-list-long-negative",
                "chunk-list-long-bool", "chunk-list-long-overlap", "valid-many-chunks", "tree-depth-100000",
                "chunk-frame-padding-nonzero", "bool-byte-2", "zstd-bomb-declared", "zstd-bomb-undeclared"]

@@ -125,6 +125,13 @@ class Pipeline:
         """The bytes stored are the raw bytes (SPEC 11.3)."""
         return len(self.steps) == 1 and self.coder.name == "raw"
 
+    def check_known(self) -> None:
+        """UnsupportedCodecError for a pipeline with an unregistered step, before any step decodes: with one,
+        the last step need not be the coder (SPEC 11.3: ``[x-future, raw]`` is no raw chunk)."""
+        for step in self.steps:
+            if step.is_filter is None:
+                step.decode(memoryview(b""), 0)  # an unregistered step's decode raises UnsupportedCodecError
+
     @property
     def needs_gpu(self) -> bool:
         return any(s.needs_gpu for s in self.steps)
@@ -240,6 +247,7 @@ class Pipeline:
         return data
 
     def decode(self, data: memoryview, raw_length: int) -> bytes | memoryview:
+        self.check_known()
         out = self.coder.decode(memoryview(data), raw_length)
         for step in reversed(self.steps[:-1]):
             out = step.decode(memoryview(out), raw_length)

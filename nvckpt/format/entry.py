@@ -259,9 +259,10 @@ def parse_entry(tid: int, raw: Any, *, ncodecs: int | None = None, index_offset:
         dtype = dtypes.from_name(raw.get("dtype"))
     except UnsupportedFeatureError as exc:  # SPEC 10: fail when the tensor is read, not at open
         dtype, unsupported = dtypes.unknown(raw["dtype"]), exc.reason
-    shape = tuple(check_int(d, f"{where}: shape dimension") for d in check_list(raw.get("shape"), f"{where}: 'shape'"))
-    if len(shape) > MAX_RANK:
-        raise LimitError(f"{where}: rank {len(shape)} exceeds {MAX_RANK}")
+    dims = check_list(raw.get("shape"), f"{where}: 'shape'")
+    if len(dims) > MAX_RANK:  # SPEC 8.3, 16: the count before its elements
+        raise LimitError(f"{where}: rank {len(dims)} exceeds {MAX_RANK}")
+    shape = tuple(check_int(d, f"{where}: shape dimension") for d in dims)
     nbytes = math.prod(shape) * dtype.itemsize
     # SPEC 8.3: span, the non-zero dimensions times itemsize (1 for an unknown dtype), bounds every sub-product.
     span = math.prod(d or 1 for d in shape) * (dtype.itemsize or 1)

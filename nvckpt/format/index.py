@@ -116,7 +116,8 @@ def _check_metadata(node: Any) -> None:
                 raise FormatError("metadata keys must be strings")
             stack.extend((x, depth + 1) for x in (item.values() if isinstance(item, dict) else item))
         elif isinstance(item, Ext):
-            raise FormatError(f"metadata holds an ext type {item.code} value; only JSON-like values are allowed (SPEC 8.6)")
+            held = "a tuple (ext type 2)" if item.code == 2 else f"an ext type {item.code} value"
+            raise FormatError(f"metadata holds {held}; only JSON-like values are allowed (SPEC 8.6)")
         elif item is not None and type(item) not in (bool, int, float, str):
             raise FormatError(f"metadata holds a {type(item).__name__}; only JSON-like values are allowed")
 

@@ -349,7 +349,8 @@ def check_depth(value: Any, what: str, level: int = 1) -> None:
     while stack:
         item, depth = stack.pop()
         if depth > MAX_PAYLOAD_DEPTH:
-            raise LimitError(f"{what} nests past level {MAX_PAYLOAD_DEPTH} of its payload (SPEC 9, MAX_PAYLOAD_DEPTH)")
+            raise LimitError(f"{what} nests more than {MAX_PAYLOAD_DEPTH} levels deep, counted from its payload's "
+                             "root (SPEC 9, MAX_PAYLOAD_DEPTH)")
         if isinstance(item, dict):  # an array or map key (ContainerKey) nests too
             children = [*item.values(), *(k.value for k in item if isinstance(k, ContainerKey))]
         else:

@@ -229,7 +229,11 @@ class ChunkReader:
         """Only the coder (last step) of chunk ``i``'s pipeline: the GPU loader undoes the filters on the device."""
         c = entry.chunks[i]
         pipeline = self.pipelines[c.codec_id]
-        return self._decoded(entry, i, lambda: pipeline.coder.decode(memoryview(data), c.raw_length), pipeline)
+        def coder() -> Any:
+            pipeline.check_known()
+            return pipeline.coder.decode(memoryview(data), c.raw_length)
+
+        return self._decoded(entry, i, coder, pipeline)
 
     def _decoded(self, entry: TensorEntry, i: int, decode: Callable[[], Any], pipeline: Pipeline) -> memoryview:
         c = entry.chunks[i]

@@ -60,7 +60,7 @@ def describe_reader(reader: ChunkReader) -> dict[str, Any]:
     index = reader.index
     kinds = {"data": 0, "view": 0, "derived": 0, "internal": 0}
     dtypes: dict[str, dict[str, Any]] = {}
-    codecs = [{"id": cid, "pipeline": p.to_json(), "description": p.describe(), "chunks": 0,
+    codecs = [{"id": cid, "pipeline": _informative(p.to_json()), "description": p.describe(), "chunks": 0,
                "raw_bytes": 0, "stored_bytes": 0} for cid, p in enumerate(reader.pipelines)]
     raw_total = stored_total = chunk_total = 0
     for entry in index.tensors:
@@ -87,7 +87,7 @@ def describe_reader(reader: ChunkReader) -> dict[str, Any]:
         "file_bytes": file_bytes,
         "format": f"nvckpt {reader.preamble.version_major}.{reader.preamble.version_minor}",
         "index_version": list(index.version),
-        "writer": index.writer,
+        "writer": _informative(index.writer),
         "entries": len(index.tensors),
         "kinds": kinds,
         "keys": len(index.paths),
@@ -103,6 +103,18 @@ def describe_reader(reader: ChunkReader) -> dict[str, Any]:
         "codecs": codecs,
         "metadata": index.metadata,
     }
+
+
+def _informative(value: Any) -> Any:
+    """A value as JSON holds it, where the file may hold any msgpack (the writer map, SPEC 8.2; an unregistered
+    codec's configuration, 11.1): bins, exts (kept as stored) and non-str keys are shown as their repr."""
+    if isinstance(value, dict):
+        return {k if isinstance(k, str) else repr(getattr(k, "value", k)): _informative(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_informative(v) for v in value]
+    if value is None or isinstance(value, (str, int, float)):
+        return value
+    return repr(value)
 
 
 def list_tensors(path: str | os.PathLike) -> list[dict[str, Any]]:

@@ -358,10 +358,11 @@ def _resolve(walk: _Walk, source: ByteSource) -> tuple[list[TensorEntry], dict[i
 
 def _entry(t: TensorEntry, new_id: dict[int, int]) -> dict[str, Any]:
     entry: dict[str, Any] = {"name": t.name, "dtype": t.dtype.name, "shape": list(t.shape)}
+    # Only the keys SPEC 8.5 defines: keys a reader ignores (any msgpack, exts kept as stored) are not rewritten.
     if t.view is not None:
-        entry["view"] = dict(t.view, base=new_id[t.view["base"]])
+        entry["view"] = {"base": new_id[t.view["base"]], "offset": t.view["offset"], "stride": t.view["stride"]}
     if t.derived is not None:
-        entry["derived"] = dict(t.derived, source=new_id[t.derived["source"]])
+        entry["derived"] = {"function": t.derived["function"], "source": new_id[t.derived["source"]]}
     if t.internal:
         entry["internal"] = True
     return entry

