@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
-"""The conformance cases of SPEC.md 1.1, second edition (section 19.1): the clarifications of a review
-of nvckpt and the independent reader, each a file that a reader had accepted, or rejected with another
-error, before the clarification.
+"""The conformance cases of SPEC.md 1.1, second and third editions (section 19.1): the clarifications of a
+review of nvckpt and the independent reader, and of a second implementation that passed the whole suite,
+each a file that a reader had accepted, or rejected with another error, before the clarification; and a
+case for each reader MUST that had none.
 
 Built from committed files of the suite (``files/valid-base.nvckpt`` and a few others) with craft.py,
 using the helpers of ``tools/gen_conformance.py`` (pinned writer map, expected decode documents from
 the Python objects).  Adds its cases to ``manifest.json`` (replacing any of the same id) and rewrites
-the case tables of README.md; run it after ``tools/gen_conformance.py``, which does not know them:
+the case tables of README.md; ``tools/gen_conformance.py`` runs it last (it needs the files made before):
 
     python3 conformance/gen_clarifications.py [--out conformance]
 """
@@ -54,21 +55,27 @@ def _raw_data(nv: craft.NvFile, tid: int) -> bytes:
     return b"".join(nv.chunk_frame(tid, i).payload for i in range(n))
 
 
-def gen_clarifications(s: Any, committed: dict[str, dict], files: str) -> None:
-    def read(cid: str) -> bytes:
-        with open(os.path.join(files, f"{cid}.nvckpt"), "rb") as f:
-            return f.read()
+def committed_file(files: str, cid: str) -> bytes:
+    with open(os.path.join(files, f"{cid}.nvckpt"), "rb") as f:
+        return f.read()
 
-    base, typed = read("valid-base"), read("valid-typed-tree")
+
+def edited(fn: Callable[[craft.NvFile], Any], src: bytes, sync: bool = True, **build_kw: Any) -> bytes:
+    """``src`` changed by ``fn``, its TENSOR frames rewritten from the index (``sync``), rebuilt by craft."""
+    nv = craft.parse(src)
+    fn(nv)
+    if sync:
+        craft.sync_tensor_frames(nv)
+    return craft.build(nv, **build_kw)
+
+
+def gen_clarifications(s: Any, committed: dict[str, dict], files: str) -> None:
+    base, typed = (committed_file(files, cid) for cid in ("valid-base", "valid-typed-tree"))
     one_chunk = gen.save({"w": torch.arange(4, dtype=torch.float32)}, codec="raw")  # one tensor of one chunk
     assert len(craft.parse(one_chunk).index["tensors"][0]["chunks"]) == 1
 
     def edit(fn: Callable[[craft.NvFile], Any], src: bytes = base, sync: bool = True, **build_kw: Any) -> bytes:
-        nv = craft.parse(src)
-        fn(nv)
-        if sync:
-            craft.sync_tensor_frames(nv)
-        return craft.build(nv, **build_kw)
+        return edited(fn, src, sync, **build_kw)
 
     def entry(name: str, fn: Callable[[dict], Any], src: bytes = base) -> bytes:
         return edit(lambda nv: fn(nv.index["tensors"][nv.tensor_id(name)]), src)
@@ -294,22 +301,14 @@ def splice(data: bytes, raw: bytes) -> bytes:
 
 
 def gen_third_edition(s: Any, committed: dict[str, dict], files: str) -> None:
-    def read(cid: str) -> bytes:
-        with open(os.path.join(files, f"{cid}.nvckpt"), "rb") as f:
-            return f.read()
-
-    base, typed = read("valid-base"), read("valid-typed-tree")
+    base, typed = (committed_file(files, cid) for cid in ("valid-base", "valid-typed-tree"))
     exp_base = _expected(committed["valid-base"])
     inv = s.invalid
     one = gen.save({"w": torch.arange(4, dtype=torch.float32)}, codec="raw")  # one tensor, one raw chunk
     exp_one = gen.expected_decode({"w": torch.arange(4, dtype=torch.float32)}, None, one)
 
     def edit(fn: Callable[[craft.NvFile], Any], src: bytes = base, sync: bool = True, **build_kw: Any) -> bytes:
-        nv = craft.parse(src)
-        fn(nv)
-        if sync:
-            craft.sync_tensor_frames(nv)
-        return craft.build(nv, **build_kw)
+        return edited(fn, src, sync, **build_kw)
 
     def with_future(raw: bytes, src: bytes = base) -> bytes:
         """``src`` with an unknown index key "x-future" holding the msgpack bytes ``raw``."""
