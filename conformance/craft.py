@@ -125,13 +125,46 @@ class NvFile:
         return next(i for i, e in enumerate(self.index["tensors"]) if e["name"] == name)
 
 
+class KeyMap(tuple):
+    """A map that is a map key (valid msgpack, SPEC 1): its (key, value) pairs, hashable; packs as a map."""
+
+
+def _ext(code: int, data: bytes) -> msgpack.ExtType:
+    # ExtType's constructor refuses msgpack's reserved negative types, which a file may hold (SPEC 1) and
+    # which pack back as they were.
+    return tuple.__new__(msgpack.ExtType, (code, data))
+
+
+def _hashable(key: Any) -> Any:
+    if isinstance(key, list):
+        return tuple(map(_hashable, key))  # packs as an array again
+    if isinstance(key, dict):
+        return KeyMap((_hashable(k), _hashable(v)) for k, v in key.items())
+    return key
+
+
+def _pairs(pairs: list) -> dict:
+    try:
+        return dict(pairs)
+    except TypeError:  # an array or a map as a key
+        return {_hashable(k): v for k, v in pairs}
+
+
+def _default(obj: Any) -> Any:
+    if isinstance(obj, KeyMap):
+        return dict(obj)
+    raise TypeError(f"cannot pack {type(obj).__name__}")
+
+
 def unpack(payload: bytes) -> Any:
-    """msgpack as stored: ext types stay ExtType objects, so repacking gives the same bytes."""
-    return msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True)
+    """msgpack as stored: ext types stay ExtType objects (negative ones too), array and map keys become tuples
+    and KeyMaps, so repacking gives the same bytes."""
+    return msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True, ext_hook=_ext,
+                           object_pairs_hook=_pairs)
 
 
 def pack(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True)
+    return msgpack.packb(obj, use_bin_type=True, default=_default)
 
 
 def parse(data: bytes) -> NvFile:

@@ -99,7 +99,8 @@ class LazyEntries:
 
 def _unpacker(size: int) -> msgpack.Unpacker:
     budget = getattr(tree._nesting, "budget", None) is not None
-    return msgpack.Unpacker(ext_hook=tree._plain_ext_hook, raw=False, strict_map_key=False, use_list=True,
+    return msgpack.Unpacker(ext_hook=tree._counted_plain_ext_hook if budget else tree._plain_ext_hook, raw=False,
+                            strict_map_key=False, use_list=True,
                             object_pairs_hook=tree._counted_map if budget else tree.unique_map,
                             list_hook=tree._counted_list if budget else None, max_buffer_size=max(size, 1))
 

@@ -93,6 +93,7 @@ def shown(value: Any) -> str:
 
 
 _INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
+_U32 = struct.Struct("<I").unpack
 _DTYPE_NAME = re.compile(r"[a-z][a-z0-9_]*\Z")
 _DEVICE_SPEC = re.compile(r"[a-z][a-z0-9_]*(:(0|[1-9][0-9]{0,8}))?\Z")
 TYPED_LEAVES = (DtypeName, DeviceName, complex)
@@ -218,21 +219,22 @@ def _set_items(data: bytes, what: str) -> tuple[list, set]:
     return items, seen
 
 
-def _charged(value: Any, extra: int = 0) -> Any:
-    """``value``, charged to the memory budget of this thread's decoding (memory_budget) as it is built: a
-    typed value takes up to ~30 times its bytes in the file (a 3-byte ext 4 is a DeviceName and its str)."""
-    budget = getattr(_nesting, "budget", None)
-    if budget is not None:
-        budget.spend(getsizeof(value) + extra)
+def _ext_hook(code: int, data: bytes) -> Any:
+    if code == EXT_TENSOR and len(data) == 4:  # most exts of a tree: one small object, no nesting
+        return TensorRef(_U32(data)[0])
+    return _ext_value(code, data)[0]
+
+
+def _counted_ext_hook(code: int, data: bytes) -> Any:
+    """_ext_hook under a memory budget: each value is charged as it is built (a typed value takes up to ~30
+    times its bytes in the file: a 3-byte ext 4 is a DeviceName and its str)."""
+    value, extra = _ext_value(code, data)
+    _nesting.budget.spend(getsizeof(value) + extra)
     return value
 
 
-def _ext_hook(code: int, data: bytes) -> Any:
-    return _charged(*_ext_value(code, data))
-
-
 def _ext_value(code: int, data: bytes) -> tuple[Any, int]:
-    """The tree's value of an ext, and the memory it holds beyond its own object (for _charged)."""
+    """The tree's value of an ext, and the memory it holds beyond its own object (_counted_ext_hook)."""
     if code == EXT_TENSOR:
         if len(data) != 4:
             raise FormatError(f"tensor reference has {len(data)} bytes, expected 4")
@@ -265,7 +267,13 @@ def _plain_ext_hook(code: int, data: bytes) -> Any:
     """Exts outside the tree: kept as stored (``Ext``), their data never parsed.  Only the tree gives ext
     types a meaning (SPEC 1, 9): under a key a reader ignores an ext MAY hold any data (a tuple's data nested
     200 deep included), and under a known key the type checks reject it."""
-    return _charged(Ext(code, data), getsizeof(data))
+    return Ext(code, data)
+
+
+def _counted_plain_ext_hook(code: int, data: bytes) -> Any:
+    ext = Ext(code, data)
+    _nesting.budget.spend(getsizeof(ext) + getsizeof(data))
+    return ext
 
 
 def _is_nan(key: Any) -> bool:
@@ -421,17 +429,17 @@ def msgpack_errors(what: str, memory: str, *, where: str = "", offset: int | Non
 
 def unpackb(data: bytes, *, tree: bool = False) -> Any:
     """msgpack as the index and frames use it: str keys or scalars, unique keys; ``tree``: the ext types
-    decoded as the tree's (SPEC 9), else kept as ``Ext`` (but tuples: ``_plain_ext_hook``).
+    decoded as the tree's (SPEC 9), else kept as ``Ext`` (``_plain_ext_hook``).
 
     msgpack's own limits bound what a payload can make it allocate (no container
     longer than the payload) and its nesting (1024 levels, without recursion);
     tuples, sets and frozensets nest through ``_ext_hook``, bounded there (``_nested_array``); ``memory_budget`` bounds the total."""
-    hook = _ext_hook if tree else _plain_ext_hook
     if getattr(_nesting, "budget", None) is not None:
+        hook = _counted_ext_hook if tree else _counted_plain_ext_hook
         return msgpack.unpackb(data, ext_hook=hook, raw=False, strict_map_key=False, use_list=True,
                                object_pairs_hook=_counted_map, list_hook=_counted_list)
-    return msgpack.unpackb(data, ext_hook=hook, raw=False, strict_map_key=False, use_list=True,
-                           object_pairs_hook=unique_map)
+    return msgpack.unpackb(data, ext_hook=_ext_hook if tree else _plain_ext_hook, raw=False, strict_map_key=False,
+                           use_list=True, object_pairs_hook=unique_map)
 
 
 def unpack_tree(data: bytes) -> Any:
