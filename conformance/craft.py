@@ -125,8 +125,37 @@ class NvFile:
         return next(i for i, e in enumerate(self.index["tensors"]) if e["name"] == name)
 
 
-class KeyMap(tuple):
-    """A map that is a map key (valid msgpack, SPEC 1): its (key, value) pairs, hashable; packs as a map."""
+class ArrayKey(tuple):
+    """An array that is a map key (valid msgpack, SPEC 1): hashable, packs as an array, and never equal to an ext
+    key (an ExtType is a tuple too) or to a map key."""
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is ArrayKey and tuple.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        return hash((ArrayKey, tuple(self)))
+
+
+class KeyMap:
+    """A map that is a map key (valid msgpack, SPEC 1): its (key, value) pairs in stored order, hashable; packs
+    as a map (not a tuple subclass: msgpack would pack that as an array)."""
+
+    __slots__ = ("pairs",)
+
+    def __init__(self, pairs) -> None:
+        self.pairs = tuple(pairs)
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is KeyMap and self.pairs == other.pairs
+
+    def __hash__(self) -> int:
+        return hash((KeyMap, self.pairs))
+
+    def __repr__(self) -> str:
+        return f"KeyMap({dict(self.pairs)!r})"
 
 
 def _ext(code: int, data: bytes) -> msgpack.ExtType:
@@ -137,7 +166,7 @@ def _ext(code: int, data: bytes) -> msgpack.ExtType:
 
 def _hashable(key: Any) -> Any:
     if isinstance(key, list):
-        return tuple(map(_hashable, key))  # packs as an array again
+        return ArrayKey(map(_hashable, key))
     if isinstance(key, dict):
         return KeyMap((_hashable(k), _hashable(v)) for k, v in key.items())
     return key
@@ -152,13 +181,13 @@ def _pairs(pairs: list) -> dict:
 
 def _default(obj: Any) -> Any:
     if isinstance(obj, KeyMap):
-        return dict(obj)
+        return dict(obj.pairs)
     raise TypeError(f"cannot pack {type(obj).__name__}")
 
 
 def unpack(payload: bytes) -> Any:
-    """msgpack as stored: ext types stay ExtType objects (negative ones too), array and map keys become tuples
-    and KeyMaps, so repacking gives the same bytes."""
+    """msgpack as stored: ext types stay ExtType objects (negative ones too), array and map keys become
+    ArrayKeys and KeyMaps, so repacking gives the same bytes (but for non-shortest encodings)."""
     return msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True, ext_hook=_ext,
                            object_pairs_hook=_pairs)
 
