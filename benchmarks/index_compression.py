@@ -33,7 +33,7 @@ from benchmarks.bench_cpu import many_small_state, minilm, training_state  # noq
 from nvckpt.format.constants import FOOTER_SIZE, FRAME_HEADER_SIZE  # noqa: E402
 from nvckpt.format.frames import locate_index  # noqa: E402
 from nvckpt.format.structs import Footer  # noqa: E402
-from nvckpt.io.source import Source  # noqa: E402
+from nvckpt.io.source import open_source  # noqa: E402
 
 
 def median_time(fn, reps: int) -> float:
@@ -65,7 +65,7 @@ def measure(name: str, obj, reps: int) -> dict:
         row[f"zstd{level}_decompress_ms"] = 1e3 * median_time(lambda: zstandard.ZstdDecompressor().decompress(packed), reps)
 
     def open_index() -> None:
-        src = Source(io.BytesIO(data))
+        src = open_source(io.BytesIO(data))
         try:
             locate_index(src)
         finally:
