@@ -46,6 +46,7 @@ import zstandard  # noqa: E402
 
 import nvckpt  # noqa: E402
 from conformance import craft  # noqa: E402
+from conformance.protocol import float_json, node_json  # noqa: E402
 from nvckpt.codecs import ByteShuffle, Pipeline, SignShift, Zstd  # noqa: E402
 from nvckpt.plan.derived import bf16_rne  # noqa: E402
 
@@ -88,34 +89,17 @@ def leaves(obj: Any, parts: tuple = ()) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def float_json(x: float) -> dict:
-    return {"$float": struct.pack(">d", x).hex()}
-
-
-def node_json(node: Any, names: dict[int, str]) -> Any:
-    """The decode document's encoding of a tree or metadata value (conformance/README.md)."""
-    if isinstance(node, torch.Tensor):
-        return {"$tensor": names[id(node)]}
-    if isinstance(node, tuple):
-        return {"$tuple": [node_json(x, names) for x in node]}
-    if isinstance(node, dict):
-        return {"$map": [[node_json(k, names), node_json(v, names)] for k, v in node.items()]}
-    if isinstance(node, list):
-        return [node_json(x, names) for x in node]
-    if isinstance(node, float):
-        return float_json(node)
-    if isinstance(node, bytes):
-        return {"$bytes": node.hex()}
-    if isinstance(node, (set, frozenset)):  # SPEC 9.2 (the runner compares set items unordered; sorted: reproducible)
-        items = sorted((node_json(x, names) for x in node), key=lambda x: json.dumps(x, sort_keys=True))
-        return {"$frozenset" if isinstance(node, frozenset) else "$set": items}
-    if isinstance(node, torch.dtype):
-        return {"$dtype": str(node).removeprefix("torch.")}
-    if isinstance(node, torch.device):
-        return {"$device": str(node)}
-    if isinstance(node, complex):
-        return {"$complex": [float_json(node.real)["$float"], float_json(node.imag)["$float"]]}
-    return node  # None, bool, int, str
+def torch_values(names: dict[int, str]) -> Any:
+    """The decode document's encoding of the saved torch objects (tensors by identity, dtypes, devices)."""
+    def own(node: Any) -> Any:
+        if isinstance(node, torch.Tensor):
+            return {"$tensor": names[id(node)]}
+        if isinstance(node, torch.dtype):
+            return {"$dtype": str(node).removeprefix("torch.")}
+        if isinstance(node, torch.device):
+            return {"$device": str(node)}
+        return None
+    return own
 
 
 def key_string(key: Any) -> str:
@@ -167,7 +151,8 @@ def expected_decode(obj: Any, metadata: dict | None, data: bytes) -> dict:
             t = by_name[e["name"]]
             assert list(t.shape) == list(e["shape"]), e["name"]
             tensors[e["name"]] = tensor_json(e["dtype"], e["shape"], raw_bytes(t))
-    return {"tensors": tensors, "tree": node_json(obj, first), "metadata": node_json(metadata or {}, {})}
+    return {"tensors": tensors, "tree": node_json(obj, torch_values(first)),
+            "metadata": node_json(metadata or {}, torch_values({}))}
 
 
 # --------------------------------------------------------------------------------------------
@@ -1535,7 +1520,7 @@ def gen_second_edition(s: Suite, bases: dict, edit: Callable, index_edit: Callab
     f32 = b"\xa3f32\xcb" + struct.pack(">d", 0.5)
     assert mdp.count(f32) == 1
     exp_md = copy.deepcopy(exp)
-    exp_md["metadata"] = node_json(md, {})
+    exp_md["metadata"] = node_json(md, torch_values({}))
     s.valid("valid-metadata-edge-values", raw_index(mdp.replace(f32, b"\xa3f32\xca" + struct.pack(">f", 0.5))), exp_md,
             section="8.6", flags=["metadata", "float32"],
             description="metadata holding NaN, inf, -inf, -0.0, 2^64-1, -2^63 and a float 32: all JSON-like values")

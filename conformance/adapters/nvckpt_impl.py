@@ -17,7 +17,6 @@ import hashlib
 import io
 import json
 import os
-import struct
 import sys
 from typing import Any
 
@@ -29,6 +28,7 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 
 import nvckpt  # noqa: E402
+from conformance.protocol import node_json  # noqa: E402
 from nvckpt.format.tree import DeviceName, DtypeName, TensorRef  # noqa: E402
 
 # Most specific first: TruncatedError is a FormatError.
@@ -49,28 +49,17 @@ def error_class(exc: nvckpt.NvckptError) -> str:
     return f"other:{type(exc).__name__}"
 
 
-def node_json(node: Any, names: list[str]) -> Any:
-    if isinstance(node, TensorRef):
-        return {"$tensor": names[node.tensor_id]}
-    if isinstance(node, tuple):
-        return {"$tuple": [node_json(x, names) for x in node]}
-    if isinstance(node, dict):
-        return {"$map": [[node_json(k, names), node_json(v, names)] for k, v in node.items()]}
-    if isinstance(node, list):
-        return [node_json(x, names) for x in node]
-    if isinstance(node, float):
-        return {"$float": struct.pack(">d", node).hex()}
-    if isinstance(node, bytes):
-        return {"$bytes": node.hex()}
-    if isinstance(node, (set, frozenset)):
-        return {"$frozenset" if isinstance(node, frozenset) else "$set": [node_json(x, names) for x in node]}
-    if isinstance(node, DtypeName):
-        return {"$dtype": node.name}
-    if isinstance(node, DeviceName):
-        return {"$device": node.spec}
-    if isinstance(node, complex):
-        return {"$complex": [struct.pack(">d", node.real).hex(), struct.pack(">d", node.imag).hex()]}
-    return node
+def own_values(names: list[str]) -> Any:
+    """The decode document's encoding of nvckpt's own tree values (tensor references, dtypes, devices)."""
+    def own(node: Any) -> Any:
+        if isinstance(node, TensorRef):
+            return {"$tensor": names[node.tensor_id]}
+        if isinstance(node, DtypeName):
+            return {"$dtype": node.name}
+        if isinstance(node, DeviceName):
+            return {"$device": node.spec}
+        return None
+    return own
 
 
 def raw_bytes(t: torch.Tensor) -> bytes:
@@ -98,7 +87,8 @@ def decode(target: Any, device: str = "cpu") -> dict:
                     item.update(error=error_class(exc), message=str(exc))
                 tensors[e.name] = item
             return {"status": "ok", "version": list(ck.index.version), "tensors": tensors, "keys": list(ck.keys()),
-                    "tree": node_json(ck.index.tree, names), "metadata": node_json(ck.metadata(), names)}
+                    "tree": node_json(ck.index.tree, own_values(names)),
+                    "metadata": node_json(ck.metadata(), own_values(names))}
     except nvckpt.NvckptError as exc:
         return {"status": "error", "error": error_class(exc), "message": str(exc)}
 
