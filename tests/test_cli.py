@@ -756,3 +756,65 @@ def test_convert_of_a_folder_says_what_the_folder_is(capsys, tmp_path):
     empty.mkdir()
     code, _, err = run(capsys, "convert", str(empty), str(tmp_path / "out2.pt"))
     assert code != 0 and "Is a directory" in err and "extension" not in err
+
+
+def test_convert_to_nvckpt_writes_the_file_once(tmp_path, monkeypatch):
+    from nvckpt.session import save as session_save
+    from nvckpt.tools.convert import convert
+
+    src = str(tmp_path / "m.pt")
+    torch.save({"w": torch.randn(64, 64)}, src)
+    runs = []
+    original = session_save.SaveSession.run
+    monkeypatch.setattr(session_save.SaveSession, "run", lambda self, *a, **k: runs.append(self.target) or original(self, *a, **k))
+    convert(src, str(tmp_path / "m.nvckpt"))
+    assert len(runs) == 1, runs  # before: twice, the whole file written again after the first write
+
+
+@pytest.mark.parametrize("kind", ["sparse", "meta"])
+@pytest.mark.parametrize("dst", ["out.nvckpt", "out.safetensors", "out.pt", "out-dir"])
+def test_convert_of_sparse_or_meta_tensors_is_one_line_exit_3(tmp_path, capsys, kind, dst):
+    pytest.importorskip("safetensors")
+    src = str(tmp_path / f"{kind}.pt")
+    tensor = torch.ones(3).to_sparse() if kind == "sparse" else torch.ones(3, device="meta")
+    torch.save({"emb": tensor, "ok": torch.zeros(2)}, src)
+    command = "split" if dst == "out-dir" else "convert"
+    code, _, err = run(capsys, command, src, str(tmp_path / dst))
+    line = one_error_line(err)
+    assert code == EXIT_UNSUPPORTED and f"{src}: tensor at emb" in line, line
+    assert ("layout torch.sparse_coo" if kind == "sparse" else "meta device") in line
+    assert not [n for n in os.listdir(tmp_path) if n.startswith((".out", "out"))]
+
+
+def test_convert_format_hint_lists_what_each_option_accepts(tmp_path, capsys):
+    src = str(tmp_path / "a.nvckpt")
+    nvckpt.save({"w": torch.ones(2)}, src)
+    code, _, err = run(capsys, "convert", src, str(tmp_path / "out.weights"))
+    line = one_error_line(err)
+    assert code == EXIT_USAGE and "--from/--to (nvckpt, safetensors, torch;" in line, line
+    listed = line.split("--from/--to (")[1].split(";")[0].split(", ")
+    for fmt in listed:  # every format the hint offers is one the option takes (before: dcp, which it refused)
+        assert run(capsys, "convert", src, str(tmp_path / f"out-{fmt}.weights"), "--to", fmt)[0] == EXIT_OK
+    # merge and split have no --from/--to: the hint does not offer them
+    split = str(tmp_path / "dir")
+    assert run(capsys, "split", src, split)[0] == EXIT_OK
+    code, _, err = run(capsys, "merge", split, str(tmp_path / "merged.weights"))
+    line = one_error_line(err)
+    assert code == EXIT_USAGE and "--from" not in line and "--to" not in line and "extensions" in line, line
+
+
+def _strict_json(text: str):
+    def refuse(constant: str):
+        raise ValueError(f"not JSON: {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_json_output_is_valid_json_with_non_finite_metadata(tmp_path, capsys):
+    path = str(tmp_path / "c.nvckpt")
+    nvckpt.save({"w": torch.ones(2)}, path, metadata={"best": float("inf"), "worst": float("-inf"),
+                                                        "last": float("nan"), "hist": [1.5, float("inf")]})
+    code, out, _ = run(capsys, "info", "--json", path)
+    assert code == EXIT_OK
+    meta = _strict_json(out)["metadata"]  # before: Infinity / NaN, which strict parsers reject
+    assert meta == {"best": "inf", "worst": "-inf", "last": "nan", "hist": [1.5, "inf"]}

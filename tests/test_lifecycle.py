@@ -806,3 +806,36 @@ def test_a_lazy_saves_thread_plans_only_after_the_call_returned(tmp_path, monkey
     for i in range(5):
         nvckpt.async_save({"m": model.state_dict()}, tmp_path / f"p{i}.nvckpt", fence=opt).result(timeout=60)
     assert seen == [1] * 5
+
+
+def test_cancel_returns_when_a_done_callback_asks_for_the_outcome(tmp_path):
+    """cancel() ran the done-callbacks under the lock that the save's thread takes before its rename: a callback
+    calling exception() (a common logging pattern) waited for that thread, and both waited for good."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import time, torch, nvckpt
+        import nvckpt.io.sink as sink
+        close = sink.FileSink.close
+        def slow_close(self, *a, **k):  # a slow final fsync (a network filesystem)
+            time.sleep(0.5)
+            return close(self, *a, **k)
+        sink.FileSink.close = slow_close
+        path = {str(tmp_path / "ck.nvckpt")!r}
+        nvckpt.save({{"old": 1}}, path)
+        f = nvckpt.async_save({{"x": torch.randn(1000)}}, path)
+        seen = []
+        def log(fut):
+            try:
+                seen.append(repr(fut.exception()))
+            except BaseException as exc:
+                seen.append(type(exc).__name__)
+        f.add_done_callback(log)
+        time.sleep(0.2)  # the items are written: the thread is in its final close
+        print(f.cancel(), seen, nvckpt.load(path))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "['CancelledError']", "{'old':", "1}"]

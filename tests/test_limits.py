@@ -1,14 +1,9 @@
-"""Regressions of issue 10 ("Hardening, round 2"), one group per item of the issue.
+"""SPEC 16's limits and the nesting bounds: a reader refuses what is over them with a named error (never a
+crash, a recursion error or an allocation far beyond the file), and a save fails before it publishes a file a
+reader would refuse.
 
-1. nests bounded before msgpack's recursion, in every payload and on every path;
-2. a save whose index would exceed a limit fails before anything is published;
-3. a compact index: chunk tables as columns, bulk decoding, an explicit memory bound (untrusted);
-4. verify and recover check what a reader checks;
-5. max_tensor_bytes covers views; a huge legal tensor is a named error; close() racing readers;
-6. target names of 235-255 bytes; errors name the caller's path.
-
-The hostile-file run over every path under a memory cap, and the million-chunk
-timing, are tests/test_hostile.py.
+The hostile-file run over every path under a memory cap, and the million-chunk timing, are
+tests/test_hostile.py.
 """
 
 from __future__ import annotations
@@ -16,10 +11,8 @@ from __future__ import annotations
 import io
 import json
 import os
-import struct
 import subprocess
 import sys
-import threading
 
 import msgpack
 import pytest
@@ -34,6 +27,7 @@ for p in (ROOT, os.path.join(ROOT, "tools")):
 import hostile  # noqa: E402
 
 import nvckpt  # noqa: E402
+from conftest import assert_tensor_equal  # noqa: E402
 from conformance import craft  # noqa: E402
 from nvckpt.format import bulk  # noqa: E402
 from nvckpt.format.frames import read_meta_frame  # noqa: E402
@@ -68,10 +62,10 @@ def with_index(data: bytes, edit) -> bytes:
     return craft.build(nv, fix_index=False)
 
 
-# -- 1. nests -----------------------------------------------------------------------------------------
+# -- nesting: bounded before msgpack's recursion, in every payload and on every path (SPEC 9, 16) ------------
 
 def test_tuples_200_deep_are_a_limit_error_not_a_segfault():
-    """The 1.4 KB file of the issue: tuples nested 200 deep in the tree crashed msgpack's C unpacker."""
+    """A 1.4 KB file: tuples nested 200 deep in the tree crashed msgpack's C unpacker."""
     for fn in (lambda p: nvckpt.open(p), lambda p: nvckpt.load(p, untrusted=True)):
         with pytest.raises(nvckpt.LimitError, match="nesting"):
             fn(case("tree-tuple-depth-200"))
@@ -126,7 +120,51 @@ def test_error_messages_never_repr_a_huge_or_deep_value():
     assert len(str(info.value)) < 300 and "array of 20000 items" in str(info.value)
 
 
-# -- 2. limits on the write side ------------------------------------------------------------------------
+def _nested_dicts(levels: int) -> dict:
+    """``levels`` dicts, each inside the one before (the outermost is level 1)."""
+    root: dict = {}
+    node = root
+    for _ in range(levels - 1):
+        node["a"] = {}
+        node = node["a"]
+    return root
+
+
+def test_metadata_nested_65_deep_is_refused_by_save():
+    # The reader rejects metadata nested deeper than 64 (SPEC 8.6, the map itself is level 1);
+    # save used to count from 0 and write a file that then could not be opened.
+    with pytest.raises(nvckpt.LimitError):
+        nvckpt.save({"w": torch.ones(2)}, io.BytesIO(), metadata=_nested_dicts(65))
+    stream = io.BytesIO()
+    nvckpt.save({"w": torch.ones(2)}, stream, metadata=_nested_dicts(64))
+    stream.seek(0)
+    with nvckpt.open(stream) as ck:
+        assert ck.metadata() == _nested_dicts(64)
+
+
+def test_tree_of_64_containers_with_leaves_inside_saves_and_loads():
+    # SPEC 9 counts containers (the root is depth 1): 64 nested lists are legal, whatever leaf
+    # the innermost holds.  save used to count the leaf as a level and refuse the tree.
+    for leaf in (7, torch.arange(3)):
+        obj: object = leaf
+        for _ in range(64):
+            obj = [obj]
+        stream = io.BytesIO()
+        nvckpt.save(obj, stream)
+        stream.seek(0)
+        back = nvckpt.load(stream)
+        for _ in range(64):
+            assert isinstance(back, list) and len(back) == 1
+            back = back[0]
+        if isinstance(leaf, torch.Tensor):
+            assert_tensor_equal(back, leaf)
+        else:
+            assert back == leaf
+    with pytest.raises(nvckpt.LimitError):
+        nvckpt.save([obj], io.BytesIO())  # 65 containers
+
+
+# -- the write side: what a reader would refuse fails before anything is published ---------------------------
 
 def test_an_index_over_the_limit_fails_before_anything_is_written(tmp_path, monkeypatch):
     from nvckpt.format import frames
@@ -158,6 +196,19 @@ def test_an_index_over_the_limit_found_at_the_end_keeps_the_old_file(tmp_path, m
     with pytest.raises(nvckpt.LimitError, match="the index would be"):
         nvckpt.save(state, target, chunk_size=1, codec="raw", alignment=1)
     assert target.read_bytes() == old and os.listdir(tmp_path) == ["ckpt.nvckpt"]
+
+
+def test_an_index_whose_entries_alone_are_over_the_limit_fails_before_anything_is_written(tmp_path, monkeypatch):
+    """Many tensors with long names: their entries (not the tree or metadata) go over the limit."""
+    from nvckpt.format import frames
+
+    state = {("n" * 200) + str(i): torch.ones(1) for i in range(200)}
+    tree_and_names = len(msgpack.packb(list(state))) * 2
+    monkeypatch.setattr(frames, "MAX_INDEX_LENGTH", tree_and_names + 2000)  # above the tree, below tree + entries
+    buf = io.BytesIO()
+    with pytest.raises(nvckpt.LimitError, match="nothing was written"):
+        nvckpt.save(state, buf)
+    assert buf.getvalue() == b""
 
 
 def _nest(depth: int, leaf):
@@ -206,7 +257,17 @@ def test_a_tensor_spanning_more_than_2p62_bytes_is_refused_before_writing():
     assert buf.getvalue() == b""
 
 
-# -- 3. a compact index ---------------------------------------------------------------------------------
+def test_an_int_too_large_for_a_reader_is_refused_at_save():
+    # SPEC 16: a reader refuses big integers over 1024 bytes; save wrote them, and the file did not load.
+    ok = io.BytesIO()
+    nvckpt.save({"seed": 1 << 8190}, ok)  # 1024 bytes: the limit itself
+    ok.seek(0)
+    assert nvckpt.load(ok)["seed"] == 1 << 8190
+    with pytest.raises(nvckpt.LimitError, match="integer at seed takes 1026 bytes"):
+        nvckpt.save({"w": torch.ones(2), "seed": 2 ** 8200}, io.BytesIO())
+
+
+# -- a large index: chunk tables as columns, decoded in pieces, within a memory bound ------------------------
 
 def test_bulk_decoding_agrees_with_the_plain_decoding(monkeypatch):
     """Long chunk tables in every int encoding (the conformance file) decode to the same tables both ways."""
@@ -303,60 +364,7 @@ def test_a_corrupt_chunk_in_a_group_is_named():
     assert info.value.chunk == 1234
 
 
-# -- 4. verify and recover check what a reader checks --------------------------------------------------
-
-@pytest.mark.parametrize("cid", ["bool-byte-2", "chunk-frame-padding-nonzero"])
-def test_verify_fails_what_the_spec_rejects(cid):
-    assert not verify(case(cid)).ok
-    from nvckpt import cli
-
-    assert cli.main(["verify", case(cid)]) == 1
-
-
-def test_verify_reports_a_tensor_this_reader_cannot_build():
-    report = verify(case("valid-unknown-dtype"))
-    assert report.ok and any("not readable here" in n.message for n in report.undecoded)
-
-
-def _zstd_file() -> bytes:
-    buf = io.BytesIO()
-    nvckpt.save({"a": torch.zeros(4096), "b": torch.ones(8, dtype=torch.bool)}, buf, codec="zstd")
-    return buf.getvalue()
-
-
-def _edit_chunk(data: bytes, tensor: str, payload: bytes) -> bytes:
-    nv = craft.parse(data)
-    tid = nv.tensor_id(tensor)
-    nv.chunk_frame(tid, 0).payload = payload
-    return craft.build(nv)
-
-
-@pytest.mark.parametrize("what", ["garbage-zstd", "bool-2", "tensor-checksum"])
-def test_recover_keeps_only_tensors_that_decode_and_match(what, tmp_path):
-    data = _zstd_file()
-    if what == "garbage-zstd":  # a valid checksum over bytes that are no zstd frame
-        data = _edit_chunk(data, "a", b"\x28\xb5\x2f\xfd" + bytes(40))
-        lost = "a"
-    elif what == "bool-2":
-        data = _edit_chunk(data, "b", bytes([1, 2, 0, 1, 0, 1, 0, 1]))
-        lost = "b"
-    else:  # the stored bytes decode, but not to what the tensor checksum says
-        nv = craft.parse(data)
-        tid = nv.tensor_id("a")
-        entry = craft.unpack(nv.tensor_frame(tid).payload)
-        entry["checksum"] ^= 1
-        nv.tensor_frame(tid).payload = craft.pack(entry)
-        data = craft.build(nv)
-        lost = "a"
-    src = tmp_path / "src.nvckpt"
-    src.write_bytes(data)
-    report = recover(src, tmp_path / "out.nvckpt")
-    assert lost in report.lost and lost not in report.recovered, report.lost
-    with nvckpt.open(tmp_path / "out.nvckpt") as ck:
-        assert lost not in ck.keys()
-
-
-# -- 5. limits that leak --------------------------------------------------------------------------------
+# -- tensor sizes: max_tensor_bytes covers views, a huge legal tensor is a named error -----------------------
 
 def test_max_tensor_bytes_applies_to_views(tmp_path):
     path = tmp_path / "view.nvckpt"
@@ -398,85 +406,3 @@ def test_a_legal_file_declaring_8_gib_is_a_named_error_not_a_torch_one(tmp_path)
     with nvckpt.open(path, max_tensor_bytes=1 << 30) as ck:  # refused before allocating, without a cap
         with pytest.raises(nvckpt.LimitError, match="max_tensor_bytes"):
             ck.get_tensor("huge")
-
-
-def test_close_while_other_threads_read_gives_named_errors_and_right_bytes(tmp_path):
-    path = tmp_path / "f.nvckpt"
-    tensors = {f"t{i}": torch.arange(50_000, dtype=torch.float32) * i for i in range(8)}
-    nvckpt.save(tensors, path, chunk_size=16 << 10)
-    for _ in range(5):
-        ck = nvckpt.open(path, workers=4)
-        errors: list[str] = []
-        start = threading.Barrier(9)
-
-        def reader(k: int) -> None:
-            start.wait()
-            for r in range(40):
-                name = f"t{(k + r) % 8}"
-                try:
-                    t = ck.get_tensor(name)
-                except nvckpt.NvckptError:
-                    continue  # closed: a named error
-                except Exception as exc:  # noqa: BLE001 - the property under test
-                    errors.append(f"{type(exc).__name__}: {exc}")
-                    return
-                if not torch.equal(t, tensors[name]):
-                    errors.append(f"{name}: wrong bytes")
-
-        threads = [threading.Thread(target=reader, args=(k,)) for k in range(8)]
-        for t in threads:
-            t.start()
-        start.wait()
-        ck.close()
-        for t in threads:
-            t.join()
-        assert not errors, errors[:3]
-        with pytest.raises(nvckpt.NvckptError, match="closed"):
-            ck.get_tensor("t1")
-
-
-# -- 6. names -------------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("length", [234, 235, 250, 255])
-def test_target_names_up_to_name_max_save_and_replace(tmp_path, length):
-    name = ("é" * 200).encode()[: length - 7].decode("utf-8", "ignore")
-    name += "x" * (length - 7 - len(name.encode())) + ".nvckpt"
-    assert len(name.encode()) == length
-    target = tmp_path / name
-    for value in (1.0, 2.0):  # create, then replace
-        nvckpt.save({"w": torch.full((3,), value)}, target)
-        assert torch.equal(nvckpt.load(target)["w"], torch.full((3,), value))
-    assert os.listdir(tmp_path) == [name]
-
-
-def test_errors_name_the_callers_path_not_the_temporary(tmp_path):
-    missing = tmp_path / "no-such-folder" / "ckpt.nvckpt"
-    with pytest.raises(FileNotFoundError) as info:
-        nvckpt.save({"w": torch.ones(2)}, missing)
-    assert info.value.filename == str(missing) and "nvckpt-tmp" not in str(info.value)
-    too_long = tmp_path / ("n" * 256)
-    with pytest.raises(OSError) as info:
-        nvckpt.save({"w": torch.ones(2)}, too_long)
-    assert "nvckpt-tmp" not in str(info.value) and info.value.filename == str(too_long)
-    assert os.listdir(tmp_path) == []
-
-
-def test_checksums_of_hostile_builders_are_valid():
-    """The files tools/hostile.py builds are what they claim: valid where they should be."""
-    data = hostile.many_tensors(300)
-    loaded = nvckpt.load(io.BytesIO(data))
-    assert len(loaded) == 300 and int(loaded["t7"][0]) == 49
-    assert xxhash.xxh3_64_intdigest(b"") >= 0 and struct.calcsize("<I") == 4
-
-
-def test_an_index_whose_entries_alone_are_over_the_limit_fails_before_anything_is_written(tmp_path, monkeypatch):
-    """Many tensors with long names: their entries (not the tree or metadata) go over the limit."""
-    from nvckpt.format import frames
-
-    state = {("n" * 200) + str(i): torch.ones(1) for i in range(200)}
-    tree_and_names = len(msgpack.packb(list(state))) * 2
-    monkeypatch.setattr(frames, "MAX_INDEX_LENGTH", tree_and_names + 2000)  # above the tree, below tree + entries
-    buf = io.BytesIO()
-    with pytest.raises(nvckpt.LimitError, match="nothing was written"):
-        nvckpt.save(state, buf)
-    assert buf.getvalue() == b""

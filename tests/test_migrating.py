@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import nvckpt
+from conftest import assert_tensor_equal
 
 
 @pytest.fixture()
@@ -178,3 +179,36 @@ def test_a_load_onto_the_meta_device_is_refused_naming_the_option(ckpt):
     for kwargs in ({"device": "meta"}, {"map_location": "meta"}, {"map_location": torch.device("meta")}):
         with pytest.raises(ValueError, match="device='meta'.*nvckpt.open"):
             nvckpt.load(path, **kwargs)
+
+
+def test_a_map_location_callable_may_return_none_as_in_torch_load():
+    # torch.load: the callable "should return either None or a storage"; None keeps the default placement.
+    state = {"w": torch.randn(3, 3), "v": torch.arange(4)}
+    buf = io.BytesIO()
+    nvckpt.save(state, buf)
+    buf.seek(0)
+    got = nvckpt.load(buf, map_location=lambda storage, loc: None)
+    assert_tensor_equal(got["w"], state["w"]) and got["w"].device.type == "cpu"
+    buf.seek(0)
+    with pytest.raises(TypeError, match="not a storage or None"):
+        nvckpt.load(buf, map_location=lambda storage, loc: 3)
+
+
+def test_a_callable_map_location_relocates_slices_and_boxes_too(tmp_path):
+    """get_slice and read_box return what get_tensor returns: relocated by a callable map_location."""
+    path = tmp_path / "c.nvckpt"
+    w = torch.arange(60.0).reshape(12, 5)
+    nvckpt.save({"w": w}, path)
+    calls = []
+
+    def relocate(storage, location):
+        calls.append(location)
+        return storage.clone()  # a new storage: the result must not share the first one's memory
+
+    with nvckpt.open(path, map_location=relocate) as f:
+        whole = f.get_tensor("w")
+        assert len(calls) == 1
+        for got, want in ((f.get_slice("w")[2:5], w[2:5]), (f.get_slice("w")[3], w[3]),
+                          (f.get_slice("w")[[1, 4]], w[[1, 4]]), (f.read_box("w", (1, 2), (3, 2)), w[1:4, 2:4])):
+            assert torch.equal(got, want)
+        assert len(calls) == 5 and whole.untyped_storage().data_ptr() != 0

@@ -1,14 +1,13 @@
-"""SPEC.md 1.1, second edition (19.1): a review of nvckpt and the independent reader against SPEC.md.
+"""Files at the edges of SPEC.md: nvckpt, `nvckpt verify`, the independent reader
+(conformance/reference_reader.py, random-access and streaming) and the conformance adapter give the same
+verdict on each.
 
-Each test builds the file a divergence was found with (a valid file from nvckpt.save, edited with
-conformance/craft.py) and checks what nvckpt, `nvckpt verify`, the independent reader
-(conformance/reference_reader.py, random-access and streaming) and the conformance adapter do with it.
+Each test builds its file from a valid file of nvckpt.save, edited with conformance/craft.py.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import os
 import struct
 import sys
@@ -24,6 +23,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import nvckpt  # noqa: E402
+from conftest import saved_bytes  # noqa: E402
 from conformance import craft  # noqa: E402
 from conformance import reference_reader as rr  # noqa: E402
 from conformance.adapters import nvckpt_impl  # noqa: E402
@@ -32,14 +32,6 @@ from nvckpt.format import bulk  # noqa: E402
 from nvckpt.tools.verify import verify  # noqa: E402
 
 EXT6 = msgpack.ExtType(6, (2**64).to_bytes(9, "little", signed=True))
-
-
-def saved(obj, **kw) -> bytes:
-    kw.setdefault("codec", "raw")
-    kw.setdefault("engine", "cpu")
-    buf = io.BytesIO()
-    nvckpt.save(obj, buf, **kw)
-    return buf.getvalue()
 
 
 def edited(data: bytes, fn, *, sync: bool = True, **build) -> bytes:
@@ -66,14 +58,14 @@ def reference(path: str) -> list[dict]:
     return [rr.decode_file(path), rr.decode_file(path, streaming=True)]
 
 
-# -- bug 1: an empty chunk table for a tensor with bytes (SPEC 8.4) -----------------------------------------
+# -- an empty chunk table for a tensor with bytes (SPEC 8.4) -----------------------------------------
 
 def _empty_table(drop_chunk_frames: bool) -> bytes:
     def fn(nv):
         nv.index["tensors"][0]["chunks"] = []
         if drop_chunk_frames:
             nv.frames = [f for f in nv.frames if f.frame_type != craft.CHUNK]
-    return edited(saved({"w": torch.zeros(1024)}, tensor_checksums=False), fn)
+    return edited(saved_bytes({"w": torch.zeros(1024)}, tensor_checksums=False), fn)
 
 
 @pytest.mark.parametrize("drop_chunk_frames", [False, True])
@@ -94,11 +86,11 @@ def test_nvckpt_verify_reports_an_empty_chunk_table(tmp_path, capsys):
 
 
 def test_empty_tensor_keeps_its_empty_chunk_table(tmp_path):
-    path = write(tmp_path, saved({"e": torch.zeros(0, 3), "w": torch.ones(2)}))
+    path = write(tmp_path, saved_bytes({"e": torch.zeros(0, 3), "w": torch.ones(2)}))
     assert load_all(path)["e"].shape == (0, 3)
 
 
-# -- bug 2: one chunk whose raw_length is over MAX_CHUNK_LENGTH (SPEC 8.4, 12.1, 16) -------------------------
+# -- one chunk whose raw_length is over MAX_CHUNK_LENGTH (SPEC 8.4, 12.1, 16) -------------------------
 
 def test_one_chunk_table_obeys_the_raw_length_limit(tmp_path):
     raw = 1 << 26
@@ -111,16 +103,16 @@ def test_one_chunk_table_obeys_the_raw_length_limit(tmp_path):
         chunk = nv.chunk_frame(0, 0)
         chunk.payload, chunk.raw_length = zstandard.ZstdCompressor(level=1).compress(bytes(raw)), raw
 
-    path = write(tmp_path, edited(saved({"w": torch.zeros(4, dtype=torch.uint8)}, tensor_checksums=False), fn))
+    path = write(tmp_path, edited(saved_bytes({"w": torch.zeros(4, dtype=torch.uint8)}, tensor_checksums=False), fn))
     with pytest.raises((nvckpt.LimitError, nvckpt.FormatError), match=r"chunk 0 raw_length .*16777216.*67108864"):
         nvckpt.open(path)
     assert all(d["error"] in ("limit", "format") for d in reference(path))
 
 
-# -- bug 3: an ext 6 integer where only tree values may hold it (SPEC 8.6, 9.2, 11.2) ------------------------
+# -- an ext 6 integer where only tree values may hold it (SPEC 8.6, 9.2, 11.2) ------------------------
 
 def _typed() -> bytes:
-    data = saved({"w": torch.arange(4.0), "big": 2**70})
+    data = saved_bytes({"w": torch.arange(4.0), "big": 2**70})
     assert craft.parse(data).preamble.required_features == 2
     return data
 
@@ -152,7 +144,7 @@ def test_ext_6_stays_a_value_of_the_tree(tmp_path):
         assert ck.load()["big"] == 2**70 and type(ck.load()["big"]) is int
 
 
-# -- bug 4: ext values under keys a reader ignores (SPEC 1, 8.1, 8.2) -----------------------------------------
+# -- ext values under keys a reader ignores (SPEC 1, 8.1, 8.2) -----------------------------------------
 
 UNKNOWN_EXTS = {
     "ext9": msgpack.ExtType(9, b"abc"),
@@ -181,7 +173,7 @@ def _unknown_codec(nv, value):
 
 def _with_view() -> bytes:
     flat = torch.arange(12.0)
-    return saved({"w": torch.ones(3), "v": flat[2:8], "u": flat[4:]})
+    return saved_bytes({"w": torch.ones(3), "v": flat[2:8], "u": flat[4:]})
 
 
 @pytest.mark.parametrize("place", PLACES)
@@ -215,7 +207,7 @@ def test_ignored_exts_in_an_index_decoded_in_pieces(tmp_path, monkeypatch):
         nv.index["x-future"] = msgpack.ExtType(9, b"abc")
         nv.index["tensors"][7]["x-future"] = msgpack.ExtType(2, b"\x01")
 
-    data = edited(saved(obj), fn)
+    data = edited(saved_bytes(obj), fn)
     assert len(craft.parse(data).index_frame().payload) >= bulk.STREAM_FROM
     assert load_all(write(tmp_path, data))["t7"].item() == 7.0
 
@@ -234,11 +226,11 @@ def test_known_keys_and_the_tree_still_refuse_exts(tmp_path, fn, words):
         nvckpt.open(write(tmp_path, edited(_with_view(), fn)))
 
 
-# -- bug 5: a derived "function" that is not a str (SPEC 8.5, 1) ----------------------------------------------
+# -- a derived "function" that is not a str (SPEC 8.5, 1) ----------------------------------------------
 
 def _derived() -> bytes:
     x = torch.arange(4, dtype=torch.float32)
-    data = saved({"a": x, "b": x.clone()})
+    data = saved_bytes({"a": x, "b": x.clone()})
     assert craft.parse(data).index["tensors"][1]["derived"]["function"] == "copy"
     return data
 
@@ -267,10 +259,10 @@ def test_an_unknown_function_name_still_fails_only_when_read(tmp_path):
             ck["b"]
 
 
-# -- bug 6: footer check 6 before the INDEX frame header (SPEC 5) ------------------------------------------------
+# -- footer check 6 before the INDEX frame header (SPEC 5) ------------------------------------------------
 
 def test_footer_index_bounds_are_checked_before_the_index_header(tmp_path):
-    data = bytearray(saved({"w": torch.zeros(4)}))
+    data = bytearray(saved_bytes({"w": torch.zeros(4)}))
     at = len(data) - 40
     off, length, check, _ = struct.unpack_from("<QQQI", data, at)
     struct.pack_into("<QQQI", data, at, off, length + 1, check, 0)  # check 6 fails ...
@@ -282,14 +274,14 @@ def test_footer_index_bounds_are_checked_before_the_index_header(tmp_path):
     assert rr.decode_file(path)["error"] == "format"
 
 
-# -- bug 7: the checksum of a view or derived tensor (SPEC 13) ---------------------------------------------------
+# -- the checksum of a view or derived tensor (SPEC 13) ---------------------------------------------------
 
 def _views_and_derived(tmp_path, checksum):
     flat = torch.arange(40, dtype=torch.float32)
     x = torch.randn(8, generator=torch.Generator().manual_seed(0))
     obj = {"v": flat[0:10], "s": flat[20:].view(4, 5).t(), "one": flat.as_strided((1,), (0,), 7),
            "f": x, "h": x.bfloat16(), "c": x.clone()}
-    nv = craft.parse(saved(obj))
+    nv = craft.parse(saved_bytes(obj))
     built = [e for e in nv.index["tensors"] if "view" in e or "derived" in e]
     assert {e["name"] for e in built} == {"v", "s", "one", "h", "c"}
     for e in built:
@@ -326,10 +318,10 @@ def test_right_view_and_derived_checksums_load(tmp_path):
     assert report.tensor_checksums == 2 + len(names)  # the two stored tensors' and the five built ones'
 
 
-# -- bug 11: "checksum": nil (SPEC 8.3, 1) ----------------------------------------------------------------------
+# -- "checksum": nil (SPEC 8.3, 1) ----------------------------------------------------------------------
 
 def test_checksum_nil_is_refused(tmp_path):
-    path = write(tmp_path, edited(saved({"w": torch.zeros(4)}), lambda nv: nv.index["tensors"][0].__setitem__("checksum", None)))
+    path = write(tmp_path, edited(saved_bytes({"w": torch.zeros(4)}), lambda nv: nv.index["tensors"][0].__setitem__("checksum", None)))
     with pytest.raises(nvckpt.FormatError, match="'checksum' must be an integer"):
         nvckpt.open(path)
     assert [d["error"] for d in reference(path)] == ["format", "format"]
@@ -342,16 +334,16 @@ def test_tensor_frame_checksum_nil_differs_from_absent(tmp_path):
         d["checksum"] = None
         frame.payload = craft.pack(d)
 
-    path = write(tmp_path, edited(saved({"w": torch.zeros(4)}, tensor_checksums=False), fn, sync=False))
+    path = write(tmp_path, edited(saved_bytes({"w": torch.zeros(4)}, tensor_checksums=False), fn, sync=False))
     assert rr.decode_file(path)["status"] == "ok"  # a random-access reader reads no TENSOR frame
     assert rr.decode_file(path, streaming=True)["error"] == "format"
 
 
-# -- bug 12: the reference reader and trailing incomplete msgpack (SPEC 1) -----------------------------------
+# -- the reference reader and trailing incomplete msgpack (SPEC 1) -----------------------------------
 
 @pytest.mark.parametrize("where", ["index", "tuple"])
 def test_reference_reader_refuses_a_trailing_incomplete_object(tmp_path, where):
-    base = saved({"w": torch.zeros(4)})
+    base = saved_bytes({"w": torch.zeros(4)})
     nv = craft.parse(base)
     if where == "index":
         nv.index_frame().payload += b"\xa1"
@@ -374,7 +366,7 @@ def test_reference_unpack_one():
         rr.unpack_one(b"\x92\x01")
 
 
-# -- bug 13: the reference streaming reader and "nchunks" of another type (SPEC 8.3) -------------------------
+# -- the reference streaming reader and "nchunks" of another type (SPEC 8.3) -------------------------
 
 @pytest.mark.parametrize("value", [True, 1.0])
 def test_reference_streaming_reader_checks_the_type_of_nchunks(tmp_path, value):
@@ -385,12 +377,12 @@ def test_reference_streaming_reader_checks_the_type_of_nchunks(tmp_path, value):
         d["nchunks"] = value
         frame.payload = craft.pack(d)
 
-    path = write(tmp_path, edited(saved({"w": torch.zeros(4)}), fn, sync=False))
+    path = write(tmp_path, edited(saved_bytes({"w": torch.zeros(4)}), fn, sync=False))
     assert rr.decode_file(path, streaming=True)["error"] == "format"
     assert any("TENSOR frame" in str(p) for p in verify(path, workers=1).problems)
 
 
-# -- bug 14: the conformance adapter and a one-element view of stride 0 ------------------------------------------
+# -- the conformance adapter and a one-element view of stride 0 ------------------------------------------
 
 def test_adapter_decodes_a_one_element_view_of_stride_0(tmp_path):
     flat = torch.arange(100, dtype=torch.float32)
@@ -399,7 +391,7 @@ def test_adapter_decodes_a_one_element_view_of_stride_0(tmp_path):
         e = nv.index["tensors"][nv.tensor_id("a")]
         e["shape"], e["view"] = [1], {"base": e["view"]["base"], "offset": 89, "stride": [0]}
 
-    path = write(tmp_path, edited(saved({"a": flat[10:20], "b": flat[50:]}), fn))
+    path = write(tmp_path, edited(saved_bytes({"a": flat[10:20], "b": flat[50:]}), fn))
     doc = nvckpt_impl.decode(path)
     assert doc["status"] == "ok"
     with nvckpt.open(path) as ck:
@@ -410,7 +402,7 @@ def test_adapter_decodes_a_one_element_view_of_stride_0(tmp_path):
     assert nvckpt_impl.raw_bytes(flat[::3]) == flat[::3].contiguous().numpy().tobytes()
 
 
-# -- amb1: files shorter than the preamble (SPEC 3, 5) --------------------------------------------------------
+# -- files shorter than the preamble (SPEC 3, 5) --------------------------------------------------------
 
 @pytest.mark.parametrize("data, error", [
     (b"PK\x03\x04 not a checkpoint", nvckpt.FormatError),
@@ -429,11 +421,11 @@ def test_short_files_follow_section_3(tmp_path, data, error):
     assert [d["error"] for d in reference(path)] == [kind, kind]
 
 
-# -- amb2: the frame the footer points at (SPEC 5 check 7 over 4.2) ---------------------------------------------
+# -- the frame the footer points at (SPEC 5 check 7 over 4.2) ---------------------------------------------
 
 @pytest.mark.parametrize("ftype", [0, 1, 3, 5, 127, 128, 255])
 def test_the_footer_must_point_at_an_index_frame(tmp_path, ftype):
-    path = write(tmp_path, edited(saved({"w": torch.zeros(4)}), lambda nv: setattr(nv.index_frame(), "frame_type", ftype),
+    path = write(tmp_path, edited(saved_bytes({"w": torch.zeros(4)}), lambda nv: setattr(nv.index_frame(), "frame_type", ftype),
                                   sync=False, fix_index=False))
     with pytest.raises(nvckpt.FormatError, match="not the INDEX frame"):
         nvckpt.open(path)
@@ -443,17 +435,7 @@ def test_the_footer_must_point_at_an_index_frame(tmp_path, ftype):
 # -- SPEC 3: unknown required_features bits are named by number --------------------------------------------------
 
 def test_unknown_required_feature_bits_are_named(tmp_path):
-    path = write(tmp_path, edited(saved({"w": torch.zeros(4)}),
+    path = write(tmp_path, edited(saved_bytes({"w": torch.zeros(4)}),
                                   lambda nv: setattr(nv.preamble, "required_features", 1 | 1 << 5 | 1 << 31), sync=False))
     with pytest.raises(nvckpt.UnsupportedFeatureError, match=r"required_features bits 0, 5, 31 "):
         nvckpt.open(path)
-
-
-# -- SPEC 18.1 agrees with section 3 ------------------------------------------------------------------------------
-
-def test_spec_writer_rule_allows_the_typed_tree_bit():
-    with open(os.path.join(ROOT, "SPEC.md"), encoding="utf-8") as f:
-        spec = f.read()
-    writer = spec[spec.index("### 18.1 Writer"): spec.index("### 18.2")]
-    assert "MUST NOT set feature bits" not in writer and "bit 1" in writer and "1.1" in writer
-    assert "a file shorter\nthan 24 bytes is `TruncatedError`, and" not in spec

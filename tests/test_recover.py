@@ -8,7 +8,10 @@ complete), independently of the recovery code.
 
 from __future__ import annotations
 
+import io
 import os
+import sys
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +19,7 @@ import pytest
 import torch
 
 import nvckpt
-from conftest import assert_tensor_equal, assert_tree_equal
+from conftest import assert_tensor_equal, assert_tree_equal, saved_bytes
 from nvckpt.cli import EXIT_OK, EXIT_PROBLEMS, main
 from nvckpt.codecs import NvcompAns, Pipeline, portable
 from nvckpt.format.constants import FOOTER_SIZE, FRAME_CHUNK, FRAME_HEADER_SIZE, FRAME_INDEX, FRAME_TENSOR, PREAMBLE_SIZE
@@ -28,6 +31,13 @@ from nvckpt.plan.walk import plan_save
 from nvckpt.session.save import write_items
 from nvckpt.tools.recover import LOST, RECOVERED_FROM, recover
 from nvckpt.tools.verify import verify
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+from conformance import craft  # noqa: E402  (the conformance suite's file crafter)
+from nvckpt.read.reader import ChunkReader  # noqa: E402
+from test_cli import run  # noqa: E402
 
 METADATA = {"run": "r1", "step": 12}
 
@@ -339,3 +349,105 @@ def test_recover_hostile_tensor_frames(original, tmp_path):
     with nvckpt.open(out) as ck:
         assert_tensor_equal(ck.get_tensor("ids"), recover_state()["ids"])
         assert ck.get_tensor(deep.replace("/", "~1")).shape == (0,)  # stored flat, under its escaped path
+
+
+def _zstd_file() -> bytes:
+    buf = io.BytesIO()
+    nvckpt.save({"a": torch.zeros(4096), "b": torch.ones(8, dtype=torch.bool)}, buf, codec="zstd")
+    return buf.getvalue()
+
+
+def _edit_chunk(data: bytes, tensor: str, payload: bytes) -> bytes:
+    nv = craft.parse(data)
+    tid = nv.tensor_id(tensor)
+    nv.chunk_frame(tid, 0).payload = payload
+    return craft.build(nv)
+
+
+@pytest.mark.parametrize("what", ["garbage-zstd", "bool-2", "tensor-checksum"])
+def test_recover_keeps_only_tensors_that_decode_and_match(what, tmp_path):
+    data = _zstd_file()
+    if what == "garbage-zstd":  # a valid checksum over bytes that are no zstd frame
+        data = _edit_chunk(data, "a", b"\x28\xb5\x2f\xfd" + bytes(40))
+        lost = "a"
+    elif what == "bool-2":
+        data = _edit_chunk(data, "b", bytes([1, 2, 0, 1, 0, 1, 0, 1]))
+        lost = "b"
+    else:  # the stored bytes decode, but not to what the tensor checksum says
+        nv = craft.parse(data)
+        tid = nv.tensor_id("a")
+        entry = craft.unpack(nv.tensor_frame(tid).payload)
+        entry["checksum"] ^= 1
+        nv.tensor_frame(tid).payload = craft.pack(entry)
+        data = craft.build(nv)
+        lost = "a"
+    src = tmp_path / "src.nvckpt"
+    src.write_bytes(data)
+    report = recover(src, tmp_path / "out.nvckpt")
+    assert lost in report.lost and lost not in report.recovered, report.lost
+    with nvckpt.open(tmp_path / "out.nvckpt") as ck:
+        assert lost not in ck.keys()
+
+
+def test_recover_a_source_whose_name_is_not_utf8(tmp_path, capsys):
+    src = os.path.join(os.fsencode(tmp_path), b"bad\xff.nvckpt")
+    nvckpt.save({"w": torch.ones(4)}, os.fsdecode(src))
+    dst = str(tmp_path / "out.nvckpt")
+    code, _, err = run(capsys, "recover", os.fsdecode(src), dst)
+    assert code == EXIT_OK and err == "", err  # before: a UnicodeEncodeError traceback
+    with nvckpt.open(dst) as ck:
+        origin = ck.metadata()[RECOVERED_FROM]
+        assert origin.endswith("bad\\xff.nvckpt") and origin.encode("utf-8")
+        assert_tensor_equal(ck.get_tensor("w"), torch.ones(4))
+
+
+def test_recover_checks_the_index_with_the_preambles_features(tmp_path):
+    nv = craft.parse(saved_bytes({"w": torch.zeros(4), "dt": torch.float16}, tensor_checksums=False))  # the tree holds ext 3 (a dtype)
+    nv.preamble.required_features = 0
+    nv.preamble.version_minor = 0
+    nv.index["version"] = [1, 0]
+    src = tmp_path / "typed-without-bit-1.nvckpt"
+    src.write_bytes(craft.build(nv))
+    report = recover(src, tmp_path / "out.nvckpt")
+    # before: the typed tree was kept and the result called complete (SPEC 9.2: the index is invalid)
+    assert not report.complete and not report.tree_kept
+    assert any("INDEX frame" in p and "required_features bit 1" in p for p in report.problems), report.problems
+    assert report.recovered == ["w"]
+
+
+def test_recover_uses_the_index_where_a_tensor_frame_disagrees(tmp_path):
+    nv = craft.parse(saved_bytes({"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}, tensor_checksums=False))
+    frame = nv.tensor_frame(0)
+    desc = craft.unpack(frame.payload)
+    desc["shape"] = [3, 2]
+    frame.payload = craft.pack(desc)
+    src, dst = tmp_path / "disagrees.nvckpt", tmp_path / "out.nvckpt"
+    src.write_bytes(craft.build(nv))
+    report = recover(src, dst)
+    assert not report.complete and report.tree_kept and report.lost == {}
+    assert any("disagrees with the index on shape" in p for p in report.problems), report.problems
+    assert tuple(nvckpt.load(dst)["w"].shape) == (2, 3)  # before: (3, 2), from the TENSOR frame
+
+
+@pytest.mark.parametrize("case", ["valid-unknown-codec", "valid-unknown-dtype"])
+def test_recover_keeps_complete_tensors_it_cannot_decode(tmp_path, case):
+    src, dst = os.path.join(ROOT, "conformance", "files", f"{case}.nvckpt"), tmp_path / "out.nvckpt"
+    report = recover(src, dst)
+    assert report.complete and report.lost == {} and report.problems == [], report  # before: one tensor dropped
+    with closing(ChunkReader(src, workers=1)) as a, closing(ChunkReader(dst, workers=1)) as b:
+        assert [e.name for e in a.index.tensors] == [e.name for e in b.index.tensors]
+        for e, f in zip(a.index.tensors, b.index.tensors):
+            assert (e.dtype.name, e.shape, e.kind) == (f.dtype.name, f.shape, f.kind)
+            for i in range(len(e.chunks or ())):  # the stored bytes, copied as they are
+                assert bytes(a.read_payload(e, i)) == bytes(b.read_payload(f, i))
+    assert verify(dst, workers=1).ok
+
+
+def test_recover_names_an_indexed_tensor_whose_tensor_frame_is_damaged(tmp_path):
+    nv = craft.parse(saved_bytes({"a": torch.ones(3), "b": torch.zeros(2)}, tensor_checksums=False))
+    frame = nv.tensor_frame(nv.tensor_id("b"))
+    frame.payload_checksum = 12345  # the payload no longer matches its checksum
+    src = tmp_path / "damaged.nvckpt"
+    src.write_bytes(craft.build(nv))
+    report = recover(src, tmp_path / "out.nvckpt")
+    assert report.recovered == ["a"] and "TENSOR frame is damaged" in report.lost["b"], report

@@ -290,3 +290,22 @@ def test_frame_headers_are_packed_as_spec_4_1_lays_them_out(ftype, stored, raw, 
         h = FrameHeader.unpack(packed)
         assert (h.frame_type, h.stored_length, h.raw_length, h.payload_checksum, h.codec_id, h.tensor_id,
                 h.chunk_index, h.padding_length) == (ftype, stored, raw, check, codec, tensor, chunk, padding)
+
+
+def test_bool_tensor_with_bytes_other_than_0_and_1_is_stored_as_torch_reads_it(tmp_path):
+    """A uint8 tensor viewed as bool (or torch.empty) may hold 2..255: stored as True (1), so the file is one
+    its reader and `nvckpt verify` accept (SPEC 10), and the values torch showed are the values loaded."""
+    raw = torch.tensor([0, 1, 2, 255, 0, 7], dtype=torch.uint8)
+    mask = raw.view(torch.bool)
+    state = {"mask": mask, "strided": mask[::2], "fine": torch.tensor([True, False]), "empty": torch.empty(0, dtype=torch.bool)}
+    path = tmp_path / "b.nvckpt"
+    nvckpt.save(state, path)
+    back = nvckpt.load(path)
+    assert back["mask"].tolist() == [False, True, True, True, False, True]
+    assert back["mask"].view(torch.uint8).tolist() == [0, 1, 1, 1, 0, 1]
+    assert back["strided"].tolist() == [False, True, False] and back["fine"].tolist() == [True, False]
+    assert raw.tolist() == [0, 1, 2, 255, 0, 7]  # the caller's tensor is not changed
+    from nvckpt.tools.verify import verify
+
+    report = verify(path)
+    assert report.ok, report.problems

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import io
+import warnings
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -168,3 +171,52 @@ def test_open_reads_only_the_index(big_file):
     path, _ = big_file
     with nvckpt.open(path) as ck:
         assert ck.bytes_read < 64 << 10  # preamble, footer, index: not a chunk
+
+
+def test_get_slice_with_a_bool_index_follows_torch():
+    # A Python bool is an int, but torch reads x[True] as a mask that adds a dimension;
+    # get_slice used to return row 1 instead.
+    w = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+    stream = io.BytesIO()
+    nvckpt.save({"w": w}, stream)
+    stream.seek(0)
+    with nvckpt.open(stream) as ck:
+        s = ck.get_slice("w")
+        for index in (True, False, (True, 1)):
+            assert_tensor_equal(s[index], w[index], repr(index))
+
+
+def test_a_uint8_mask_in_get_slice_is_torchs_mask():
+    w = torch.arange(6.0).reshape(2, 3)
+    buf = io.BytesIO()
+    nvckpt.save({"w": w}, buf)
+    buf.seek(0)
+    mask = torch.tensor([1, 0], dtype=torch.uint8)
+    with nvckpt.open(buf) as f, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's deprecation of uint8 masks
+        assert torch.equal(f.get_slice("w")[mask], w[mask])
+
+
+def test_rows_of_views_and_derived_tensors_are_read_without_building_them_whole():
+    # A slice of a view of a flat buffer (or of a bf16 rounding stored as derived) built the whole base first:
+    # with max_tensor_bytes a 512-byte read was refused, naming the internal "@base" entry.
+    torch.manual_seed(0)
+    flat = torch.randn(1000, 64)
+    master = torch.randn(300, 64)
+    state = {"a": flat[:500], "b": flat[500:], "t": flat[:64].t(), "master": master, "w": master.to(torch.bfloat16)}
+    buf = io.BytesIO()
+    nvckpt.save(state, buf, derive=True)
+    buf.seek(0)
+    with nvckpt.open(buf, max_tensor_bytes=64 * 1024) as f:
+        assert f._file.entry("w").derived is not None and f._file.entry("a").view is not None
+        assert_tensor_equal(f.get_slice("a")[0:2], flat[0:2])
+        assert_tensor_equal(f.get_slice("b")[3], flat[503])
+        assert_tensor_equal(f.get_slice("b")[[1, 7, 2]], flat[500:][[1, 7, 2]])
+        assert_tensor_equal(f.read_box("b", (10, 5), (2, 7)), flat[510:512, 5:12])
+        assert_tensor_equal(f.get_slice("w")[5:9], master[5:9].to(torch.bfloat16))
+        assert_tensor_equal(f.read_box("w", (0, 0), (1, 64)), master[:1].to(torch.bfloat16))
+        with pytest.raises(nvckpt.LimitError):  # a transposed view has no rows of its own: built whole (128 KB)
+            f.get_slice("t")[0:1]
+    buf.seek(0)
+    with nvckpt.open(buf) as f:
+        assert_tensor_equal(f.get_slice("t")[3:5], flat[:64].t()[3:5])

@@ -4,6 +4,7 @@ beyond 64 bits, set and frozenset round-trip, with no pickle; a file that needs 
 from __future__ import annotations
 
 import collections
+import enum
 import io
 import math
 import struct
@@ -150,3 +151,24 @@ def test_documented_conversions():
     bn2 = torch.nn.BatchNorm2d(3)
     bn2.load_state_dict(back["bn"])
     assert all(torch.equal(a, b) for a, b in zip(bn2.state_dict().values(), sd.values()))
+
+
+class _Precision(str, enum.Enum):  # as Lightning's precision names: a str that is also an enum member
+    BF16 = "bf16-mixed"
+
+
+class _Level(enum.IntEnum):
+    HIGH = 3
+
+
+def test_enum_members_are_stored_as_the_str_or_int_they_are():
+    # str() of a (str, Enum) member is "Cls.MEMBER" on Python 3.11+: saved as that, it changed the value.
+    state = {"hparams": {"precision": _Precision.BF16, "level": _Level.HIGH},
+             _Precision.BF16: torch.ones(1), "names": {_Precision.BF16}}
+    buf = io.BytesIO()
+    nvckpt.save(state, buf)
+    buf.seek(0)
+    got = nvckpt.load(buf)
+    assert got["hparams"] == {"precision": "bf16-mixed", "level": 3}
+    assert type(got["hparams"]["precision"]) is str and type(got["hparams"]["level"]) is int
+    assert set(got) == {"hparams", "bf16-mixed", "names"} and got["names"] == {"bf16-mixed"}

@@ -275,3 +275,20 @@ def test_bool_tensors_with_odd_bytes_stay_tied_and_views_of_one_another():
     for k in ("a", "v", "t"):
         assert torch.equal(out[k], state[k]) and set(out[k].view(torch.uint8).flatten().tolist()) <= {0, 1}
     assert torch.equal(out["src"], state["src"])  # the bytes as bytes: another dtype, stored as they are
+
+
+def test_a_views_base_takes_a_name_no_tensor_of_the_state_has():
+    # SPEC 14.3: "<first view>@base", else another unique name; a tensor named "w@base" made the save fail.
+    buf = torch.arange(20.0)
+    state = {"w": buf[:10], "v": buf[5:15], "w@base": torch.ones(3), "w@base1": torch.zeros(2)}
+    out = io.BytesIO()
+    nvckpt.save(state, out)
+    out.seek(0)
+    got = nvckpt.load(out)
+    for k, v in state.items():
+        assert_tensor_equal(got[k], v)
+    got["w"][7] = -1.0  # still views of one storage
+    assert float(got["v"][2]) == -1.0
+    out.seek(0)
+    with nvckpt.open(out) as f:
+        assert "w@base2" in {e.name for e in f._file.index.tensors}

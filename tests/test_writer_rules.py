@@ -1,8 +1,9 @@
-"""SPEC.md 1.0, second edition (19.1): the writer-side rules nvckpt follows."""
+"""The writer's rules of SPEC.md that nvckpt follows (SPEC 1, 11.4, 18.1)."""
 
 from __future__ import annotations
 
 import io
+import os
 
 import pytest
 import torch
@@ -10,6 +11,8 @@ import zstandard
 
 import nvckpt
 from nvckpt.codecs.builtin import MAX_ZSTD_WINDOW, Zstd, zstd_window_sizes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_writer_refuses_two_nan_keys():
@@ -41,3 +44,12 @@ def test_zstd_decoder_refuses_a_window_over_the_bound():
     frame[5] = 15 << 3  # 2^25
     with pytest.raises(ValueError, match="window"):
         Zstd().decode(memoryview(bytes(frame)), len(raw))
+
+
+def test_spec_writer_rule_allows_the_typed_tree_bit():
+    """SPEC 18.1's writer rule agrees with section 3: a writer sets feature bit 1 (a typed tree, format 1.1)."""
+    with open(os.path.join(ROOT, "SPEC.md"), encoding="utf-8") as f:
+        spec = f.read()
+    writer = spec[spec.index("### 18.1 Writer"): spec.index("### 18.2")]
+    assert "MUST NOT set feature bits" not in writer and "bit 1" in writer and "1.1" in writer
+    assert "a file shorter\nthan 24 bytes is `TruncatedError`, and" not in spec
