@@ -30,6 +30,8 @@ import xxhash
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import nvckpt  # noqa: E402
+from conftest import named_tensors  # noqa: E402
+from nvckpt.tools.recover import recover  # noqa: E402
 
 KILLS = 14
 PARALLEL = 2
@@ -82,23 +84,12 @@ exec(STATE_CODE, namespace)
 make_state = namespace["make_state"]
 
 
-def tensors_of(obj, prefix=""):
-    if isinstance(obj, torch.Tensor):
-        yield prefix, obj
-    elif isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from tensors_of(v, f"{prefix}/{k}" if prefix else str(k))
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from tensors_of(v, f"{prefix}/{i}" if prefix else str(i))
-
-
 def digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def digests(obj) -> dict[str, str]:
-    return {name: digest(t) for name, t in tensors_of(obj)}
+    return {name: digest(t) for name, t in named_tensors(obj)}
 
 
 def complete_tensors(path: str) -> tuple[set[str], set[str]]:
@@ -147,7 +138,6 @@ def one_kill(folder: str, when: tuple[str, float], versions) -> str:
 
     ``when``: ("time", f) kills f * (the child's own save time) after it starts saving;
     ("data", f) waits until the temporary file holds data, then kills f * save time later."""
-    from nvckpt.tools.recover import recover
 
     old, new, old_d, new_d = versions
     path = os.path.join(folder, "ckpt.nvckpt")
@@ -206,7 +196,6 @@ def one_kill(folder: str, when: tuple[str, float], versions) -> str:
 
 
 def test_sigkill_during_save_leaves_old_or_new_and_recover_salvages(tmp_path, versions):
-    pytest.importorskip("nvckpt.tools.recover")
     rng = random.Random(20260)
     # Half the kills at a random time of the save, half once the temporary file holds data.
     whens = [("time", rng.uniform(0.0, 1.2)) if i % 2 else ("data", rng.uniform(0.0, 0.15)) for i in range(KILLS)]
