@@ -322,3 +322,53 @@ def structure_boundaries(data: bytes) -> list[tuple[int, str]]:
             seen.add(off)
             out.append((off, what))
     return out
+
+
+# -- whole files from scratch, and a valid file's index replaced ------------------------------------
+
+def ref(tensor_id: int) -> msgpack.ExtType:
+    """A tree's reference to tensor ``tensor_id`` (SPEC 9.1: ext type 1, u32 little-endian)."""
+    return msgpack.ExtType(1, struct.pack("<I", tensor_id))
+
+
+def build_file(tensors: list[dict[str, Any]], codecs: list[list[dict]], *, tree: Any = None,
+               mutate: Any = None, writer: dict | None = None) -> bytes:
+    """A whole file: CODEC frames, then per tensor a TENSOR frame and its CHUNK frames, INDEX, footer.
+
+    Each tensor: {"name", "dtype", "shape", "chunks": [(stored payload, raw_length, codec_id), ...]}; the tree
+    references every tensor by name unless ``tree`` is given; ``mutate(index)`` edits the index before it is
+    packed."""
+    frames = [Frame(CODEC, pack(codec), codec_id=cid) for cid, codec in enumerate(codecs)]
+    entries = []
+    for tid, t in enumerate(tensors):
+        entry = {"name": t["name"], "dtype": t["dtype"], "shape": t["shape"]}
+        frames.append(Frame(TENSOR, msgpack.packb({**entry, "nchunks": len(t["chunks"])}), tensor_id=tid))
+        frames += [Frame(CHUNK, payload, codec_id=cid, tensor_id=tid, chunk_index=i, raw_length=raw_length)
+                   for i, (payload, raw_length, cid) in enumerate(t["chunks"])]
+        entries.append({**entry, "chunks": [[0, 0, 0, 0, 0]] * len(t["chunks"])})  # build() fills them in
+    index = {
+        "format": "nvckpt", "version": [1, 0], "writer": writer or {"name": "crafted-writer", "version": "9.9"},
+        "codecs": codecs, "tensors": entries,
+        "tree": {t["name"]: ref(i) for i, t in enumerate(tensors)} if tree is None else tree, "metadata": {},
+    }
+    nv = NvFile(Preamble(), frames + [Frame(INDEX, b"")], Footer(), index)
+    build(nv)  # lays the frames out and fills in the chunk tables from them
+    if mutate is not None:
+        mutate(nv.index)
+    nv.index_frame().payload = pack(nv.index)
+    return build(nv, fix_index=False)
+
+
+def with_index_payload(data: bytes, payload: bytes) -> bytes:
+    """A valid file whose INDEX frame carries ``payload`` instead (frame checksums and footer made to match);
+    everything before the INDEX frame is kept as it is."""
+    nv = parse(data)
+    nv.index_frame().payload = payload
+    return build(nv, fix_index=False)
+
+
+def rewrite_index(data: bytes, mutate: Any) -> bytes:
+    """A valid file with its index replaced by ``mutate(index)`` (a new INDEX frame, checksums and footer)."""
+    nv = parse(data)
+    mutate(nv.index)
+    return with_index_payload(data, pack(nv.index))

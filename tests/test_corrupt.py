@@ -1,6 +1,6 @@
 """Damaged and malicious files: each kind gives the right NvckptError subclass, never a crash, hang or huge allocation.
 
-Files are made two ways, both from SPEC.md and independent of nvckpt's own writer:
+Files are made two ways, both from SPEC.md and independent of nvckpt's own writer (conformance/craft.py):
 ``rewrite_index`` replaces the index of a file nvckpt wrote (new INDEX frame, checksums, footer), and
 ``build_file`` writes a whole file frame by frame.
 """
@@ -8,103 +8,36 @@ Files are made two ways, both from SPEC.md and independent of nvckpt's own write
 from __future__ import annotations
 
 import io
+import os
 import resource
 import struct
+import sys
 import time
 from typing import Any, Callable
 
 import msgpack
 import pytest
 import torch
-import xxhash
 import zstandard
 
 import nvckpt
 from conftest import assert_tensor_equal, assert_tree_equal
 
-PREAMBLE = struct.Struct("<8sHHIII")
-FRAME = struct.Struct("<4sBBHIIIIQQQ")
-FOOTER_HEAD = struct.Struct("<QQQI")
-CODEC, TENSOR, CHUNK, INDEX = 1, 2, 3, 4
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+from conformance import craft  # noqa: E402
+from conformance.craft import PREAMBLE, build_file, ref, rewrite_index, with_index_payload  # noqa: E402
+
 RAW = [{"name": "raw", "configuration": {}}]
 ZSTD = [{"name": "zstd", "configuration": {"level": 1}}]
 ANS = [{"name": "nvcomp-ans", "configuration": {"data_type": "<f4", "nvcomp_version": "6.0.0", "bitstream": "raw"}}]
 
 
-def xxh3(data: bytes) -> int:
-    return xxhash.xxh3_64_intdigest(data)
-
-
-# -- an independent writer of SPEC.md structures --------------------------------------------------
-
-def preamble(major: int = 1, minor: int = 0, required: int = 0, optional: int = 0, reserved: int = 0) -> bytes:
-    return PREAMBLE.pack(b"\x89NVCKPT\n", major, minor, required, optional, reserved)
-
-
-def frame_header(ftype: int, payload: bytes, *, raw_length: int | None = None, codec_id: int = 0,
-                 tensor_id: int = 0, chunk_index: int = 0, padding: int = 0) -> bytes:
-    fields = [b"NVCF", ftype, 0, codec_id, tensor_id, chunk_index, padding, 0,
-              len(payload), len(payload) if raw_length is None else raw_length, xxh3(payload)]
-    fields[7] = xxh3(FRAME.pack(*fields)) & 0xFFFFFFFF
-    return FRAME.pack(*fields)
-
-
-def footer(index_offset: int, index_payload: bytes, *, reserved: int = 0, length: int | None = None) -> bytes:
-    head = FOOTER_HEAD.pack(index_offset, len(index_payload) if length is None else length, xxh3(index_payload), reserved)
-    return head + struct.pack("<I8s", xxh3(head) & 0xFFFFFFFF, b"NVCKEND\n")
-
-
-def ref(tensor_id: int) -> msgpack.ExtType:
-    return msgpack.ExtType(1, struct.pack("<I", tensor_id))
-
-
-def finish(body: bytes, index: dict[str, Any]) -> bytes:
-    payload = msgpack.packb(index, use_bin_type=True)
-    return body + frame_header(INDEX, payload) + payload + footer(len(body), payload)
-
-
-def build_file(tensors: list[dict[str, Any]], codecs: list[list[dict]], *, tree: Any = None,
-               mutate: Callable[[dict], None] | None = None, writer: dict | None = None) -> bytes:
-    """A whole file: CODEC frames, then per tensor a TENSOR frame and its CHUNK frames, INDEX, footer.
-
-    Each tensor: {"name", "dtype", "shape", "chunks": [(stored payload, raw_length, codec_id), ...]}."""
-    out = bytearray(preamble())
-    for cid, codec in enumerate(codecs):
-        payload = msgpack.packb(codec)
-        out += frame_header(CODEC, payload, codec_id=cid) + payload
-    entries = []
-    for tid, t in enumerate(tensors):
-        entry = {"name": t["name"], "dtype": t["dtype"], "shape": t["shape"]}
-        announce = msgpack.packb({**entry, "nchunks": len(t["chunks"])})
-        out += frame_header(TENSOR, announce, tensor_id=tid) + announce
-        table = []
-        for i, (payload, raw_length, cid) in enumerate(t["chunks"]):
-            out += frame_header(CHUNK, payload, raw_length=raw_length, codec_id=cid, tensor_id=tid, chunk_index=i)
-            table.append([len(out), len(payload), raw_length, cid, xxh3(payload)])
-            out += payload
-        entries.append({**entry, "chunks": table})
-    index = {
-        "format": "nvckpt", "version": [1, 0], "writer": writer or {"name": "crafted-writer", "version": "9.9"},
-        "codecs": codecs, "tensors": entries,
-        "tree": {t["name"]: ref(i) for i, t in enumerate(tensors)} if tree is None else tree, "metadata": {},
-    }
-    if mutate is not None:
-        mutate(index)
-    return finish(bytes(out), index)
-
-
 def read_index(data: bytes) -> tuple[int, dict]:
-    index_offset, index_length = struct.unpack_from("<QQ", data, len(data) - 40)
-    padding = struct.unpack_from("<I", data, index_offset + 16)[0]
-    start = index_offset + 48 + padding
-    return index_offset, msgpack.unpackb(data[start : start + index_length], raw=False, strict_map_key=False)
-
-
-def rewrite_index(data: bytes, mutate: Callable[[dict], None]) -> bytes:
-    """Replace the index of a valid file by ``mutate(index)``, with a new INDEX frame, checksums and footer."""
-    index_offset, index = read_index(data)
-    mutate(index)
-    return finish(data[:index_offset], index)
+    """(offset of the INDEX frame, the decoded index) of a valid file."""
+    nv = craft.parse(data)
+    return nv.index_frame().offset, nv.index
 
 
 def entry_of(index: dict, name: str) -> dict:
@@ -205,11 +138,11 @@ def test_tensor_checksum_mismatch(good):
 # -- footer, index frame header, truncation ------------------------------------------------------
 
 def footer_with(data: bytes, **fields) -> bytes:
-    index_offset, index_length, index_checksum, reserved = FOOTER_HEAD.unpack_from(data, len(data) - 40)
-    values = {"index_offset": index_offset, "index_length": index_length, "index_checksum": index_checksum, "reserved": reserved}
-    values.update(fields)
-    head = FOOTER_HEAD.pack(values["index_offset"], values["index_length"], values["index_checksum"], values["reserved"])
-    return data[:-40] + head + struct.pack("<I8s", xxh3(head) & 0xFFFFFFFF, b"NVCKEND\n")
+    """The file with footer fields replaced (the footer's own checksum made to match)."""
+    footer = craft.Footer(*craft.FOOTER.unpack_from(data, len(data) - craft.FOOTER.size)[:4])
+    for name, value in fields.items():
+        setattr(footer, name, value)
+    return data[:-craft.FOOTER.size] + footer.pack()
 
 
 @pytest.mark.parametrize("damage,error", [
@@ -454,8 +387,7 @@ def test_bad_index_contents(good, case):
 @pytest.mark.parametrize("payload", [b"", b"\x92\x01", b"\xc1", b"\xdd\xff\xff\xff\xff", b"\x81\xa1a" * 3, b"\x80\x80"],
                          ids=["empty", "array", "never-used-byte", "huge-array-header", "truncated-map", "trailing-bytes"])
 def test_index_that_is_not_msgpack_or_not_a_map(good, payload):
-    index_offset, _ = read_index(good)
-    data = good[:index_offset] + frame_header(INDEX, payload) + payload + footer(index_offset, payload)
+    data = with_index_payload(good, payload)
     with pytest.raises(nvckpt.FormatError):
         opened(data)
 
