@@ -1,8 +1,9 @@
-"""Shared test helpers: bit-exact tree comparison, real MiniLM weights, a small training state.
+"""Shared test helpers: bit-exact tree comparison, real MiniLM weights, a small training state, and the
+quick default selection (tests marked ``slow`` run with ``--full``).
 
 Other test modules import the plain functions (``from conftest import assert_tree_equal``)
-or use the fixtures (``minilm_state``, ``training_state``; for object storage ``s3_server``, ``s3_bucket``
-and ``fault_proxy``).
+or use the fixtures (``minilm_state``, ``training_state``, ``old_file``; for object storage ``s3_server``,
+``s3_bucket`` and ``fault_proxy``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,33 @@ from typing import Any, Iterator
 
 import pytest
 import torch
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--full", action="store_true",
+                     help="run the whole suite, the tests marked slow included (as CI does, .ci/run)")
+
+
+def _quick(config: pytest.Config) -> bool:
+    """The quick default: a plain `python -m pytest` leaves out the tests marked slow. Naming files or tests,
+    choosing with -m, or --full runs what was asked for."""
+    return (not config.getoption("--full") and not config.option.markexpr
+            and config.args_source == pytest.Config.ArgsSource.TESTPATHS)
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    if _quick(config):
+        return "quick run: the tests marked slow are left out (python -m pytest --full runs the whole suite)"
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not _quick(config):
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]
 
 
 def pytest_configure(config: pytest.Config) -> None:

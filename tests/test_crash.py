@@ -195,6 +195,7 @@ def one_kill(folder: str, when: tuple[str, float], versions) -> str:
     return "temporary file, all tensors" if not partial and len(complete) == len(new_d) else "temporary file, some tensors"
 
 
+@pytest.mark.slow
 def test_sigkill_during_save_leaves_old_or_new_and_recover_salvages(tmp_path, versions):
     rng = random.Random(20260)
     # Half the kills at a random time of the save, half once the temporary file holds data.

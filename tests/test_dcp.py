@@ -227,6 +227,8 @@ def _spawn(fn, world: int, root: str, *, expect_exit: dict[int, int] | None = No
 # -- the tests -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
+    # Two ranks in processes of their own save, reshard and are killed: tens of seconds on 2 shared cores, so
+    # every test that reads this directory is marked slow (the quick run keeps the single-process tests).
     root = str(tmp_path_factory.mktemp("dcp"))
     _spawn(_save_and_reshard, 2, root, expect_exit={1: 9})
     return root
@@ -248,22 +250,26 @@ def _full_a(root):
     return torch.load(os.path.join(root, "full_a.pt"), weights_only=True)
 
 
+@pytest.mark.slow
 def test_ranks_checked_resharding_at_world_size_2(saved):
     # FSDP2 -> FSDP2 and FSDP2 -> Shard(1)/Replicate, asserted inside the ranks
     assert os.path.exists(os.path.join(saved, "checked-0")) and os.path.exists(os.path.join(saved, "checked-1"))
 
 
+@pytest.mark.slow
 def test_load_on_one_process_is_bit_exact(saved):
     want = _full_a(saved)
     _assert_same(_load_single(os.path.join(saved, "A"), want), want, "world size 1")
 
 
+@pytest.mark.slow
 def test_async_save_holds_the_state_at_the_call(saved):
     want = torch.load(os.path.join(saved, "full_b.pt"), weights_only=True)
     _assert_same(_load_single(os.path.join(saved, "B"), want), want, "async_save")
     assert not torch.equal(want["model"]["0.weight"], _full_a(saved)["model"]["0.weight"])
 
 
+@pytest.mark.slow
 def test_a_killed_rank_leaves_the_previous_checkpoint(saved):
     assert not os.path.exists(os.path.join(saved, "survived-1"))
     visible = sorted(n for n in os.listdir(saved) if not n.startswith("."))
@@ -274,6 +280,7 @@ def test_a_killed_rank_leaves_the_previous_checkpoint(saved):
     _assert_same(_load_single(os.path.join(saved, "A"), want), want, "after the killed save")
 
 
+@pytest.mark.slow
 def test_load_at_world_size_4_reads_only_its_rows(saved):
     _spawn(_load_at, 4, saved)
     read = []
@@ -284,6 +291,7 @@ def test_load_at_world_size_4_reads_only_its_rows(saved):
     assert all(0 < n < 0.8 * total for n in read), (read, total)
 
 
+@pytest.mark.slow
 def test_rank_files_are_ordinary_nvckpt_files(saved):
     import hashlib
 
@@ -318,6 +326,7 @@ def _flip_a_byte(directory: str, shard) -> str:
     return path
 
 
+@pytest.mark.slow
 def test_corrupt_shard_names_rank_file_and_tensor(saved, tmp_path):
     copy = str(tmp_path / "A")
     shutil.copytree(os.path.join(saved, "A"), copy)
@@ -332,6 +341,7 @@ def test_corrupt_shard_names_rank_file_and_tensor(saved, tmp_path):
     assert error.path == path and error.tensor == shard.tensor and str(info.value).count(shard.file)
 
 
+@pytest.mark.slow
 def test_stale_staging_is_removed_by_the_next_save(saved, tmp_path):
     target = str(tmp_path / "C")
     shutil.copytree(os.path.join(saved, "A"), target)
@@ -363,6 +373,7 @@ def test_a_failed_saves_staging_is_removed_by_the_next_save_in_the_same_process(
     assert torch.equal(_load_single(target, {"a": torch.zeros(3)})["a"], torch.full((3,), 4.0))
 
 
+@pytest.mark.slow
 def test_an_overwrite_keeps_the_users_files_in_the_directory(saved, tmp_path):
     """As FileSystemWriter, which writes its files into DIR: a config or an export beside the checkpoint
     stays; the old checkpoint's own files (FileSystemWriter's .distcp too) are replaced."""
@@ -389,6 +400,7 @@ def _cli(capsys, *argv):
     return code, out.out + out.err
 
 
+@pytest.mark.slow
 def test_cli_info_ls_verify_on_a_directory(saved, capsys):
     a = os.path.join(saved, "A")
     code, out = _cli(capsys, "info", a)
@@ -399,6 +411,7 @@ def test_cli_info_ls_verify_on_a_directory(saved, capsys):
     assert code == 0 and out.startswith("OK")
 
 
+@pytest.mark.slow
 def test_cli_verify_names_missing_and_damaged_rank_files(saved, tmp_path, capsys):
     copy = str(tmp_path / "A")
     shutil.copytree(os.path.join(saved, "A"), copy)
@@ -490,6 +503,7 @@ def test_merge_of_a_value_torch_refuses_to_unpickle_is_one_line_without_torchs_a
     assert "weights_only=False" not in out and "Traceback" not in out
 
 
+@pytest.mark.slow
 def test_merge_and_split(saved, tmp_path, capsys):
     want = _full_a(saved)
     merged = str(tmp_path / "merged.nvckpt")
@@ -600,6 +614,7 @@ def test_split_into_a_folder_it_must_not_replace_is_one_line(tmp_path, capsys):
     assert (other / "notes.txt").read_text() == "mine"
 
 
+@pytest.mark.slow
 def test_files_several_ranks_read_are_read_through_the_page_cache(saved, monkeypatch):
     """A reshard (every rank reads a box of every stored shard) reads those rank files buffered, so one
     read from the disk serves every rank on the host; a file one rank alone reads keeps O_DIRECT."""

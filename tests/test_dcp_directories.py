@@ -95,6 +95,7 @@ def _small_disk() -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16))
 
 
+@pytest.mark.slow
 def test_split_errors_name_the_destination_not_the_staging_directory(tmp_path, capsys, monkeypatch):
     src = str(tmp_path / "s.nvckpt")
     nvckpt.save({"w": torch.randn(100_000)}, src)

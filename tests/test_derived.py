@@ -108,6 +108,7 @@ def copy_check(request, monkeypatch):
     return request.param
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=9000), st.integers(0, 8999), st.integers(1, 0xFFFF))
 def test_the_compiled_check_agrees_with_the_spec_rounding(words, at, flip):
@@ -436,6 +437,7 @@ def test_ratio_counts_every_tensor_the_file_restores(tmp_path):
     assert res.raw_bytes == (600 + 600) * 4  # two views of one 1000-element storage: 4000 bytes stored
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(-(1 << 31), (1 << 31) - 1), min_size=1, max_size=300), st.integers(0, 0xFFFF))
 def test_bf16_rne_is_the_spec_rounding_for_any_bits(words, upper):
@@ -492,6 +494,7 @@ def test_many_step_counts_and_large_copies(copy_check):
     assert_tree_equal(nvckpt.load(io.BytesIO(data)), state)
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(st.integers(1, 400), st.sampled_from(["rne", "ulp", "nan", "cast", "alone"])), min_size=1,
                 max_size=24), st.integers(0, 2**31 - 1))

@@ -46,6 +46,7 @@ def holds(data: bytes) -> str:
     return result
 
 
+@pytest.mark.slow
 def test_seeds_load():
     assert len(SEEDS) > 20
     for data in fuzz.make_seeds():
@@ -56,12 +57,14 @@ def test_seeds_load():
 
 # -- structure-aware: one field of a valid file changed, checksums recomputed ----------------------------
 
+@pytest.mark.slow
 @FUZZ
 @given(seed=st.integers(0, len(SEEDS) - 1), rng=st.randoms(use_true_random=False))
 def test_structured_mutation(seed, rng):
     holds(fuzz.mutate_structured(SEEDS[seed], rng))
 
 
+@pytest.mark.slow
 @FUZZ
 @given(seed=st.integers(0, len(SEEDS) - 1), rng=st.randoms(use_true_random=False))
 def test_index_value_mutation(seed, rng):
@@ -78,6 +81,7 @@ def test_index_value_mutation(seed, rng):
 _HEADER_INTS = st.sampled_from(fuzz.INTERESTING) | st.integers(0, 2**64 - 1)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(seed=st.integers(0, len(SEEDS) - 1), which=st.integers(0, 1000), field=st.sampled_from(
     ["frame_type", "flags", "codec_id", "tensor_id", "chunk_index", "padding_length", "stored_length", "raw_length"]),
@@ -116,6 +120,7 @@ COUNTS = (st.builds(lambda head, n, tail: head + n.to_bytes(4, "big") + tail, st
                       st.sampled_from([b"\x90", b"\x80", b"\xc0", b"\xa2ab", b"\xd4\x02\x90"]), st.integers(0, 50_000)))
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(seed=st.integers(0, len(SEEDS) - 1), raw=NESTS | COUNTS, place=st.sampled_from(fuzz.PLACES))
 def test_deep_nests_and_huge_counts_anywhere(seed, raw, place):
@@ -129,6 +134,7 @@ def test_deep_nests_and_huge_counts_anywhere(seed, raw, place):
     holds(data)
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None, derandomize=True)
 @given(seed=st.integers(0, len(SEEDS) - 1), raw=NESTS | COUNTS, place=st.sampled_from(fuzz.PLACES))
 def test_recover_on_deep_nests_and_huge_counts(tmp_path_factory, seed, raw, place):
@@ -157,6 +163,7 @@ def test_truncation(seed, cut):
     assert holds(data[: int(len(data) * cut)]) != "ok" or cut == 1
 
 
+@pytest.mark.slow
 @FUZZ
 @given(seed=st.integers(0, len(SEEDS) - 1), flips=st.lists(st.integers(0, 2**40), min_size=1, max_size=8))
 def test_bit_flips(seed, flips):
@@ -172,6 +179,7 @@ def test_every_truncation_of_a_small_file_is_an_error():
         assert holds(data[:n]) in {"TruncatedError", "FormatError"}, n
 
 
+@pytest.mark.slow
 def test_every_single_byte_change_is_caught():
     """Change each byte of a file once: a random-access reader notices every change to a byte it uses.
 
@@ -256,6 +264,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_decompression_bombs_stay_small():
     """zstd frames that hold 256 MiB and 64 MiB for 1 KiB chunks: rejected without allocating their size."""
     paths = [os.path.join(ROOT, "conformance", "files", f"{c}.nvckpt")
@@ -268,6 +277,7 @@ def test_decompression_bombs_stay_small():
     assert all(out[path + ":s"] < 5 for path in paths), out
 
 
+@pytest.mark.slow
 def test_fuzzer_under_memory_and_time_limits(tmp_path):
     """tools/fuzz.py in a subprocess: address space capped (setrlimit) at start + 1 GiB, 10 s per input.
 
@@ -286,6 +296,7 @@ def test_fuzzer_under_memory_and_time_limits(tmp_path):
 
 # -- recovery walks damaged files too -----------------------------------------------------------------
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(seed=st.integers(0, len(SEEDS) - 1), rng=st.randoms(use_true_random=False))
 def test_recover_on_mutants(tmp_path_factory, seed, rng):

@@ -39,6 +39,7 @@ def PEAK_BOUND(file_bytes: int) -> int:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
+    # Minutes on 2 shared cores (every file through every path, each in a child): its tests are marked slow.
     folder = tmp_path_factory.mktemp("hostile")
     p = subprocess.run([sys.executable, HOSTILE, "--out", str(folder), "--json"], capture_output=True, text=True,
                        timeout=900)
@@ -46,6 +47,7 @@ def results(tmp_path_factory):
     return {r["file"].removesuffix(".nvckpt"): r for r in json.loads(p.stdout)}
 
 
+@pytest.mark.slow
 def test_no_crash_no_unnamed_error_and_bounded_memory(results):
     assert len(results) > 60
     problems = []
@@ -62,11 +64,13 @@ def test_no_crash_no_unnamed_error_and_bounded_memory(results):
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.slow
 def test_every_path_ran_on_every_file(results):
     paths = {"load", "untrusted", "info", "ls", "cli-info", "cli-ls", "verify", "recover", "gpu-host"}
     assert all(set(r["outcomes"]) == paths for r in results.values())
 
 
+@pytest.mark.slow
 def test_nests_are_named_errors_everywhere(results):
     """Tuples 200 deep (msgpack's C unpacker crashed on them) and arrays 5000 deep, in every payload of the index.
     Under a key a reader ignores (the writer map, unknown keys, a view's unknown key) tuples are ext data, which is
@@ -87,6 +91,7 @@ def test_nests_are_named_errors_everywhere(results):
             assert r["outcomes"]["load"] == "ok" and r["outcomes"]["verify"] == "FormatError", (frame, kind, r)
 
 
+@pytest.mark.slow
 def test_a_huge_declared_tensor_and_a_stride0_view_are_bounded(results):
     huge = results["huge-tensor-2g"]
     assert huge["outcomes"]["load"] == "LimitError" and huge["outcomes"]["gpu-host"] == "LimitError"
@@ -95,6 +100,7 @@ def test_a_huge_declared_tensor_and_a_stride0_view_are_bounded(results):
     assert view["outcomes"]["load"] == "ok" and view["outcomes"]["untrusted"] == "LimitError"  # max_tensor_bytes
 
 
+@pytest.mark.slow
 def test_verify_rejects_what_load_rejects(results):
     for cid in ("bool-byte-2", "chunk-frame-padding-nonzero", "chunk-list-long-negative", "zstd-bomb-declared"):
         assert results[cid]["outcomes"]["verify"] == "FormatError", cid
@@ -147,6 +153,7 @@ def _open_stats(tmp_path, name: str, make: str) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_open_a_million_chunks_in_2s_and_500mb(tmp_path):
     out = _open_stats(tmp_path, "chunks-1m", "many_chunks(1_000_000)")
     assert out["chunks"] == 1_000_000
@@ -155,6 +162,7 @@ def test_open_a_million_chunks_in_2s_and_500mb(tmp_path):
     assert out["grew"] <= 12 * out["file_bytes"], out  # memory proportional to the index (19 MB here)
 
 
+@pytest.mark.slow
 def test_open_many_tensors_memory_is_proportional(tmp_path):
     out = _open_stats(tmp_path, "tensors-100k", "many_tensors(100_000)")
     assert out["chunks"] == 100_000

@@ -36,6 +36,7 @@ SLOW_SAVE = ("nvckpt.{fn}({{'w': torch.arange(1 << 24, dtype=torch.float32)}}, {
              "zstd_level=19, workers=1{extra})")
 
 
+@pytest.mark.slow
 def test_pending_async_save_completes_at_interpreter_exit(tmp_path):
     path = str(tmp_path / "a.nvckpt")
     done = child(f"""
@@ -49,6 +50,7 @@ def test_pending_async_save_completes_at_interpreter_exit(tmp_path):
     assert not glob.glob(str(tmp_path / ".*nvckpt-tmp"))
 
 
+@pytest.mark.slow
 def test_async_save_at_exit_after_an_exception_and_sys_exit(tmp_path):
     for ending in ("raise RuntimeError('training crashed')", "import sys; sys.exit(3)"):
         path = str(tmp_path / "b.nvckpt")
@@ -67,6 +69,7 @@ FULL_DISK = ("import nvckpt.io.sink as _sink; _sink.FileSink.__init__ = lambda s
              "(_ for _ in ()).throw(OSError(28, 'No space left on device'))")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("after", ["", "time.sleep(1)  # it has failed by the exit: still not lost silently"])
 def test_failed_async_save_at_exit_is_one_line_and_a_non_zero_exit(tmp_path, after):
     path = str(tmp_path / "c.nvckpt")
@@ -91,6 +94,7 @@ def _wait_for_temporary(folder, proc, timeout=60):
     raise AssertionError("the save never started")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fn", ["save", "async_save"])
 def test_sigterm_lets_a_save_finish_within_its_grace_then_exits_143(tmp_path, fn):
     path = str(tmp_path / "d.nvckpt")
@@ -111,6 +115,7 @@ def test_sigterm_lets_a_save_finish_within_its_grace_then_exits_143(tmp_path, fn
     assert not glob.glob(str(tmp_path / ".*nvckpt-tmp"))
 
 
+@pytest.mark.slow
 def test_sigterm_past_the_grace_cancels_the_save_and_keeps_the_old_file(tmp_path):
     path = tmp_path / "e.nvckpt"
     nvckpt.save({"old": torch.arange(5)}, path)
@@ -128,6 +133,7 @@ def test_sigterm_past_the_grace_cancels_the_save_and_keeps_the_old_file(tmp_path
     assert not glob.glob(str(tmp_path / ".*nvckpt-tmp"))
 
 
+@pytest.mark.slow
 def test_sigterm_past_the_grace_runs_no_user_code_before_the_exit(tmp_path):
     """The cancelled async_save does not wake a result() waiting in the main thread: its CancelledError would
     run the script's own except clause (or print a half traceback) before the default action ends it."""
@@ -149,6 +155,7 @@ def test_sigterm_past_the_grace_runs_no_user_code_before_the_exit(tmp_path):
     assert not glob.glob(str(tmp_path / ".*nvckpt-tmp"))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads each thread's signal mask from /proc")
 def test_nvckpt_threads_leave_sigterm_and_sigint_to_the_main_thread(tmp_path):
     """The kernel gives a process's SIGTERM to any thread that does not block it; Python runs the handler in
@@ -175,6 +182,7 @@ def test_nvckpt_threads_leave_sigterm_and_sigint_to_the_main_thread(tmp_path):
     assert all(masks[n] == (True, True) for n in masks if n.startswith("nvckpt")), masks
 
 
+@pytest.mark.slow
 def test_sigterm_without_a_save_is_the_default_action(tmp_path):
     proc = child("""
         import time, torch, nvckpt
@@ -188,6 +196,7 @@ def test_sigterm_without_a_save_is_the_default_action(tmp_path):
     assert proc.returncode == -signal.SIGTERM
 
 
+@pytest.mark.slow
 def test_a_crashed_saves_temporary_file_is_reported_on_the_next_save(tmp_path):
     path = tmp_path / "g.nvckpt"
     proc = child(f"""
@@ -310,6 +319,7 @@ def test_the_leftover_warning_names_the_callers_line(tmp_path):
     assert w.filename == __file__
 
 
+@pytest.mark.slow
 def test_a_failed_async_save_at_exit_still_runs_atexit_handlers_and_flushes_files(tmp_path):
     log = tmp_path / "train.log"
     done = child(f"""
@@ -474,6 +484,7 @@ def test_a_fence_must_be_an_optimizer(tmp_path):
         nvckpt.async_save({"w": torch.ones(2)}, tmp_path / "x.nvckpt", fence=[])
 
 
+@pytest.mark.slow
 def test_saves_to_one_path_publish_in_the_order_they_were_called(tmp_path):
     """A periodic async_save still writing, then a final save: the file ends with the final state (the
     older save waits for nothing; the later one waits before its rename for the earlier one to end)."""
@@ -610,6 +621,7 @@ def test_cancel_is_true_only_while_it_can_still_stop_the_save(tmp_path, monkeypa
     # (a cancel in time, before the rename: test_cancelled_async_save_reports_cancelled)
 
 
+@pytest.mark.slow
 def test_a_failed_async_save_whose_error_was_seen_is_not_reported_at_exit(tmp_path):
     path = str(tmp_path / "c.nvckpt")
     done = child(f"""
@@ -625,6 +637,7 @@ def test_a_failed_async_save_whose_error_was_seen_is_not_reported_at_exit(tmp_pa
     assert done.returncode == 0 and done.stdout.strip() == "seen" and "nvckpt: error" not in done.stderr, done.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
 def test_a_forked_child_does_not_inherit_the_parents_saves(tmp_path):
     """A DataLoader worker forked while an async_save runs has none of its parent's save threads: it must
@@ -689,6 +702,7 @@ def test_a_cancel_wakes_whoever_waits_on_the_future(tmp_path):
     assert list(cf.as_completed([future], timeout=5)) == [future]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lazy", [False, True], ids=["plain", "lazy"])
 def test_a_failed_async_save_does_not_keep_its_snapshot_alive(tmp_path, monkeypatch, lazy):
     """A failed save's future holds its exception, and a traceback would keep the frames of the save's thread
@@ -808,6 +822,7 @@ def test_a_lazy_saves_thread_plans_only_after_the_call_returned(tmp_path, monkey
     assert seen == [1] * 5
 
 
+@pytest.mark.slow
 def test_cancel_returns_when_a_done_callback_asks_for_the_outcome(tmp_path):
     """cancel() ran the done-callbacks under the lock that the save's thread takes before its rename: a callback
     calling exception() (a common logging pattern) waited for that thread, and both waited for good."""

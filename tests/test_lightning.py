@@ -58,6 +58,7 @@ def quiet_lightning():
     torch.use_deterministic_algorithms(deterministic)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("async_save", [False, True])
 def test_trainer_saves_and_resumes_through_nvckpt(tmp_path, async_save):
     pl.seed_everything(0, verbose=False)
@@ -109,6 +110,7 @@ def test_dropped_list_elements_leave_the_others_in_place(tmp_path):
                                                   "hyper_parameters/pair/1"]
 
 
+@pytest.mark.slow
 def test_load_from_checkpoint_reads_nvckpt_files(tmp_path):
     """Lightning's Net.load_from_checkpoint calls torch.load only; the module's load_from_checkpoint takes the
     same arguments and reads an nvckpt .ckpt (and a torch.save one), hyper-parameters and overrides included."""

@@ -326,6 +326,7 @@ def test_an_index_decoded_in_pieces_keeps_every_rule(edit, error, match, index_d
         nvckpt.open(io.BytesIO(_big_index_file(edit)))
 
 
+@pytest.mark.slow
 def test_untrusted_bounds_index_memory_explicitly(tmp_path):
     path = tmp_path / "many.nvckpt"
     path.write_bytes(hostile.many_chunks(50_000))
@@ -344,6 +345,7 @@ def test_untrusted_bounds_index_memory_explicitly(tmp_path):
         nvckpt.open(path, max_index_memory=-1)
 
 
+@pytest.mark.slow
 def test_many_small_chunks_load_in_groups(tmp_path):
     """A tensor of 100k one-byte chunks: every byte right, read in a few large preads, not 100k."""
     path = tmp_path / "many.nvckpt"
@@ -394,6 +396,7 @@ except nvckpt.NvckptError as exc:
 """
 
 
+@pytest.mark.slow
 def test_a_legal_file_declaring_8_gib_is_a_named_error_not_a_torch_one(tmp_path):
     """304 KB on disk, 8 GiB of zeros: under a memory cap, load() says what it could not allocate."""
     path = tmp_path / "huge.nvckpt"

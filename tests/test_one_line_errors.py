@@ -55,6 +55,7 @@ def one_error_line(code: int, out: str, err: str, expected_code: int) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dst", ["full.safetensors", "full.pt", "full.nvckpt", "full.ckpt"])
 def test_a_full_disk_is_one_line_and_exit_4(files, dst):
     line = one_error_line(*nvckpt_cli("convert", "big.nvckpt", dst, cwd=files, full_disk=True), EXIT_IO)
@@ -79,6 +80,7 @@ def test_a_disk_full_within_a_block_is_named_as_full(files):
     assert not [f for f in os.listdir(files) if "tiny" in f]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,code,says", [
     (["convert", "big.nvckpt", "nodir/x.nvckpt"], EXIT_IO, "nodir"),
     (["convert", "big.nvckpt", "adir/"], EXIT_USAGE, "cannot tell the format"),
@@ -95,6 +97,7 @@ def test_each_failure_is_one_line_with_its_exit_code(files, args, code, says):
     assert says in one_error_line(*nvckpt_cli(*args, cwd=files), code)
 
 
+@pytest.mark.slow
 def test_convert_sniffs_content_and_stores_what_torch_checkpoints_hold(files):
     code, out, err = nvckpt_cli("convert", "model.pt", "model.nvckpt", cwd=files)
     assert code == EXIT_OK and err == "", err
@@ -107,6 +110,7 @@ def test_convert_sniffs_content_and_stores_what_torch_checkpoints_hold(files):
     assert torch.load(files / "lightning.ckpt", weights_only=True)["cfg"]["big"] == 2**70
 
 
+@pytest.mark.slow
 def test_verify_json_on_a_damaged_file_says_so_on_stdout(files):
     code, out, err = nvckpt_cli("verify", "--json", "damaged.nvckpt", cwd=files)
     one_error_line(code, out, err, EXIT_PROBLEMS)
@@ -114,6 +118,7 @@ def test_verify_json_on_a_damaged_file_says_so_on_stdout(files):
     assert doc["ok"] is False and doc["exit_code"] == EXIT_PROBLEMS and doc["error"] == "TruncatedError"
 
 
+@pytest.mark.slow
 def test_subcommand_help_gives_exit_codes_in_one_line(files):
     code, out, _ = nvckpt_cli("info", "--help", cwd=files)
     assert code == EXIT_OK and "exit codes: 0 ok, 1 damage" in out and "130 interrupted" not in out

@@ -224,6 +224,7 @@ def test_reading_a_closed_checkpoint_is_a_clear_error(tmp_path):
         ck.get_tensor("w")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc/self/fd")
 def test_a_checkpoint_dropped_without_close_closes_its_file(tmp_path):
     # nvckpt.open(p)["w"] (no with, no close) kept one descriptor per call until "Too many open files".

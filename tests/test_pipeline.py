@@ -125,6 +125,7 @@ def test_copy_groups_fit_slots_and_cover_the_batch():
         copy_groups(cap, [1001], slot)
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(st.integers(1, 64), st.lists(st.integers(1, 64), min_size=1, max_size=40), st.integers(0, 3),
        st.integers(0, 80))
@@ -205,6 +206,7 @@ def test_gpu_pipeline_with_cpu_codecs_roundtrips(codec, gap, gather, monkeypatch
         assert all(e.checksum is not None for e in ck.index.tensors if e.chunks is not None)
 
 
+@pytest.mark.slow
 def test_the_next_save_of_the_same_state_reuses_the_batch_plan(monkeypatch):
     """The engine's batch plan is kept for the next save with the same backend, batch size, codecs and chunks
     (a training job's checkpoints); any difference plans anew.  The files are the same either way."""
@@ -510,6 +512,7 @@ def test_file_sink_parallel_writes_land_in_order(tmp_path):
     assert (tmp_path / "p").read_bytes() == payload
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 @given(sizes=st.lists(st.integers(0, 3000), max_size=30), split=st.integers(0, 30), data=st.data())
 def test_file_sink_write_many_lands_as_the_writes_would(tmp_path_factory, sizes, split, data):
@@ -540,6 +543,7 @@ class _RecordingStream(io.BytesIO):
         return sum(self.write(p) for p in pieces)
 
 
+@pytest.mark.slow
 def test_the_gpu_pipeline_writes_a_copy_group_at_once_and_releases_it_after(monkeypatch):
     """Chunks of one copy group reach the stream in one write_many (the writer's thread takes the GIL about
     once per group, not per chunk), each pinned buffer is given back only once its bytes are on the stream
@@ -1119,6 +1123,7 @@ def test_non_contiguous_tensors_are_staged_chunk_by_chunk_not_copied_whole(tenso
         assert set(sums.values()) == {None}
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(1, 6), min_size=0, max_size=4), st.data())
 def test_byte_range_views_hold_the_range_of_the_c_order_bytes(shape, data):

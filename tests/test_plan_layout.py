@@ -180,6 +180,7 @@ def test_a_changed_tree_or_sharing_is_a_new_layout():
         assert_tree_equal(nvckpt.load(io.BytesIO(data)), state)
 
 
+@pytest.mark.slow
 def test_only_a_few_layouts_are_kept_and_none_holds_a_tensor():
     import gc
     import weakref

@@ -45,6 +45,7 @@ def test_planes_round_trip_and_match_the_spec_steps(k, shift, n, kernel):
     assert np.array_equal(back, raw)
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(k=st.sampled_from([2, 3, 4, 8, 16]), shift=st.booleans(), data=st.binary(max_size=3000),
        offset=st.integers(0, 7))
@@ -151,6 +152,7 @@ def test_signshift_checks_its_configuration():
     assert bytes(pipe.decode(memoryview(bytes(pipe.encode(data))), len(data))) == bytes(data)
 
 
+@pytest.mark.slow
 def test_many_small_tensors_round_trip(tmp_path):
     state = {"state": {i: {"step": torch.tensor(float(i)), "exp_avg": torch.full((3,), float(i))} for i in range(3000)}}
     nvckpt.save(state, tmp_path / "s.nvckpt")

@@ -123,6 +123,7 @@ def check_recovered(out: str, original: str, names: set[str]) -> None:
     nvckpt.load(out)
 
 
+@pytest.mark.slow
 def test_recover_every_cut(original, tmp_path):
     data = Path(original).read_bytes()
     points = cut_points(original)

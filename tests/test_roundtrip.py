@@ -116,6 +116,7 @@ def check_alignment(data: bytes, alignment: int) -> None:
                     assert c.offset % alignment == 0, f"{entry.name} chunk at {c.offset} not aligned to {alignment}"
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(tree=trees(), codec=st.sampled_from(CODECS), alignment=st.sampled_from(ALIGNMENTS),
        chunk_size=st.sampled_from(CHUNK_SIZES))
@@ -139,6 +140,7 @@ def test_tree_round_trip_stream_and_pipe(tree, codec, alignment, chunk_size):
     check_alignment(data, alignment)
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(tensor=tensors(), codec=st.sampled_from(CODECS), alignment=st.sampled_from(ALIGNMENTS),
        chunk_size=st.sampled_from(CHUNK_SIZES))
@@ -268,6 +270,7 @@ def test_options_tensor_checksums_and_workers(tensor_checksums, workers):
         assert_tree_equal(ck.load(), state)
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(ftype=st.sampled_from([1, 2, 3, 4, 130]), stored=st.integers(0, 2**64 - 1), raw=st.integers(0, 2**64 - 1),
        check=st.integers(0, 2**64 - 1), codec=st.integers(0, 2**16 - 1), tensor=st.integers(0, 2**32 - 1),

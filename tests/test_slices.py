@@ -106,6 +106,7 @@ def test_out_of_range_index_raises(sliced_file):
             sl[[0, ROWS]]
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(start=st.one_of(st.none(), st.integers(-120, 120)), stop=st.one_of(st.none(), st.integers(-120, 120)),
        step=st.one_of(st.none(), st.integers(1, 12)), col=st.one_of(st.none(), st.integers(-COLS, COLS - 1)))

@@ -206,6 +206,7 @@ def strided_views(draw, numel: int):
     return offset, tuple(shape), tuple(stride)
 
 
+@pytest.mark.slow
 @settings(max_examples=100, deadline=None)
 @given(data=st.data(), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.uint8]),
        chunk_size=st.sampled_from([16, 100, 4096]))
