@@ -1,5 +1,6 @@
-"""nvckpt's commands on a DCP checkpoint directory: info on a damaged rank file, split and merge (the state
-back as it was, keys a directory cannot give back refused, errors naming the destination)."""
+"""nvckpt split and merge: a state as a one-rank DCP directory and back as it was (keys a directory cannot give
+back refused, errors naming the destination), and info on a split directory with a damaged rank file.
+What every tool checks of a directory that mixes two saves is tests/test_dcp_directory.py."""
 
 from __future__ import annotations
 
