@@ -98,6 +98,7 @@ def _spawn_saves(tmp_path, paths: list[str], fail_rank: int = -1) -> None:
 
 @pytest.fixture(scope="module")
 def two_saves(tmp_path_factory) -> tuple[str, str]:
+    # Two-rank saves in processes of their own: tens of seconds on 2 shared cores, so its tests are marked slow.
     """Two directories of the same layout, saved by 2 ranks: rank files __0 and __1 hold rows 0-3 and 4-7."""
     tmp = tmp_path_factory.mktemp("two-saves")
     a, b = str(tmp / "A"), str(tmp / "B")
@@ -114,6 +115,7 @@ def _mixed(tmp_path, two_saves, part: str) -> str:
     return mixed
 
 
+@pytest.mark.slow
 def test_two_saves_load_whole(two_saves):
     a, b = two_saves
     assert sorted(os.listdir(a)) == [".metadata", "__0.nvckpt", "__1.nvckpt", "nvckpt-dcp.json"]
@@ -123,6 +125,7 @@ def test_two_saves_load_whole(two_saves):
         assert torch.equal(_load(path)["model"]["w"], _state(scale)["model"]["w"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("out", ["out.nvckpt", "out.safetensors", "out.pt"])
 def test_merge_refuses_a_rank_file_of_another_save(tmp_path, two_saves, capsys, out):
     """Before: exit 0, rows 4-7 of w from save B beside rows 0-3 from save A."""
@@ -134,6 +137,7 @@ def test_merge_refuses_a_rank_file_of_another_save(tmp_path, two_saves, capsys, 
     assert not os.path.exists(tmp_path / out)
 
 
+@pytest.mark.slow
 def test_convert_and_assemble_refuse_a_rank_file_of_another_save(tmp_path, two_saves, capsys):
     mixed = _mixed(tmp_path, two_saves, "__0.nvckpt")
     code, text = _cli(capsys, "convert", mixed, str(tmp_path / "out.safetensors"))
@@ -143,6 +147,7 @@ def test_convert_and_assemble_refuse_a_rank_file_of_another_save(tmp_path, two_s
         assemble(mixed)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("part", [".metadata", "nvckpt-dcp.json"])
 def test_metadata_or_manifest_of_another_save_is_refused_by_every_tool(tmp_path, two_saves, capsys, part):
     """Before: verify passed a .metadata of another save, which dcp.load then refused; merge used the manifest
@@ -166,6 +171,7 @@ def test_metadata_or_manifest_of_another_save_is_refused_by_every_tool(tmp_path,
     assert code == 1 and expected in text, text
 
 
+@pytest.mark.slow
 def test_info_and_ls_name_a_rank_file_of_another_save(tmp_path, two_saves, capsys):
     mixed = _mixed(tmp_path, two_saves, "__1.nvckpt")
     for tool in ("info", "ls", "verify"):
@@ -215,6 +221,7 @@ def _staging_left(folder) -> list[str]:
     return [n for n in os.listdir(folder) if n.endswith(TMPDIR_SUFFIX)]
 
 
+@pytest.mark.slow
 def test_a_save_failing_on_a_full_disk_leaves_no_staging_directory(tmp_path):
     """One process, a disk full after 64 KiB: the save fails naming the disk, and leaves nothing beside its
     target (before: its staging directory, until the next save)."""
@@ -233,6 +240,7 @@ def test_a_save_failing_on_a_full_disk_leaves_no_staging_directory(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_a_save_failing_on_one_rank_leaves_no_staging_directory(tmp_path):
     """Rank 1's disk is full; rank 0 writes its file.  The save fails on both ranks, the previous checkpoint
     stays, and neither rank's file stays in a staging directory."""

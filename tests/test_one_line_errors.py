@@ -65,6 +65,7 @@ def test_a_full_disk_is_one_line_and_exit_4(files, dst):
     assert not [f for f in os.listdir(files) if f.startswith(".full") or f.startswith("full")]  # nothing left
 
 
+@pytest.mark.slow
 def test_a_disk_full_within_a_block_is_named_as_full(files):
     """A limit that cuts a write short of O_DIRECT's alignment (here 1000 bytes into the file): the kernel then
     refused the rest with EINVAL, and the error said "Invalid argument" instead of what stopped the write."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -39,6 +40,7 @@ def test_out_of_order_ranges_start_a_new_read():
     assert [list(r.members) for r in reads] == [[0], [1, 2]]
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 5000), st.integers(0, 20_000)), min_size=0, max_size=40),
        st.integers(0, 10_000), st.integers(1, 100_000), st.integers(1, 50_000), st.integers(1, 8),
