@@ -33,6 +33,7 @@ def test_an_int_is_whole_rows():
         nvckpt.SaveOptions(chunk_size=-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["cpu", "gpu-on-host"])
 def test_a_policy_of_ones_own_is_what_the_file_holds(engine):
     from nvckpt.testing.host import HostBackend
