@@ -279,6 +279,7 @@ def test_stall_holds_until_cleared(proxy):
     assert conn.getresponse().read() == _payload(10)
 
 
+@pytest.mark.slow
 def test_stall_mid_response_and_mid_upload(proxy):
     proxy.stall(during="response", after_bytes=4096, method="GET")
     got, end = _raw(proxy, b"GET /len/100000 HTTP/1.1\r\nHost: x\r\n\r\n", timeout=0.5)
@@ -345,6 +346,7 @@ def test_nothing_listening_upstream_is_a_reset():
 
 # -- against the real S3 server -------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_s3_throttling_is_retried_by_a_client(s3_server, s3_bucket, fault_proxy):
     from botocore.exceptions import ClientError
 
@@ -360,6 +362,7 @@ def test_s3_throttling_is_retried_by_a_client(s3_server, s3_bucket, fault_proxy)
     assert exc.value.response["Error"]["Code"] == "SlowDown"
 
 
+@pytest.mark.slow
 def test_s3_multipart_through_faults(s3_server, s3_bucket, fault_proxy):
     """A multipart upload (Expect: 100-continue on each part) passes the proxy; a reset in the middle of a
     part and a 503 on another are retried by the client, and the object is exact."""
@@ -379,6 +382,7 @@ def test_s3_multipart_through_faults(s3_server, s3_bucket, fault_proxy):
     assert s3_server.open_uploads(s3_bucket) == []
 
 
+@pytest.mark.slow
 def test_s3_server_killed_mid_part(s3_server, s3_bucket, fault_proxy):
     client = s3_server.client(endpoint_url=fault_proxy.endpoint_url, retries=0, timeout=10)
     upload = client.create_multipart_upload(Bucket=s3_bucket, Key="dies")["UploadId"]
@@ -395,6 +399,7 @@ def test_s3_server_killed_mid_part(s3_server, s3_bucket, fault_proxy):
     assert [u["UploadId"] for u in s3_server.open_uploads(s3_bucket)] == [upload]
 
 
+@pytest.mark.slow
 def test_s3_stalled_server_ends_in_the_client_timeout(s3_server, s3_bucket, fault_proxy):
     from botocore.exceptions import ReadTimeoutError
 

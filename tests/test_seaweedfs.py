@@ -33,6 +33,7 @@ def test_serves_s3_on_loopback_only(s3_server):
     assert listening == {"0100007F"}, f"weed listens beyond 127.0.0.1: {listening}"
 
 
+@pytest.mark.slow
 def test_round_trip_ranges_and_if_match(s3_server, s3_bucket):
     client = s3_server.client()
     data = os.urandom(3 << 20)
@@ -47,6 +48,7 @@ def test_round_trip_ranges_and_if_match(s3_server, s3_bucket):
     assert s3_server.keys(s3_bucket) == ["a/b.bin"]
 
 
+@pytest.mark.slow
 def test_no_implicit_bucket_and_wrong_credentials_refused(s3_server, s3_bucket):
     client = s3_server.client()
     with pytest.raises(ClientError) as exc:
@@ -72,6 +74,7 @@ def test_no_implicit_bucket_and_wrong_credentials_refused(s3_server, s3_bucket):
     assert _code(exc) == "SignatureDoesNotMatch"
 
 
+@pytest.mark.slow
 def test_env_reaches_boto3(s3_server, s3_bucket, monkeypatch):
     for k, v in s3_server.env().items():
         monkeypatch.setenv(k, v)
@@ -82,6 +85,7 @@ def test_env_reaches_boto3(s3_server, s3_bucket, monkeypatch):
     assert s3_server.keys(s3_bucket) == ["env"]
 
 
+@pytest.mark.slow
 def test_kill_keeps_data_and_open_uploads(s3_server, s3_bucket):
     client = s3_server.client()
     client.put_object(Bucket=s3_bucket, Key="kept", Body=b"before the crash")
@@ -101,6 +105,7 @@ def test_kill_keeps_data_and_open_uploads(s3_server, s3_bucket):
     assert s3_server.open_uploads(s3_bucket) == []
 
 
+@pytest.mark.slow
 def test_freeze_accepts_and_never_answers(s3_server, s3_bucket):
     impatient = s3_server.client(retries=0, timeout=1)
     s3_server.freeze()
@@ -113,6 +118,7 @@ def test_freeze_accepts_and_never_answers(s3_server, s3_bucket):
     assert impatient.list_objects_v2(Bucket=s3_bucket)["KeyCount"] == 0
 
 
+@pytest.mark.slow
 def test_stop_by_pid_and_own_directory_removed():
     with seaweedfs.S3Server() as server:
         pid, root = server.pid, server.root
