@@ -823,6 +823,7 @@ def test_a_lazy_saves_thread_plans_only_after_the_call_returned(tmp_path, monkey
 
 
 @pytest.mark.slow
+@pytest.mark.slow
 def test_cancel_returns_when_a_done_callback_asks_for_the_outcome(tmp_path):
     """cancel() ran the done-callbacks under the lock that the save's thread takes before its rename: a callback
     calling exception() (a common logging pattern) waited for that thread, and both waited for good."""
