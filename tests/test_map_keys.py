@@ -56,6 +56,7 @@ def _reference_same(payload: bytes) -> bool:
     return False
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None)
 @given(_keys, _keys)
 def test_both_readers_call_the_same_pairs_of_keys_the_same(k1, k2):

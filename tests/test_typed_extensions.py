@@ -79,6 +79,7 @@ def _unknown_key_exts() -> bytes:
     return craft.build(nv, fix_index=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", sorted(TYPED_BOMBS))
 def test_typed_values_count_against_the_index_memory_bound(kind):
     data = _unknown_key_exts() if TYPED_BOMBS[kind] is None else _file_with_raw_tree(TYPED_BOMBS[kind])
