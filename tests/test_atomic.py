@@ -10,7 +10,7 @@ import torch
 
 import nvckpt
 from nvckpt.engines import cpu as encode_cpu
-from nvckpt.format import frames as container
+from nvckpt.io.target import AtomicFile
 from conftest import OLD_STATE, assert_tree_equal, assert_untouched
 
 NEW = {"new": torch.randn(4096, 64), "more": [torch.randn(300, 300), "text"], "step": 2}
@@ -20,23 +20,42 @@ class Boom(Exception):
     pass
 
 
+class FailingDisk(AtomicFile):
+    """The atomic local file on a disk whose writes fail once ``after`` bytes are written (with ``exc``)."""
+
+    def __init__(self, path, after: int, exc: type[BaseException]):
+        super().__init__(str(path))
+        self.after, self.exc, self.written = after, exc, 0
+
+    def open_sink(self, options):
+        sink = super().open_sink(options)
+        write, write_many = sink.write, sink.write_many
+
+        def count(n: int) -> None:
+            if self.written + n > self.after:
+                raise self.exc("disk on fire")
+            self.written += n
+
+        def failing_write(data):
+            count(memoryview(data).nbytes)
+            return write(data)
+
+        def failing_write_many(pieces):
+            count(sum(memoryview(p).nbytes for p in pieces))
+            return write_many(pieces)
+
+        sink.write, sink.write_many = failing_write, failing_write_many
+        return sink
+
+
 @pytest.mark.parametrize("after", [0, 24, 5000, 300_000])
 @pytest.mark.parametrize("exc", [Boom, OSError, KeyboardInterrupt])
-def test_failure_while_writing_keeps_old_file(old_file, monkeypatch, after, exc):
+def test_failure_while_writing_keeps_old_file(old_file, after, exc):
     path, old_bytes = old_file
-    original = container.FrameWriter._write
-    written = [0]
-
-    def failing_write(self, data, *rest):
-        if written[0] >= after:
-            raise exc("disk on fire")
-        written[0] += memoryview(data).nbytes
-        original(self, data, *rest)
-
-    monkeypatch.setattr(container.FrameWriter, "_write", failing_write)
+    target = FailingDisk(path, after, exc)
     with pytest.raises(exc):
-        nvckpt.save(NEW, path, chunk_size=16 << 10)
-    monkeypatch.undo()
+        nvckpt.save(NEW, target, chunk_size=16 << 10)
+    assert target.written <= after
     assert_untouched(path, old_bytes)
 
 
@@ -141,15 +160,10 @@ def test_the_replaced_file_is_freed_off_the_callers_path_and_no_descriptor_is_le
     assert os.listdir(path.parent) == [path.name]
 
 
-def test_failed_first_save_creates_nothing(tmp_path, monkeypatch):
+def test_failed_first_save_creates_nothing(tmp_path):
     path = tmp_path / "fresh.nvckpt"
-
-    def failing_write(self, data, *rest):
-        raise OSError("no space left on device")
-
-    monkeypatch.setattr(container.FrameWriter, "_write", failing_write)
     with pytest.raises(OSError):
-        nvckpt.save(NEW, path)
+        nvckpt.save(NEW, FailingDisk(path, 0, OSError))
     assert os.listdir(tmp_path) == []
 
 
