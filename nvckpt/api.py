@@ -103,14 +103,31 @@ def open(target: str | os.PathLike | Any, **options: Any) -> Checkpoint:  # noqa
     return Checkpoint(target, options_from(LoadOptions, "open", options))
 
 
-@with_signature(LoadOptions, "target", "keys=None")
-def load(target: str | os.PathLike | Any, *, keys: Iterable[str] | None = None, **options: Any) -> Any:
+@with_signature(LoadOptions, "target", "keys=None", "allow_pickle=False")
+def load(target: str | os.PathLike | Any, *, keys: Iterable[str] | None = None, allow_pickle: bool = False,
+         **options: Any) -> Any:
     """Load a whole checkpoint, bit-exact, as the structure that was saved.
 
     ``keys``: load only part of it, reading only the tensors in that part: one path (a str) returns
     the value there ("model" is the model's state_dict, "model/weight" one tensor, "step" a scalar);
-    a list of paths returns a dict path -> value.  Other options: see ``open``."""
-    with Checkpoint(target, options_from(LoadOptions, "load", options)) as ck:
+    a list of paths returns a dict path -> value.  A name as DCP writes it ("model.0.weight", keys
+    joined by ".") is accepted where it names one value.
+    ``allow_pickle``: also read a torch.save file (during a migration, one call loads either format).
+    That runs ``torch.load(weights_only=False)``: the file's pickle may run any code, so give it only
+    for files you trust (``weights_only=True`` with it keeps torch's restricted unpickler).  Never the
+    default: without it a torch.save file raises a FormatError that says what it is.
+    Other options: see ``open``."""
+    if type(allow_pickle) is not bool:
+        raise TypeError(f"allow_pickle must be True or False, got {allow_pickle!r}")
+    load_options = options_from(LoadOptions, "load", options)
+    if allow_pickle:
+        from .format.sniff import sniff_format
+
+        if sniff_format(target) == "torch":
+            from .session.pickled import load_pickled
+
+            return load_pickled(target, keys, load_options)
+    with Checkpoint(target, load_options) as ck:
         return ck.load(keys)
 
 

@@ -9,7 +9,6 @@ an unexpected exception (a bug) keeps its traceback.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -18,12 +17,11 @@ from typing import Any, Sequence
 
 from . import __version__
 from .codecs.presets import DESCRIPTIONS, PRESETS
-from .errors import FormatError, NvckptError, UnsupportedCodecError, UnsupportedFeatureError, UnsupportedObjectError, located_message
+from .errors import NvckptError, UnsupportedCodecError, UnsupportedFeatureError, UnsupportedObjectError, located_message
 from .tools._util import (
     FILE_FORMATS,
     UnknownFormatError,
     UsageError,
-    convert_hint,
     human_bytes,
     printable,
     progress_bar,
@@ -294,17 +292,6 @@ def _shape(shape: Sequence[int]) -> str:
 
 # -- commands ----------------------------------------------------------------
 
-@contextlib.contextmanager
-def _nvckpt_file(path: str):
-    """Add what a file is when it is not an nvckpt file (a torch.save or safetensors file: convert reads it)."""
-    try:
-        yield
-    except FormatError as exc:
-        if exc.offset == 0 and "not an nvckpt file" in exc.reason:
-            exc.reason += convert_hint(path)
-            exc.located()
-        raise
-
 def _info_directory(args: argparse.Namespace) -> int:
     from .tools.dcpdir import describe_directory
 
@@ -330,8 +317,7 @@ def _info(args: argparse.Namespace) -> int:
         return _info_directory(args)
     from .tools.info import describe
 
-    with _nvckpt_file(args.file):
-        d = describe(args.file)
+    d = describe(args.file)
     if args.json:
         _print_json(d)
         return EXIT_OK
@@ -397,8 +383,7 @@ def _ls(args: argparse.Namespace) -> int:
         return _ls_directory(args)
     from .tools.info import list_tensors
 
-    with _nvckpt_file(args.file):
-        rows = list_tensors(args.file)
+    rows = list_tensors(args.file)
     if args.json:
         _print_json(rows)
         return EXIT_OK
@@ -418,8 +403,7 @@ def _verify(args: argparse.Namespace) -> int:
         from .tools.verify import verify
 
     try:
-        with _nvckpt_file(args.file):
-            report = verify(args.file, progress=_bars(args), workers=args.workers)
+        report = verify(args.file, progress=_bars(args), workers=args.workers)
     except (NvckptError, OSError) as exc:
         if args.json:  # a script reading stdout learns the verdict there too (the error line goes to stderr)
             message = _os_error_text(exc) if isinstance(exc, OSError) else str(exc)

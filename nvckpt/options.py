@@ -230,10 +230,13 @@ def keyword_signature(cls: type, *leading: inspect.Parameter, returns: Any = ins
 
 def with_signature(cls: type, *leading: str) -> Callable[[Callable], Callable]:
     """Give a ``def f(a, b, **options)`` the signature ``f(a, b, *, <cls's fields>)`` (for help() and IDEs);
-    a leading name written ``"c=None"`` gets that default."""
+    a leading name written ``"c=None"`` (or another literal) gets that default."""
+    import ast
+
     def wrap(fn: Callable) -> Callable:
         lead = [inspect.Parameter(n.split("=")[0], inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                  **({"default": None} if n.endswith("=None") else {})) for n in leading]
+                                  **({"default": ast.literal_eval(n.split("=", 1)[1])} if "=" in n else {}))
+                for n in leading]
         fn.__signature__ = keyword_signature(cls, *lead, returns=inspect.signature(fn).return_annotation)  # type: ignore[attr-defined]
         return fn
     return wrap

@@ -212,3 +212,51 @@ def test_a_callable_map_location_relocates_slices_and_boxes_too(tmp_path):
                           (f.get_slice("w")[[1, 4]], w[[1, 4]]), (f.read_box("w", (1, 2), (3, 2)), w[1:4, 2:4])):
             assert torch.equal(got, want)
         assert len(calls) == 5 and whole.untyped_storage().data_ptr() != 0
+
+
+def test_a_torch_save_file_is_named_as_such_by_the_library(tmp_path):
+    """nvckpt.load of a torch.save (or safetensors) file says what the file is and what reads it, as the CLI
+    does, from one piece of code (nvckpt.format.sniff)."""
+    pt = tmp_path / "model.pt"
+    torch.save({"w": torch.ones(2)}, pt)
+    with pytest.raises(nvckpt.FormatError, match=r"it is a torch.save file: `nvckpt convert .*model.pt .*model.nvckpt` "
+                                                 r"converts it .*nvckpt.load\(path, allow_pickle=True\)"):
+        nvckpt.load(pt)
+    with pytest.raises(nvckpt.FormatError, match="it is a torch.save file"):
+        nvckpt.open(str(pt))
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    st = tmp_path / "model.safetensors"
+    safetensors_torch.save_file({"w": torch.ones(2)}, st)
+    with pytest.raises(nvckpt.FormatError, match="it is a safetensors file: `nvckpt convert"):
+        nvckpt.load(st)
+
+
+def test_allow_pickle_reads_a_trusted_torch_save_file_and_never_by_default(tmp_path):
+    import numpy as np
+
+    state = {"model": {"0.weight": torch.arange(6.0).view(2, 3)}, "rng": np.random.get_state(), "step": 5}
+    pt = tmp_path / "legacy.pt"
+    torch.save(state, pt)
+    with pytest.raises(nvckpt.FormatError, match="allow_pickle=True"):
+        nvckpt.load(pt)  # never by default
+    back = nvckpt.load(pt, allow_pickle=True)
+    assert torch.equal(back["model"]["0.weight"], state["model"]["0.weight"]) and back["step"] == 5
+    assert np.array_equal(back["rng"][1], state["rng"][1])
+    # keys= as for an nvckpt file: paths, DCP's dotted names, near matches
+    assert nvckpt.load(pt, allow_pickle=True, keys="step") == 5
+    got = nvckpt.load(pt, allow_pickle=True, keys=["model.0.weight", "model/0.weight"])
+    assert torch.equal(got["model.0.weight"], got["model/0.weight"])
+    with pytest.raises(nvckpt.TensorNotFoundError, match="did you mean 'step'"):
+        nvckpt.load(pt, allow_pickle=True, keys="stepp")
+    # weights_only=True keeps torch's restricted unpickler (which refuses the numpy state)
+    with pytest.raises(Exception, match="Weights only load failed"):
+        nvckpt.load(pt, allow_pickle=True, weights_only=True)
+    with pytest.raises(ValueError, match="contradict"):
+        nvckpt.load(pt, allow_pickle=True, untrusted=True)
+    with pytest.raises(TypeError, match="allow_pickle"):
+        nvckpt.load(pt, allow_pickle="yes")
+    # an nvckpt file loads as ever; allow_pickle changes nothing for it
+    nvckpt.save({"w": torch.ones(2)}, tmp_path / "new.nvckpt")
+    assert torch.equal(nvckpt.load(tmp_path / "new.nvckpt", allow_pickle=True)["w"], torch.ones(2))
+    with open(pt, "rb") as stream:  # a stream of a torch.save file too
+        assert nvckpt.load(stream, allow_pickle=True, keys="step") == 5

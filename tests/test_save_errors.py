@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import datetime
 import enum
 import io
+import pathlib
 import warnings
 
 import numpy as np
@@ -54,6 +58,37 @@ def test_unsupported_objects_name_their_path(obj, where, what):
     message = str(info.value)
     assert where in message and what in message, message
     assert isinstance(info.value, nvckpt.NvckptError) and isinstance(info.value, TypeError)
+
+
+@dataclasses.dataclass
+class Config:
+    lr: float = 0.1
+
+
+class Stateful:
+    def state_dict(self) -> dict:
+        return {"n": 1}
+
+
+@pytest.mark.parametrize("value,fix", [
+    (Config(), "dataclasses.asdict(obj)"),
+    (Stateful(), "obj.state_dict()"),
+    (torch.nn.Linear(1, 1), "obj.state_dict()"),
+    (pathlib.Path("/data/run"), "str(path)"),
+    (np.arange(3, dtype=np.uint32), "torch.from_numpy(arr)"),
+    (np.arange(3), "arr.tolist()"),
+    (argparse.Namespace(lr=0.1), "vars(ns)"),
+    (datetime.date(2026, 1, 2), "isoformat()"),
+    (enum.Enum("Color", "RED")["RED"], "member.value"),
+    (len, "store its name"),
+    (Custom(), "state_dict() / load_state_dict()"),
+])
+def test_what_cannot_be_stored_is_refused_naming_the_fix(value, fix):
+    """The error names what to store instead (the fix in the user's code), before the list of storable types."""
+    with pytest.raises(nvckpt.UnsupportedObjectError) as info:
+        nvckpt.save({"hparams": {"x": value}}, io.BytesIO())
+    message = str(info.value)
+    assert "hparams/x" in message and fix in message and message.index(fix) < message.index("nvckpt stores"), message
 
 
 def test_root_unsupported_names_root():

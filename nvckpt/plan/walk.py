@@ -131,6 +131,47 @@ def typed_leaf(node: Any, path: str) -> Any:
     return None
 
 
+def fix_for(value: Any) -> str:
+    """What to store instead of ``value``, a value the tree cannot hold (for the error that refuses it); ""
+    where nothing better than the list of storable types can be said."""
+    import dataclasses
+    import datetime
+    import enum
+    import functools
+    import pathlib
+    import types
+    from collections.abc import Mapping
+
+    kind = type(value)
+    if isinstance(value, np.ndarray):
+        return "store torch.from_numpy(arr) (a tensor; .numpy() after loading) or arr.tolist() (plain numbers)"
+    if isinstance(value, pathlib.PurePath):
+        return "store str(path) (pathlib.Path(s) after loading)"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return "store dataclasses.asdict(obj) (a dict of its fields; cls(**d) after loading)"
+    if callable(getattr(value, "state_dict", None)):
+        return "store obj.state_dict() (obj.load_state_dict(...) after loading), as for a module or optimizer"
+    if kind.__module__.startswith("omegaconf"):
+        return "store OmegaConf.to_container(cfg, resolve=True) (a dict; OmegaConf.create(d) after loading)"
+    if isinstance(value, Mapping):
+        return "store dict(value)"
+    if kind.__name__ == "Namespace":  # argparse's and SimpleNamespace
+        return "store vars(ns) (a dict)"
+    if isinstance(value, enum.Enum):
+        return "store member.value or member.name (an enum that is a str or int is stored as that)"
+    if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
+        return "store value.isoformat() (fromisoformat() after loading)"
+    if isinstance(value, datetime.timedelta):
+        return "store value.total_seconds()"
+    if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, types.MethodType, type, types.ModuleType,
+                          functools.partial)):
+        return "code cannot be stored without pickle: store its name (a str) and look it up after loading"
+    if hasattr(value, "__dict__"):
+        return ("give its class state_dict() / load_state_dict() and store obj.state_dict(), or store its fields as "
+                "a dict (vars(obj))")
+    return ""
+
+
 def _scalar_leaf(value: Any, path: str) -> Any:
     if isinstance(value, complex):
         return complex(value)
@@ -314,11 +355,11 @@ def plan_save(
         else:
             value = typed_leaf(node, path)
             if value is None:
-                hint = " (convert it with torch.from_numpy)" if isinstance(node, np.ndarray) else ""
+                fix = fix_for(node)
                 raise UnsupportedObjectError(
-                    f"cannot store {type(node).__module__}.{type(node).__qualname__} at {path or '<root>'}{hint}: "
-                    "nvckpt stores tensors, dicts, lists, tuples, sets, str, bytes, int, float, complex, bool, None, "
-                    "torch.dtype and torch.device (no pickle)"
+                    f"cannot store {type(node).__module__}.{type(node).__qualname__} at {path or '<root>'}: "
+                    f"{fix + '; ' if fix else ''}nvckpt stores tensors, dicts, lists, tuples, sets, str, bytes, int, float, "
+                    "complex, bool, None, torch.dtype and torch.device (no pickle)"
                 )
         if not typed and is_typed(value):
             typed = True

@@ -28,6 +28,8 @@ from ..errors import (ChecksumError, FormatError, LimitError, NvckptError, Tenso
 from ..format.entry import TensorEntry
 from ..format.constants import FOOTER_SIZE, FRAME_INDEX
 from ..format.frames import iter_frames, locate_index
+from ..format.paths import by_dotted_name, did_you_mean
+from ..format.sniff import foreign_format_hint
 from ..format.structs import xxh3
 from ..io.ranges import Read, coalesce
 from ..io.source import ByteSource, RangeReads, open_source
@@ -73,6 +75,9 @@ class ChunkReader:
             self.pipelines: list[Pipeline] = [pipeline_from_json(c) for c in self.index.codecs]
         except NvckptError as exc:
             self.source.close()
+            if isinstance(exc, FormatError) and exc.offset == 0 and exc.reason.startswith("not an nvckpt file") \
+                    and isinstance(target, (str, os.PathLike)):
+                exc.reason += foreign_format_hint(target)  # a torch.save or safetensors file: what reads it
             raise exc.located(path=self.path)
         except BaseException:
             self.source.close()
@@ -137,6 +142,8 @@ class ChunkReader:
 
     # -- names -------------------------------------------------------------
     def entry(self, name: str) -> TensorEntry:
+        """The entry of the tensor named ``name``: one of the index's paths, an internal base's name (SPEC
+        14.3), or DCP's dotted name of one of those paths; TensorNotFoundError (near names in its message)."""
         tid = self.index.paths.get(name)
         if tid is None:
             others = self.__dict__.get("_unpathed")
@@ -146,8 +153,19 @@ class ChunkReader:
             e = others.get(name)
             if e is not None:
                 return e
-            raise TensorNotFoundError(f"no tensor named {name!r}", path=self.path)
+            tid = self._dotted_names().get(name)
+            if tid is None:
+                raise TensorNotFoundError(f"no tensor named {name!r}{did_you_mean(name, self.index.paths)}",
+                                          path=self.path)
         return self.index.tensors[tid]
+
+    def _dotted_names(self) -> dict[str, int]:
+        """DCP's dotted name of each tensor path -> its tensor id (made on the first miss, then kept)."""
+        found = self.__dict__.get("_dotted")
+        if found is None:
+            found = self.__dict__["_dotted"] = {k: self.index.paths[p] for k, p in
+                                                by_dotted_name(self.index.paths).items() if p is not None}
+        return found
 
     # -- chunks: reads and the one checksum check --------------------------
     def verify(self, entry: TensorEntry, i: int, stored: Any) -> None:

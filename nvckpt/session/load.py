@@ -15,10 +15,11 @@ import xxhash
 
 from .._gc import paused as gc_paused
 from .._threads import TASK_BYTES, TASK_PIECES
-from ..errors import ChecksumError, FormatError, LimitError, TensorNotFoundError, UnsupportedCodecError, UnsupportedFeatureError
+from ..errors import brief, ChecksumError, FormatError, LimitError, TensorNotFoundError, UnsupportedCodecError, UnsupportedFeatureError
 from ..format.constants import BF16_RNE, COPY
 from ..format.entry import TensorEntry
 from ..format.structs import xxh3
+from ..format.paths import by_dotted_name, did_you_mean, value_paths
 from ..format.tree import DeviceName, DtypeName, TensorRef, find_path, resolve_refs, tensor_refs
 from ..options import LoadOptions, index_memory_limit
 from ..plan.derived import bf16_rne
@@ -229,6 +230,7 @@ class Checkpoint(Mapping):
         self._gpu = None if options.untrusted else self._gpu_backend()
         self._stats_lock = threading.Lock()
         self._stats: dict[str, Any] = {"gpu_loads": 0, "gpu_seconds": 0.0, "gpu_stored_bytes": 0}
+        self._dotted: dict[str, str | None] | None = None  # DCP's dotted names of the tree's paths (_path)
 
     def _gpu_backend(self) -> Any:
         """The GPU loader's backend: the one the options give, else the CUDA device's where nvCOMP is; else None
@@ -289,19 +291,26 @@ class Checkpoint(Mapping):
         """Every tensor's name (its path in the saved object, SPEC 14.1), in the order it was saved."""
         return list(self._file.index.paths)
 
-    def __getitem__(self, name: str) -> torch.Tensor:
-        """``ck[name]``: the same as ``get_tensor(name)``."""
-        return self.get_tensor(name)
+    def __getitem__(self, name: str) -> Any:
+        """``ck[name]``: the tensor named ``name``, as ``get_tensor(name)``; any other path of the saved object
+        gives its value, as ``load(keys=name)`` (``ck["step"]``, ``ck["model"]``)."""
+        try:
+            return self.get_tensor(name)
+        except TensorNotFoundError:
+            if not isinstance(name, str) or self._path(name) is None:
+                raise
+        return self.load(name)
 
     def __contains__(self, name: object) -> bool:
-        """``name in ck`` exactly when ``ck[name]`` finds it: the saved object's tensors (``keys()``) and the
-        internal bases of views (SPEC 14.3, "<first view>@base"), which ``keys()`` leaves out."""
+        """``name in ck`` exactly when ``ck[name]`` and ``load(keys=name)`` find it: the saved object's tensors
+        (``keys()``), the path of any other value in it ("step", "model"), DCP's dotted name of one of those,
+        and the internal bases of views (SPEC 14.3, "<first view>@base"), which ``keys()`` leaves out."""
         if not isinstance(name, str):
             return False
         try:
             self._file.entry(name)
         except TensorNotFoundError:
-            return False
+            return self._path(name) is not None
         return True
 
     def __iter__(self) -> Iterator[str]:
@@ -538,9 +547,10 @@ class Checkpoint(Mapping):
 
     # -- public reads ---------------------------------------------------------
     def get_tensor(self, name: str) -> torch.Tensor:
-        """The tensor named ``name`` (one of ``keys()``), on this checkpoint's device; raises
-        TensorNotFoundError (a KeyError) for an unknown name."""
-        entry = self._file.entry(name)
+        """The tensor named ``name`` (one of ``keys()``, or its dotted name as DCP writes it), on this
+        checkpoint's device; raises TensorNotFoundError (a KeyError) for an unknown name, naming the nearest
+        names, or saying where ``name`` is another value of the saved object."""
+        entry = self._tensor_entry(name)
         if entry.view is not None and entry.shape and self.row_readable(entry):
             # A slice of a flat buffer: only its own elements are decoded, into memory of its own, not the whole
             # base once per view ({k: f[k] for k in f.keys()} over a flat parameter buffer).
@@ -560,7 +570,7 @@ class Checkpoint(Mapping):
         every stored row once per reader).  A view in C order in its base (a
         slice of a flat buffer) and a tensor derived from a stored one read
         their rows the same way; other views are built whole, then cut."""
-        entry = self._file.entry(name)
+        entry = self._tensor_entry(name)
         offsets, lengths = _check_box(entry, offsets, lengths, self.path)
         if not entry.shape:
             return self._load([entry.tensor_id])[entry.tensor_id]
@@ -579,22 +589,53 @@ class Checkpoint(Mapping):
         ``get_shape()`` and ``get_dtype()`` read nothing."""
         from .slicing import TensorSlice
 
-        return TensorSlice(self, self._file.entry(name))
+        return TensorSlice(self, self._tensor_entry(name))
+
+    def _tensor_entry(self, name: str) -> TensorEntry:
+        """``file.entry(name)``; for a path that holds another value, an error that says so."""
+        try:
+            return self._file.entry(name)
+        except TensorNotFoundError as exc:
+            path = self._path(name) if isinstance(name, str) else None
+            if path is None:
+                raise
+            node = find_path(self._file.index.tree, path)
+            what = (f"a dict of {len(node)} entries" if isinstance(node, dict) else
+                    f"a {type(node).__name__} of {len(node)} items" if isinstance(node, (list, tuple)) else
+                    f"the {type(node).__name__} {brief(node)}")
+            exc.reason = (f"{name!r} holds {what} in the saved object, not a tensor: ck[{name!r}] or "
+                          f"nvckpt.load(path, keys={name!r}) reads it")
+            raise exc.located() from None
+
+    def _path(self, key: str) -> str | None:
+        """The path in the saved object that ``key`` names (itself, or the one path whose dotted name it is)."""
+        tree = self._file.index.tree
+        try:
+            find_path(tree, key)
+            return key
+        except KeyError:
+            pass
+        with self._stats_lock, gc_paused():  # made on the first miss, then kept (not a walk of the tree per miss)
+            if self._dotted is None:
+                self._dotted = by_dotted_name(value_paths(tree, TensorRef))
+        return self._dotted.get(key)
 
     def _node(self, key: str) -> Any:
-        """The tree node a ``load(keys=...)`` key names: a tensor's name, or the path of any value in the tree."""
+        """The tree node a ``load(keys=...)`` key names: a tensor's name, the path of any value in the tree, or
+        DCP's dotted name of one of those."""
         index = self._file.index
         if key in index.paths:
             return TensorRef(index.paths[key])
-        try:
-            return find_path(index.tree, key)
-        except KeyError:
-            pass
+        path = self._path(key)
+        if path is not None:
+            return find_path(index.tree, path)
         try:
             return TensorRef(self._file.entry(key).tensor_id)  # an internal base is reachable by name too
         except TensorNotFoundError:
+            names = [*index.paths, *value_paths(index.tree, TensorRef)]
             raise TensorNotFoundError(f"nothing is saved at {key!r}: it is neither a tensor's name (keys()) nor the "
-                                      "path of a value in the saved object", path=self.path) from None
+                                      f"path of a value in the saved object{did_you_mean(key, dict.fromkeys(names))}",
+                                      path=self.path) from None
 
     def load(self, keys: Iterable[str] | None = None, *, progress: Callable[[int], None] | None = None) -> Any:
         """The whole saved object; with ``keys``, only part of it, reading only the tensors that part holds.

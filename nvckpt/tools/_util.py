@@ -7,6 +7,8 @@ import sys
 from typing import Any, Callable, Sequence
 
 from ..format.constants import MAX_TREE_DEPTH
+from ..format.paths import unescape
+from ..format.sniff import WHAT_FORMAT, sniff_format  # noqa: F401 - the tools tell formats by content, as the library
 from ..format.tree import escape
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
@@ -104,11 +106,6 @@ def overwrites_source(src: str | os.PathLike, dst: str | os.PathLike) -> bool:
         return False
 
 
-def unescape(segment: str) -> str:
-    """Inverse of nvckpt.format.tree.escape (RFC 6901: '~1' -> '/', then '~0' -> '~')."""
-    return segment.replace("~1", "/").replace("~0", "~")
-
-
 def nest_by_name(items: Sequence[tuple[str, Any]]) -> Any | None:
     """Rebuild nested dicts from tensor names, so that each value's path is its name again.
 
@@ -188,39 +185,3 @@ class UnknownFormatError(UsageError):
 # What convert's --from/--to accept (a DCP directory is told by its manifest and written by `split`).
 FILE_FORMATS = ("nvckpt", "safetensors", "torch")
 
-
-# What a file holds, from its first bytes (convert and the "not an nvckpt file" hints trust content, not names).
-_TORCH_LEGACY = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"  # pickle of torch's legacy MAGIC_NUMBER
-
-
-def sniff_format(path: str | os.PathLike) -> str | None:
-    """"nvckpt", "torch" (torch.save's zip or legacy format), "safetensors", or None, by content."""
-    from ..format.constants import PREAMBLE_MAGIC
-
-    try:
-        with open(path, "rb") as f:
-            head = f.read(16)
-            size = os.fstat(f.fileno()).st_size
-    except OSError:
-        return None
-    if head.startswith(PREAMBLE_MAGIC):
-        return "nvckpt"
-    if head.startswith(b"PK\x03\x04") or head.startswith(_TORCH_LEGACY):
-        return "torch"
-    if len(head) >= 9 and 0 < int.from_bytes(head[:8], "little") <= size - 8 and head[8:9] == b"{":
-        return "safetensors"
-    return None
-
-
-# What a file of each format sniff_format tells is, in a message.
-WHAT_FORMAT = {"nvckpt": "an nvckpt file", "torch": "a torch.save file", "safetensors": "a safetensors file"}
-
-
-def convert_hint(path: str | os.PathLike) -> str:
-    """For an error about a file that is not an nvckpt file: what it is and the command that reads it."""
-    fmt = sniff_format(path)
-    if fmt in ("torch", "safetensors"):
-        name = os.fspath(path)
-        stem = os.path.splitext(name)[0]
-        return f"; it is {WHAT_FORMAT[fmt]}: `nvckpt convert {name} {stem}.nvckpt` converts it"
-    return ""
