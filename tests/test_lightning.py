@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 import warnings
@@ -12,7 +13,8 @@ import torch
 pl = pytest.importorskip("lightning.pytorch")
 
 import nvckpt  # noqa: E402
-from nvckpt.integrations.lightning import DROPPED, NvckptCheckpointIO, load_from_checkpoint  # noqa: E402
+from nvckpt.integrations.lightning import (DROPPED, NvckptCheckpointIO, NvckptModelCheckpoint,  # noqa: E402
+                                           load_from_checkpoint)
 
 
 class Net(pl.LightningModule):
@@ -155,3 +157,97 @@ def test_old_torch_checkpoints_still_load_and_remove_works(tmp_path):
     with pytest.raises(nvckpt.UnsupportedObjectError, match="local files"):
         io.save_checkpoint({}, "s3://bucket/x.ckpt")
     assert os.listdir(tmp_path) == ["old.ckpt"]
+
+
+def named_trainer(tmp_path, epochs: int, *plugins, **kw) -> "pl.Trainer":
+    """A Trainer whose checkpoints NvckptModelCheckpoint writes (no plugin needed)."""
+    callback = NvckptModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, **kw)
+    return pl.Trainer(default_root_dir=tmp_path, max_epochs=epochs, plugins=list(plugins), accelerator="cpu",
+                      devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[callback])
+
+
+def test_model_checkpoint_names_files_nvckpt_and_resumes_from_last(tmp_path):
+    """NvckptModelCheckpoint alone: files named .nvckpt (nvckpt inside), ckpt_path="last" finds last.nvckpt in a
+    new Trainer, and the resumed run continues bit for bit; the best-k files are removed as Lightning's are."""
+    pl.seed_everything(0, verbose=False)
+    straight = Net()
+    trainer(tmp_path / "a", 4, NvckptCheckpointIO()).fit(straight)
+
+    pl.seed_everything(0, verbose=False)
+    first = Net()
+    named_trainer(tmp_path / "b", 2, save_top_k=1, monitor="step", mode="max").fit(first)
+    files = sorted(os.listdir(tmp_path / "b" / "ckpt"))
+    assert files == ["epoch=1-step=8.nvckpt", "last.nvckpt"], files  # top-1 kept: the epoch-0 file was removed
+    assert (tmp_path / "b" / "ckpt" / "last.nvckpt").read_bytes()[:8] == b"\x89NVCKPT\n"
+
+    pl.seed_everything(0, verbose=False)
+    resumed = Net()
+    named_trainer(tmp_path / "b", 4, save_top_k=1, monitor="step", mode="max").fit(resumed, ckpt_path="last")
+    assert first.losses + resumed.losses == straight.losses  # "last" was resolved by Lightning before any callback ran
+    back = load_from_checkpoint(Net, tmp_path / "b" / "ckpt" / "last.nvckpt")  # the documented one-liner
+    assert all(torch.equal(a, b) for a, b in zip(resumed.state_dict().values(), back.state_dict().values()))
+
+
+def test_model_checkpoint_extension_and_plugin_options(tmp_path):
+    """extension= keeps Lightning's names; a plugin given to the Trainer (its options) is the one that writes."""
+    io = NvckptCheckpointIO(async_save=True, metadata={"run": "x"})
+    pl.seed_everything(0, verbose=False)
+    named_trainer(tmp_path, 1, io, extension=".ckpt").fit(Net())
+    last = tmp_path / "ckpt" / "last.ckpt"
+    with nvckpt.open(last) as ck:
+        assert ck.metadata()["run"] == "x"
+    with pytest.raises(ValueError, match="extension"):
+        NvckptModelCheckpoint(extension="nvckpt")
+    with pytest.raises(ValueError, match="NvckptCheckpointIO as a plugin"):  # another CheckpointIO: not replaced
+        pl.Trainer(default_root_dir=tmp_path, max_epochs=1, plugins=[OtherIO()], logger=False, accelerator="cpu",
+                   enable_progress_bar=False, callbacks=[NvckptModelCheckpoint(dirpath=tmp_path / "o")]).fit(Net())
+
+
+class OtherIO(pl.plugins.TorchCheckpointIO):
+    pass
+
+
+def test_what_cannot_be_stored_stops_the_run_before_its_first_step(tmp_path):
+    """A Path in the hyper-parameters is refused at setup, before any training step, naming the fix and the
+    plugin's unsupported="drop"; with "drop" the run goes on, warned once at fit start."""
+    pl.seed_everything(0, verbose=False)
+    model = Net(note=pathlib.Path("/data/run"))
+    with pytest.raises(nvckpt.UnsupportedObjectError,
+                       match=r"hyper_parameters/note: store str\(path\).*unsupported=\"drop\""):
+        named_trainer(tmp_path / "a", 1).fit(model)
+    assert model.losses == []  # not one step ran
+    assert not (tmp_path / "a" / "ckpt").exists() or not os.listdir(tmp_path / "a" / "ckpt")
+
+    pl.seed_everything(0, verbose=False)
+    model = Net(note=pathlib.Path("/data/run"))
+    with pytest.warns(UserWarning, match="hyper_parameters/note") as caught:
+        named_trainer(tmp_path / "b", 1, NvckptCheckpointIO(unsupported="drop")).fit(model)
+    assert len([w for w in caught if "not saved" in str(w.message)]) == 1
+    with nvckpt.open(tmp_path / "b" / "ckpt" / "last.nvckpt") as ck:
+        assert ck.metadata()[DROPPED] == ["hyper_parameters/note"]
+
+
+class WithExtras(Net):
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint["extras"] = {"config": Config(), "ok": 1}
+
+
+@dataclasses.dataclass
+class Config:
+    layers: int = 2
+
+
+def test_what_on_save_checkpoint_adds_is_checked_at_fit_start(tmp_path):
+    """The whole checkpoint Lightning would save (the module's on_save_checkpoint included) is checked at fit
+    start: a dataclass there is named with its fix before the first step; the plugin alone says the same at
+    the first save."""
+    pl.seed_everything(0, verbose=False)
+    model = WithExtras()
+    with pytest.raises(nvckpt.UnsupportedObjectError, match=r"extras/config: store dataclasses.asdict\(obj\)"):
+        named_trainer(tmp_path / "a", 1).fit(model)
+    assert model.losses == []
+    model = WithExtras()
+    with pytest.raises(nvckpt.UnsupportedObjectError, match=r"extras/config.*dataclasses.asdict.*unsupported=\"drop\""):
+        trainer(tmp_path / "b", 1, NvckptCheckpointIO()).fit(model)
+    assert len(model.losses) == 4  # the plugin alone learns it at the first save, after an epoch
