@@ -116,6 +116,11 @@ def _is_stdout(path: str) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
+def _add_allow_pickle(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--allow-pickle", action="store_true",
+                   help=f"{what} (only for sources you trust: reading them runs their pickle, which can run any code)")
+
+
 def _add_quiet(p: argparse.ArgumentParser) -> None:
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar (there is none when stderr is not a terminal)")
 
@@ -139,6 +144,7 @@ def main_parser(prog: str = "nvckpt") -> argparse.ArgumentParser:
                 "directory (nvckpt.dcp.Writer's): its rank files, the global tensors they form, and what is "
                 "missing.")
     p.add_argument("file", help="an nvckpt file or a DCP directory")
+    _add_allow_pickle(p, "also read a DCP directory of torch's FileSystemWriter (its .metadata is a pickle)")
     _add_json(p)
     p.set_defaults(run=_info)
 
@@ -146,6 +152,7 @@ def main_parser(prog: str = "nvckpt") -> argparse.ArgumentParser:
                 "One line per tensor: name, dtype, shape, sizes, ratio, codecs, kind; of a DCP directory, "
                 "one line per global tensor with its shards and the rank files holding them.")
     p.add_argument("file", help="an nvckpt file or a DCP directory")
+    _add_allow_pickle(p, "also read a DCP directory of torch's FileSystemWriter (its .metadata is a pickle)")
     _add_json(p)
     p.set_defaults(run=_ls)
 
@@ -180,6 +187,8 @@ def main_parser(prog: str = "nvckpt") -> argparse.ArgumentParser:
     p.add_argument("--keep-tree", action="store_true",
                    help="safetensors DST: keep the whole structure (non-tensor values, tuples, ties) in the metadata, "
                         "so that converting back restores it")
+    _add_allow_pickle(p, "read a torch.save SRC with torch.load(weights_only=False) (a legacy file holding NumPy "
+                         "values or classes), or a DCP directory of torch's FileSystemWriter")
     _add_force(p)
     _add_json(p)
     _add_quiet(p)
@@ -200,6 +209,8 @@ def main_parser(prog: str = "nvckpt") -> argparse.ArgumentParser:
         p.add_argument("--codec", choices=PRESETS, default="auto",
                        help="codec of nvckpt output (default: auto = " + DESCRIPTIONS["auto"] + ")")
         p.add_argument("--level", type=_int_in(-7, 22), default=1, help="zstd level of nvckpt output (default: 1)")
+        _add_allow_pickle(p, "read a DCP directory of torch's FileSystemWriter" if name == "merge" else
+                          "read a torch.save SRC with torch.load(weights_only=False)")
         _add_force(p)
         _add_json(p)
         _add_quiet(p)
@@ -293,13 +304,16 @@ def _shape(shape: Sequence[int]) -> str:
 # -- commands ----------------------------------------------------------------
 
 def _info_directory(args: argparse.Namespace) -> int:
-    from .tools.dcpdir import describe_directory
+    if _filesystem_directory(args):
+        from .tools.filesystem_dcp import describe_directory
+    else:
+        from .tools.dcpdir import describe_directory
 
     d = describe_directory(args.file)
     if args.json:
         _print_json(d)
         return EXIT_PROBLEMS if d["problems"] else EXIT_OK
-    print(f"directory  {d['path']} ({d['format']}, world size {d['world_size']})")
+    print(f"directory  {d['path']} ({d['format']}, world size {d['world_size'] or '-'})")
     print(f"tensors    {d['tensors']} global tensors in {d['shards']} shards, {d['objects']} other values")
     print(f"data       {human_bytes(d['raw_bytes'])} raw, {human_bytes(d['stored_bytes'])} in "
           f"{len(d['files'])} rank files, ratio {ratio_text(d['ratio'])}")
@@ -310,6 +324,16 @@ def _info_directory(args: argparse.Namespace) -> int:
     for p in d["problems"]:
         print(f"problem: {located_message(p['message'], tensor=p['tensor'])}")
     return EXIT_PROBLEMS if d["problems"] else EXIT_OK
+
+
+def _filesystem_directory(args: argparse.Namespace) -> bool:
+    """Is FILE a DCP directory of torch's FileSystemWriter (then refused without --allow-pickle)?"""
+    from .tools.filesystem_dcp import is_filesystem_directory, require_trust
+
+    if not is_filesystem_directory(args.file):
+        return False
+    require_trust(args.file, args.allow_pickle)
+    return True
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -360,10 +384,15 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _ls_directory(args: argparse.Namespace) -> int:
-    from .tools.dcpdir import list_directory
-
     problems: list[str] = []
-    rows = list_directory(args.file, problems)
+    if _filesystem_directory(args):
+        from .tools.filesystem_dcp import list_directory as list_filesystem
+
+        rows = list_filesystem(args.file)
+    else:
+        from .tools.dcpdir import list_directory
+
+        rows = list_directory(args.file, problems)
     for problem in problems:
         _warn(problem)
     code = EXIT_PROBLEMS if problems else EXIT_OK  # as ls of a damaged file, and info / verify of this directory
@@ -444,9 +473,13 @@ def _convert(args: argparse.Namespace) -> int:
 
     _refuse_existing(args.src, args.dst, args.force)
     report_out = sys.stderr if _is_stdout(args.dst) else sys.stdout  # the file's bytes go to stdout: not the report
+    from .session.lifecycle import saves_are_the_job
+
     try:
-        report = convert(args.src, args.dst, src_format=args.src_format, dst_format=args.dst_format,
-                         codec=args.codec, zstd_level=args.level, keep_tree=args.keep_tree, progress=_bars(args))
+        with saves_are_the_job():  # SIGTERM while DST is written: it is finished, and the command exits as usual
+            report = convert(args.src, args.dst, src_format=args.src_format, dst_format=args.dst_format,
+                             codec=args.codec, zstd_level=args.level, keep_tree=args.keep_tree,
+                             allow_pickle=args.allow_pickle, progress=_bars(args))
     except UnknownFormatError as exc:
         if args.command == "convert":
             raise

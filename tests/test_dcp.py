@@ -406,7 +406,7 @@ def test_cli_info_ls_verify_on_a_directory(saved, capsys):
     code, out = _cli(capsys, "info", a)
     assert code == 0 and "world size 2" in out and "__1.nvckpt" in out
     code, out = _cli(capsys, "ls", a)
-    assert code == 0 and "model.0.weight" in out and "[50, 16]" in out
+    assert code == 0 and "model/0.weight" in out and "[50, 16]" in out  # named as in a file
     code, out = _cli(capsys, "verify", a)
     assert code == 0 and out.startswith("OK")
 
@@ -426,7 +426,7 @@ def test_cli_verify_names_missing_and_damaged_rank_files(saved, tmp_path, capsys
     code, out = _cli(capsys, "info", copy)
     assert code == 1 and f"rank file {other} is missing" in out
     code, out = _cli(capsys, "ls", copy)  # a script that checks with ls learns it too
-    assert code == 1 and f"warning: rank file {other} is missing" in out and "model.0.weight" in out
+    assert code == 1 and f"warning: rank file {other} is missing" in out and "model/0.weight" in out
 
 
 def test_split_takes_codec_and_level_without_a_warning(tmp_path, capsys):

@@ -19,6 +19,12 @@ and tensors) and written in the target format:
   (nvckpt.sharded.assemble), nested as the saved state dict; as a target it is
   written from this one process (one rank file, loadable at any world size).
   ``nvckpt merge`` and ``nvckpt split`` are these two directions to nvckpt.
+- a DCP directory of torch's own FileSystemWriter (format "dcp-filesystem")
+  is read, given ``allow_pickle`` (its metadata is a pickle), as torch's
+  ``dcp_to_torch_save`` reads it (nvckpt.tools.filesystem_dcp).
+- ``allow_pickle``: the caller trusts the source, so a torch.save file is read
+  with ``torch.load(weights_only=False)`` (a legacy file holding NumPy values,
+  a Namespace, ...), and a FileSystemWriter directory is read at all.
 """
 
 from __future__ import annotations
@@ -58,7 +64,7 @@ from ._util import (
     sniff_format,
 )
 
-FORMATS = ("nvckpt", "safetensors", "torch", "dcp")
+FORMATS = ("nvckpt", "safetensors", "torch", "dcp", "dcp-filesystem")
 EXTENSIONS = {".nvckpt": "nvckpt", ".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch",
               ".ckpt": "torch"}  # .ckpt: Lightning's (torch.save inside, or nvckpt with NvckptCheckpointIO: sniffed)
 CODECS = PRESETS
@@ -71,14 +77,20 @@ META_TREE_NAMES = "nvckpt.tree_names"  # ...this JSON list of safetensors tensor
 
 def format_of(path: str | os.PathLike, explicit: str | None = None, *, sniff: bool = False) -> str:
     """The format of ``path``: ``explicit``; else (``sniff``, for a source) what its content is; else its extension."""
+    from .filesystem_dcp import is_filesystem_directory
+
     if explicit is not None:
         if explicit not in FORMATS:
             raise UsageError(f"unknown format {explicit!r} (choose from {', '.join(FORMATS)})")
+        if explicit == "dcp" and is_filesystem_directory(path):  # merge: either kind of DCP directory
+            return "dcp-filesystem"
         return explicit
     from ..sharded.layout import is_dcp_directory
 
     if is_dcp_directory(path):
         return "dcp"
+    if sniff and is_filesystem_directory(path):
+        return "dcp-filesystem"
     if sniff and not os.path.exists(path):  # a source that is not there: say so, not "cannot tell the format"
         raise FileNotFoundError(errno.ENOENT, "No such file or directory", os.fspath(path))
     if sniff and os.path.isdir(path):  # a folder that is no nvckpt DCP directory: what it is, as info says it
@@ -233,19 +245,22 @@ def _tree_from_metadata(meta: dict[str, str], tensors: dict[str, torch.Tensor], 
     return resolve_refs(tree, lambda i: tensors[names[i]], torch_value)  # dtype and device leaves as torch's
 
 
-def read_torch(path: str | os.PathLike) -> Loaded:
+def read_torch(path: str | os.PathLike, *, allow_pickle: bool = False) -> Loaded:
+    """The object in a torch.save file: ``torch.load(weights_only=True)``, or, given ``allow_pickle`` (a file
+    the caller trusts), ``weights_only=False``, which runs the file's pickle."""
     path = os.fspath(path)
     _check_readable(path)
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        obj = torch.load(path, map_location="cpu", weights_only=not allow_pickle)
     except pickle.UnpicklingError as exc:
         from ..sharded.assemble import weights_only_reason
 
         reason = weights_only_reason(exc)
-        if "global" in reason.lower():  # a class or function the file would import
+        if "global" in reason.lower() and not allow_pickle:  # a class or function the file would import
             raise UnsupportedObjectError(
-                f"torch.load(weights_only=True) refused it ({reason}); nvckpt converts only files that load "
-                "without running code from the file", path=path) from None
+                f"torch.load(weights_only=True) refused it ({reason}); nvckpt reads a torch.save file without "
+                "running code from it unless told the file is trusted: --allow-pickle (runs its pickle)",
+                path=path) from None
         raise FormatError(f"not a readable torch.save file ({reason})", path=path) from None
     except OSError:  # the system refused (permissions, I/O): not damage in the file
         raise
@@ -476,9 +491,11 @@ def convert(
     codec: str = "auto",
     zstd_level: int = 1,
     keep_tree: bool = False,
+    allow_pickle: bool = False,
     progress: ProgressFactory | None = None,
 ) -> ConvertReport:
-    """Convert ``src`` to ``dst``; formats from the extensions unless given."""
+    """Convert ``src`` to ``dst``; formats from the extensions unless given.  ``allow_pickle``: the source is
+    trusted (a torch.save file is read with weights_only=False; a FileSystemWriter directory is read)."""
     start = time.perf_counter()
     told = src_format
     src_format = format_of(src, src_format, sniff=True)
@@ -496,10 +513,15 @@ def convert(
             loaded = read_nvckpt(src, make_bar)
         elif src_format == "dcp":
             loaded = read_dcp(src, make_bar)
+        elif src_format == "dcp-filesystem":
+            from .filesystem_dcp import read_state, require_trust
+
+            require_trust(src, allow_pickle)
+            loaded = Loaded(read_state(src, make_bar), {})
         elif src_format == "safetensors":
             loaded = read_safetensors(src, make_bar)
         else:
-            loaded = read_torch(src)
+            loaded = read_torch(src, allow_pickle=allow_pickle)
     except NvckptError as exc:
         found = sniff_format(src) if told is not None else None
         if found is not None and found != src_format:  # a wrong --from: say what the file is

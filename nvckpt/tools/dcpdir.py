@@ -16,6 +16,7 @@ from typing import Any
 
 from ..sharded.layout import Manifest, directory_save_id, foreign_rank_file, read_manifest
 from ..errors import NvckptError
+from ..format.tree import escape
 from ..read.reader import ChunkReader
 from ._util import ProgressFactory, ratio
 from .verify import Problem, VerifyReport, verify
@@ -80,7 +81,8 @@ def describe_directory(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def list_directory(path: str | os.PathLike, problems: list[str] | None = None) -> list[dict[str, Any]]:
-    """One row per global tensor (and per non-tensor value): `nvckpt ls DIR`.  What stops a load (a rank
+    """One row per global tensor (and per non-tensor value): `nvckpt ls DIR`, named as nvckpt names values
+    ("model/0.weight", as in the file `nvckpt merge` makes; DCP's name, "model.0.weight", in "fqn").  What stops a load (a rank
     file missing, cut or unreadable; shards that do not cover a tensor) is appended to ``problems``."""
     m = read_manifest(path)
     found, save_id = _structural_problems(m)
@@ -100,14 +102,18 @@ def list_directory(path: str | os.PathLike, problems: list[str] | None = None) -
                 problems.append(f"rank file {name}: {exc.reason if isinstance(exc, NvckptError) else exc.strerror or exc}")
             continue
     rows = []
+
+    def name(fqn: str) -> str:  # as nvckpt names the value (its path, "/"-joined), as in the merged file
+        return "/".join(escape(p) for p in (m.paths.get(fqn) or [fqn]))
+
     for fqn, t in m.tensors.items():
         raw = t.nbytes
         stored = sum(stored_of.get((s.file, s.tensor), 0) for s in t.shards)
-        rows.append({"name": fqn, "dtype": t.dtype, "shape": list(t.shape), "shards": len(t.shards),
+        rows.append({"name": name(fqn), "fqn": fqn, "dtype": t.dtype, "shape": list(t.shape), "shards": len(t.shards),
                      "files": sorted({s.file for s in t.shards}), "nbytes": raw, "stored_bytes": stored,
                      "ratio": ratio(raw, stored), "kind": "tensor"})
     for fqn, (file, tensor) in m.objects.items():
-        rows.append({"name": fqn, "dtype": "-", "shape": [], "shards": 1, "files": [file], "nbytes": 0,
+        rows.append({"name": name(fqn), "fqn": fqn, "dtype": "-", "shape": [], "shards": 1, "files": [file], "nbytes": 0,
                      "stored_bytes": stored_of.get((file, tensor), 0), "ratio": None, "kind": "object"})
     return rows
 
