@@ -116,6 +116,29 @@ def test_sigterm_lets_a_save_finish_within_its_grace_then_exits_143(tmp_path, fn
 
 
 @pytest.mark.slow
+def test_convert_that_finishes_its_file_after_sigterm_exits_0(tmp_path):
+    """For `nvckpt convert` the file is the whole job: SIGTERM while it is written lets it finish, and then the
+    command ends as it would have (exit 0, the report printed), not with 143 for a complete file."""
+    src, dst = tmp_path / "s.nvckpt", tmp_path / "d.nvckpt"
+    nvckpt.save({"w": torch.arange(1 << 22, dtype=torch.float32)}, src, codec="raw")
+    # Each block written takes a second longer (the disk is slow): the signal surely comes mid-save.
+    proc = child(f"""
+        import sys, time
+        import nvckpt.io.sink as sink
+        write = sink.FileSink._write_all
+        sink.FileSink._write_all = lambda self, *a: (time.sleep(1.0), write(self, *a))[1]
+        from nvckpt.cli import main
+        sys.exit(main(["convert", "--codec", "zstd", {str(src)!r}, {str(dst)!r}]))
+    """, wait=False)
+    _wait_for_temporary(str(tmp_path), proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert "SIGTERM: letting 1 save(s) finish" in err and "written in full" in err and str(dst) in out
+    assert torch.equal(nvckpt.load(dst)["w"], torch.arange(1 << 22, dtype=torch.float32))
+
+
+@pytest.mark.slow
 def test_sigterm_past_the_grace_cancels_the_save_and_keeps_the_old_file(tmp_path):
     path = tmp_path / "e.nvckpt"
     nvckpt.save({"old": torch.arange(5)}, path)
@@ -231,6 +254,7 @@ def test_cancelled_async_save_reports_cancelled(tmp_path):
     with pytest.raises(Exception) as info:
         future.result(timeout=60)
     assert type(info.value).__name__ == "CancelledError"
+    assert "was cancelled" in str(info.value) and "not changed" in str(info.value)  # not an empty message
     assert future.cancelled() and not path.exists()
     assert not glob.glob(str(tmp_path / ".*nvckpt-tmp"))  # result() raised once the thread had cleaned up
     assert future.cancel()  # already cancelled: True, as for any concurrent.futures.Future
@@ -247,7 +271,7 @@ def test_a_true_cancel_makes_the_future_cancelled_at_once(tmp_path):
     assert called == [future]
     with pytest.raises(Exception) as info:
         future.exception(timeout=60)
-    assert type(info.value).__name__ == "CancelledError"
+    assert type(info.value).__name__ == "CancelledError" and "was cancelled" in str(info.value)
     assert sorted(os.listdir(tmp_path)) == []
 
 

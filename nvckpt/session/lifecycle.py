@@ -12,12 +12,18 @@
   removed, the old files stay).  Then the signal takes its default action
   (exit status 143), as if nvckpt had not been there.  With no save running
   the handler does just that at once.
+  Inside ``saves_are_the_job()`` (the CLI's convert, merge and split, whose
+  job is the file they write) a save that finishes within its grace does not
+  end the process: the command completes and exits as it would have (0 for a
+  complete file), since a wrapper would otherwise see a failure for a file
+  that was written.
 - SIGINT raises KeyboardInterrupt as usual: a synchronous save aborts (its
   temporary file is removed); an async_save runs on and is finished at exit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -33,6 +39,7 @@ _active: dict[int, "Running"] = {}
 _installed = {"exit": False, "sigterm": False}
 _terminating = threading.Event()
 _force = threading.Event()  # the grace is over: take the default action whatever still runs
+_job = threading.Event()  # saves_are_the_job(): saves finished within the grace leave the process running
 
 
 @dataclass
@@ -190,12 +197,30 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     threading.Thread(target=_watchdog, args=(running, grace, signum), name="nvckpt-sigterm", daemon=True).start()
 
 
+@contextlib.contextmanager
+def saves_are_the_job() -> Any:
+    """Within it, SIGTERM during a save lets the save finish (within its grace) and then lets the process go
+    on instead of ending it: for a command whose whole job is the file it writes.  SIGTERM with no save
+    running, or a save past its grace, still ends the process (143)."""
+    _install(async_save=False)
+    _job.set()
+    try:
+        yield
+    finally:
+        _job.clear()
+
+
 def _watchdog(running: list[Running], grace: float, signum: int) -> None:
     leave_to_main_thread()  # its os.kill below must reach the main thread's handler
     deadline = time.monotonic() + grace
     for run in running:
         run.done.wait(max(0.0, deadline - time.monotonic()))
     late = [r for r in running if not r.done.is_set()]
+    if not late and _job.is_set():
+        print(f"nvckpt: SIGTERM: {', '.join(r.path for r in running)} written in full; the command completes",
+              file=sys.stderr, flush=True)
+        _terminating.clear()  # a later SIGTERM is answered anew
+        return
     for run in late:
         print(f"nvckpt: SIGTERM: cancelling the save to {run.path} (the file there is unchanged)", file=sys.stderr,
               flush=True)
@@ -221,10 +246,11 @@ def _after_fork_in_child() -> None:
     _failed.clear()
     _terminating.clear()
     _force.clear()
+    _job.clear()
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-__all__ = ["prepare", "begin", "end", "pending_async", "Running"]
+__all__ = ["prepare", "begin", "end", "pending_async", "Running", "saves_are_the_job"]
