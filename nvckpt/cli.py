@@ -603,7 +603,8 @@ def _bench(args: argparse.Namespace) -> int:
     print(render_table(["format", "file", "ratio", "save", "save rate", "load", "load rate", "bit-exact", "note"],
                        table, right=(1, 2, 3, 4, 5, 6)))
     print(f"\nbest of {args.repeat}; saves end with fsync; loads come from the page cache (CPU decode speed, not disk) "
-          "and are timed until every page of the data was read (safetensors maps a file lazily); "
+          "and are timed until the data is in memory of its own (safetensors' map of the file copied out, as "
+          "torch.load reads it); "
           f"rates are raw tensor bytes per second on {os.cpu_count()} CPUs. Full GPU benchmark: benchmarks/ in the repository.")
     return EXIT_OK
 
