@@ -140,4 +140,28 @@ def check_codec_spec(value: Any, in_index: bool = True) -> list[dict[str, Any]]:
     return value
 
 
-__all__ = ["Index", "unpack_index", "parse_index", "check_codec_spec", "TensorRef", "EXT_TENSOR", "EXT_TUPLE"]
+def writer_info(extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The index's "writer" map (SPEC 8.2): nvckpt's version, torch's and Python's.  torch's version is read
+    from its installed metadata where torch is not imported (``nvckpt recover`` never imports it)."""
+    import platform
+    import sys
+
+    from .. import __version__
+
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        version = torch.__version__
+    else:
+        from importlib.metadata import PackageNotFoundError, version as installed
+
+        try:
+            version = installed("torch")
+        except PackageNotFoundError:
+            version = "none"
+    info = {"name": "nvckpt", "version": __version__, "torch": str(version).split("+")[0],
+            "python": platform.python_version()}
+    info.update(extra or {})
+    return info
+
+
+__all__ = ["writer_info", "Index", "unpack_index", "parse_index", "check_codec_spec", "TensorRef", "EXT_TENSOR", "EXT_TUPLE"]

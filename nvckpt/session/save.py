@@ -5,7 +5,6 @@ An async_save's call and its thread are nvckpt.session.async_save."""
 from __future__ import annotations
 
 import os
-import platform
 import sys
 import threading
 import time
@@ -17,8 +16,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from .. import __version__
 from ..engines.base import Engine, Prepared, select_engine
+from ..format.index import writer_info
 from ..engines.items import EncodedChunk, TensorReady
 from ..errors import LeftoverTemporaryWarning
 from ..format.frames import FrameWriter, check_index_floor
@@ -45,15 +44,8 @@ class SaveResult:
 
     @property
     def ratio(self) -> float:
+        """raw_bytes / file_bytes (1.0 for an empty file)."""
         return self.raw_bytes / self.file_bytes if self.file_bytes else 1.0
-
-
-def writer_info(extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The index's "writer" map (SPEC 8.2)."""
-    info = {"name": "nvckpt", "version": __version__, "torch": torch.__version__.split("+")[0],
-            "python": platform.python_version()}
-    info.update(extra or {})
-    return info
 
 
 def write_items(stream: Any, items: Iterable[TensorReady | EncodedChunk], plan: SavePlan, *, alignment: int,

@@ -40,16 +40,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from ..codecs.presets import PRESETS
 from ..errors import FormatError, NvckptError, UnsupportedFeatureError, UnsupportedObjectError
 from ..format.tree import TensorRef, check_tree, escape, pack_tree, resolve_refs, unpack_tree
 from ..io.atomic import atomic_output
 from ..options import LoadOptions, SaveOptions
-from ..session.load import Checkpoint, torch_value
-from ..plan.walk import refuse_without_bytes, typed_leaf
-from ..session.save import SaveSession
 from ._util import (
     FILE_FORMATS,
     ProgressFactory,
@@ -139,6 +134,8 @@ class ConvertReport:
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
     """Distinct tensors of a tree (a tied tensor counts once)."""
+    import torch
+
     seen: dict[int, torch.Tensor] = {}
     stack = [tree]
     while stack:
@@ -157,6 +154,10 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
 def read_nvckpt(path: str | os.PathLike, make_bar: ProgressFactory, *, device: str | None = None) -> Loaded:
     """The object in an nvckpt file.  nvcomp-ans chunks decode only with nvCOMP on a GPU: a file that holds
     them is loaded on the GPU where there is one (``device`` None), else on the CPU."""
+    import torch
+
+    from ..session.load import Checkpoint
+
     with Checkpoint(path) as probe:
         needs_gpu = any(p.needs_gpu for p in probe.file.pipelines)
         total = sum(e.nbytes for e in probe.file.index.tensors if e.chunks is not None)
@@ -234,6 +235,8 @@ def read_safetensors(path: str | os.PathLike, make_bar: ProgressFactory) -> Load
 
 
 def _tree_from_metadata(meta: dict[str, str], tensors: dict[str, torch.Tensor], path: str) -> Any:
+    from ..session.load import torch_value
+
     try:
         names = json.loads(meta.get(META_TREE_NAMES, ""))
         tree = unpack_tree(base64.b64decode(meta[META_TREE], validate=True))
@@ -248,6 +251,8 @@ def _tree_from_metadata(meta: dict[str, str], tensors: dict[str, torch.Tensor], 
 def read_torch(path: str | os.PathLike, *, allow_pickle: bool = False) -> Loaded:
     """The object in a torch.save file: ``torch.load(weights_only=True)``, or, given ``allow_pickle`` (a file
     the caller trusts), ``weights_only=False``, which runs the file's pickle."""
+    import torch
+
     path = os.fspath(path)
     _check_readable(path)
     try:
@@ -276,6 +281,9 @@ def read_torch(path: str | os.PathLike, *, allow_pickle: bool = False) -> Loaded
 def read_dcp(path: str | os.PathLike, make_bar: ProgressFactory) -> Loaded:
     """The state in a DCP directory, its global tensors assembled from the shards (on the GPU where the
     rank files hold GPU-only chunks and there is one)."""
+    import torch
+
+    from ..session.load import Checkpoint
     from ..sharded.assemble import assemble
     from ..sharded.layout import read_manifest
 
@@ -326,6 +334,8 @@ def _check_output_directory(path: str | os.PathLike) -> None:
 
 
 def write_nvckpt(loaded: Loaded, dst: str | os.PathLike, *, codec: str, zstd_level: int, make_bar: ProgressFactory) -> int:
+    from ..session.save import SaveSession
+
     if codec not in CODECS:
         raise UsageError(f"codec must be one of {', '.join(CODECS)}, got {codec!r}")
     options = SaveOptions(codec=codec, zstd_level=zstd_level, metadata=loaded.metadata, derive_bf16=loaded.derived)
@@ -339,6 +349,10 @@ def write_nvckpt(loaded: Loaded, dst: str | os.PathLike, *, codec: str, zstd_lev
 def flatten(tree: Any) -> tuple[dict[str, torch.Tensor], Any, list[str], list[str]]:
     """Tensors by name (every path, aliases included), the tree with TensorRefs into the name
     list, the names those refs index, and the paths of the non-tensor values."""
+    import torch
+
+    from ..plan.walk import typed_leaf
+
     tensors: dict[str, torch.Tensor] = {}
     first: dict[int, int] = {}  # id(tensor) -> position in names (ties refer to the first path)
     names: list[str] = []
@@ -370,6 +384,8 @@ def flatten(tree: Any) -> tuple[dict[str, torch.Tensor], Any, list[str], list[st
 def unshared(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
     """Contiguous CPU tensors of which no two share memory (safetensors refuses shared tensors);
     and how many had to be copied for that."""
+    import torch
+
     out: dict[str, torch.Tensor] = {}
     storages: set[int] = set()
     copies = 0
@@ -417,6 +433,8 @@ def write_safetensors(loaded: Loaded, dst: str | os.PathLike, *, keep_tree: bool
 
 
 def _safetensors_dtypes(st) -> set[torch.dtype]:
+    import torch
+
     # safetensors keeps its dtype tables private: _SIZE holds every dtype save_file writes (_TYPES, the
     # names load_file reads, leaves out float8_e8m0fnu and float4_e2m1fn_x2, which it writes and reads).
     for name in ("_SIZE", "_TYPES"):
@@ -428,6 +446,8 @@ def _safetensors_dtypes(st) -> set[torch.dtype]:
 
 
 def write_torch(loaded: Loaded, dst: str | os.PathLike) -> tuple[int, list[str]]:
+    import torch
+
     notes = []
     if loaded.metadata:
         notes.append(f"the metadata ({', '.join(map(repr, list(loaded.metadata)[:5]))}) is dropped: "
@@ -462,6 +482,10 @@ def _check_convertible(tree: Any, src: str) -> None:
     """Refuse, before any progress bar, copy or size touches them, tensors without plain bytes (a sparse tensor
     has no nbytes nor contiguous(); nvckpt and safetensors store neither; a meta tensor holds no data): the
     check nvckpt.save makes, as its UnsupportedObjectError naming the source (exit 3 in the CLI)."""
+    import torch
+
+    from ..plan.walk import refuse_without_bytes
+
     seen: set[int] = set()
     stack: list[tuple[Any, str]] = [(tree, "")]
     while stack:

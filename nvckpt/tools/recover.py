@@ -40,7 +40,7 @@ from ..format.constants import (
 )
 from ..format.entry import TensorEntry, parse_entry, reference_problem
 from ..format.frames import FrameWriter, check_index_floor, iter_frames, read_meta_frame
-from ..format.index import Index, parse_index, unpack_index
+from ..format.index import Index, parse_index, unpack_index, writer_info
 from ..format.structs import Footer, FrameHeader, Preamble, xxh3
 from ..format.tree import TensorRef, escape, resolve_refs, tree_features
 from ..io.atomic import atomic_output
@@ -370,8 +370,6 @@ def _entry(t: TensorEntry, new_id: dict[int, int]) -> dict[str, Any]:
 
 def recover(src: str | os.PathLike, dst: str | os.PathLike, *, progress: ProgressFactory | None = None) -> RecoveryReport:
     """Write every complete tensor of ``src`` (truncated or damaged) to a new valid file ``dst``."""
-    from ..session.save import writer_info
-
     if overwrites_source(src, dst):
         raise UsageError("the recovered file must not overwrite its source")
     check_output_folder(dst)
