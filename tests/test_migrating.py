@@ -142,7 +142,7 @@ def test_checkpoint_is_a_mapping_like_safe_open(ckpt):
             ck["missing"]
         sl = ck.get_slice("model/weight")
         assert sl.get_shape() == [4, 8] and sl.shape == (4, 8) and sl.ndim == 2
-        assert sl.get_dtype() == "float32" and sl.dtype is torch.float32
+        assert sl.get_dtype() == "F32" and sl.dtype is torch.float32 and sl.dtype_name == "float32"
         assert torch.equal(sl[1:3], state["model"]["weight"][1:3])
 
 
@@ -260,3 +260,20 @@ def test_allow_pickle_reads_a_trusted_torch_save_file_and_never_by_default(tmp_p
     assert torch.equal(nvckpt.load(tmp_path / "new.nvckpt", allow_pickle=True)["w"], torch.ones(2))
     with open(pt, "rb") as stream:  # a stream of a torch.save file too
         assert nvckpt.load(stream, allow_pickle=True, keys="step") == 5
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
+                                   torch.float8_e5m2, torch.int8, torch.int64, torch.uint8, torch.uint32, torch.bool,
+                                   torch.complex64])
+def test_get_dtype_is_safetensors_own_name(tmp_path, dtype):
+    """get_slice(name).get_dtype() says what safetensors' does for the same tensor: code written for safe_open
+    (a table from its names to torch dtypes) runs unchanged."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    from safetensors import safe_open
+
+    t = torch.zeros(4, dtype=dtype)
+    safetensors_torch.save_file({"t": t}, tmp_path / "t.safetensors")
+    nvckpt.save({"t": t}, tmp_path / "t.nvckpt")
+    with safe_open(tmp_path / "t.safetensors", "pt") as st, nvckpt.open(tmp_path / "t.nvckpt") as ck:
+        assert ck.get_slice("t").get_dtype() == st.get_slice("t").get_dtype()
+        assert ck.get_slice("t").dtype is dtype

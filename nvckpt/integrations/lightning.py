@@ -180,6 +180,8 @@ class NvckptModelCheckpoint(ModelCheckpoint):
         self._check = check
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Lightning's setup; then the NvckptCheckpointIO made the Trainer's, and (fitting) the hyper-parameters
+        checked."""
         super().setup(trainer, pl_module, stage)
         io = self.checkpoint_io(trainer)
         if self._check and stage == "fit":
@@ -189,6 +191,7 @@ class NvckptModelCheckpoint(ModelCheckpoint):
                     io.check({"hyper_parameters": dict(hparams)})
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        """The whole checkpoint Lightning will save, checked before the first step (``check=False``: not)."""
         super().on_fit_start(trainer, pl_module)
         if self._check:
             # The checkpoint as Lightning will build it at every save (callbacks' and the module's

@@ -97,6 +97,7 @@ class ChunkReader:
 
     # -- lifecycle ---------------------------------------------------------
     def close(self) -> None:
+        """Close the source once this file's work on the shared decode threads has ended."""
         with self._pool_lock:
             self._closed = True
             inflight = list(self._inflight)

@@ -255,16 +255,21 @@ class Checkpoint(Mapping):
 
     # context manager
     def __enter__(self) -> "Checkpoint":
+        """``with nvckpt.open(path) as ck:``: the file is closed at the end of the block."""
         return self
 
     def __exit__(self, *exc: object) -> None:
+        """Close the file (see ``close``)."""
         self.close()
 
     def close(self) -> None:
+        """Close the file, once the reads of this Checkpoint still running on the shared decode threads have
+        ended; tensors already returned stay valid (they own their memory).  Closing twice is harmless."""
         self._file.close()
 
     @property
     def path(self) -> str:
+        """The file's path, as given (or a stream's name), as errors name it."""
         return self._file.path
 
     @property
@@ -314,9 +319,11 @@ class Checkpoint(Mapping):
         return True
 
     def __iter__(self) -> Iterator[str]:
+        """The tensors' names (``keys()``), in the order they were saved."""
         return iter(self.keys())
 
     def __len__(self) -> int:
+        """The number of tensor names (``len(keys())``)."""
         return len(self._file.index.paths)
 
     def metadata(self) -> dict[str, Any]:
