@@ -55,7 +55,7 @@ def _name(path: Any) -> str:
 
 
 def _dtype_name(dtype: Any) -> str:
-    from ..plan.dtypes import name_of
+    from ..tensors.dtypes import name_of
 
     try:
         return name_of(dtype)
