@@ -154,7 +154,7 @@ class ChunkReader:
             e = others.get(name)
             if e is not None:
                 return e
-            tid = self._dotted_names().get(name)
+            tid = self._dotted_names().get(name) if "." in name else None
             if tid is None:
                 raise TensorNotFoundError(f"no tensor named {name!r}{did_you_mean(name, self.index.paths)}",
                                           path=self.path)

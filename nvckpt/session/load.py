@@ -621,7 +621,8 @@ class Checkpoint(Mapping):
             find_path(tree, key)
             return key
         except KeyError:
-            pass
+            if "." not in key:  # no dotted name: nothing more to look for (and no walk of the tree)
+                return None
         with self._stats_lock, gc_paused():  # made on the first miss, then kept (not a walk of the tree per miss)
             if self._dotted is None:
                 self._dotted = by_dotted_name(value_paths(tree, TensorRef))

@@ -306,8 +306,9 @@ def read_manifest(path: Any) -> Manifest:
         if store.size(METADATA) is None:  # no checkpoint of any kind: a folder given for a file
             raise IsADirectoryError(21, f"Is a directory (neither an nvckpt file nor a checkpoint directory: no {MANIFEST})",
                                     path)
-        hint = (" (it holds a .metadata: a DCP directory of torch's FileSystemWriter, which has no checksums to verify; "
-                "`nvckpt info --allow-pickle` and `nvckpt convert --allow-pickle` read it)")
+        hint = (" (it holds a .metadata: a DCP directory of torch's FileSystemWriter, read with FileSystemReader, "
+                "which has no checksums to verify; `nvckpt info --allow-pickle` and `nvckpt convert --allow-pickle` "
+                "read it)")
         raise FormatError(f"not an nvckpt DCP directory: no {MANIFEST}{hint}", path=path)
     try:
         doc = json.loads(store.read_bytes(MANIFEST))
