@@ -82,6 +82,7 @@ def test_trainer_saves_and_resumes_through_nvckpt(tmp_path, async_save):
     assert first.losses + resumed.losses == straight.losses  # bit for bit: model, AdamW, StepLR, BatchNorm
 
 
+@pytest.mark.slow
 def test_what_the_tree_cannot_hold_is_refused_by_name_or_dropped(tmp_path):
     pl.seed_everything(0, verbose=False)
     model = Net(note=pathlib.Path("/data/run"))  # a hyper-parameter torch.save would pickle
@@ -167,6 +168,7 @@ def named_trainer(tmp_path, epochs: int, *plugins, **kw) -> "pl.Trainer":
                       callbacks=[callback])
 
 
+@pytest.mark.slow
 def test_model_checkpoint_names_files_nvckpt_and_resumes_from_last(tmp_path):
     """NvckptModelCheckpoint alone: files named .nvckpt (nvckpt inside), ckpt_path="last" finds last.nvckpt in a
     new Trainer, and the resumed run continues bit for bit; the best-k files are removed as Lightning's are."""

@@ -89,6 +89,7 @@ def test_get_tensor_of_another_value_says_what_is_there(saved):
             ck.get_slice("model")
 
 
+@pytest.mark.slow
 def test_many_names_still_answer_a_miss_quickly(tmp_path):
     """Near matches over a large state: one miss in well under a second."""
     import time

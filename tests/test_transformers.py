@@ -47,6 +47,7 @@ def losses(trainer) -> list[float]:
     return [e["loss"] for e in trainer.state.log_history if "loss" in e]
 
 
+@pytest.mark.slow
 def test_trainer_checkpoints_hold_nvckpt_files_and_resume_exactly(tmp_path):
     straight = NvckptTrainer(model=tiny_model(), args=args(tmp_path / "a"), train_dataset=data())
     straight.train()
@@ -65,6 +66,7 @@ def test_trainer_checkpoints_hold_nvckpt_files_and_resume_exactly(tmp_path):
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_trainer_wrote_itself_still_resumes(tmp_path):
     straight = transformers.Trainer(model=tiny_model(), args=args(tmp_path / "a"), train_dataset=data())
     straight.train()
