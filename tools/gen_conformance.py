@@ -757,10 +757,18 @@ def gen_invalid(s: Suite, bases: dict) -> None:
     inv("index-frame-raw-length-differs", edit(frame_set(idx, raw_length=5)), "format", section="4.1",
         flags=["frame", "lengths"], description="the INDEX frame's raw_length differs from its stored_length",
         danger="a non-CHUNK frame is not coded; a mismatch means a damaged header")
-    inv("index-frame-wrong-type", edit(frame_set(idx, frame_type=craft.CODEC)), "format", section="5",
-        flags=["frame"], readers=["random-access"],
-        description="the frame the footer points at is a CODEC frame (type 1), not the INDEX (a random-access "
-                    "case: to a streaming reader the file has no INDEX frame and a second CODEC frame)",
+    def footer_at_codec_frame(nv: craft.NvFile) -> dict:
+        """The footer describes the first CODEC frame (its offset, stored_length and payload checksum)."""
+        nv.__dict__.update(craft.parse(craft.build(nv)).__dict__)  # lay out, then damage the footer only
+        codec = next(f for f in nv.frames if f.frame_type == craft.CODEC)
+        nv.footer.index_offset, nv.footer.index_length = codec.offset, len(codec.payload)
+        nv.footer.index_checksum, nv.footer.footer_checksum = craft.xxh3(codec.payload), None
+        return {"fix_footer": False}
+
+    inv("index-frame-wrong-type", edit(footer_at_codec_frame), "format", section="5", flags=["frame", "footer"],
+        description="the footer's index_offset, index_length and index_checksum describe the first CODEC frame "
+                    "(type 1), not the INDEX frame, which is intact (a random-access reader finds a frame of the "
+                    "wrong type; a streaming reader, a footer that does not describe the INDEX frame it read)",
         danger="the footer points at the wrong frame: an index parsed from it would be garbage")
     inv("index-frame-tensor-id-nonzero", edit(frame_set(idx, tensor_id=1)), "format", section="4.2",
         flags=["frame", "reserved"], description="the INDEX frame's tensor_id is 1 (must be 0)",
