@@ -13,28 +13,53 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import threading
 from typing import Iterator
 
 _lock = threading.Lock()
-_holders = 0
+_holders: dict[int, int] = {}  # thread ident -> its pauses in progress
 _resume = False  # was the collector on when the first pause began (a caller may have turned it off)
 
 
 @contextlib.contextmanager
 def paused() -> Iterator[None]:
     """No garbage-collection pass inside the block (and none caused by another thread meanwhile)."""
-    global _holders, _resume
+    global _resume
+    me = threading.get_ident()
     with _lock:
-        if _holders == 0:
+        if not _holders:
             _resume = gc.isenabled()
             gc.disable()
-        _holders += 1
+        _holders[me] = _holders.get(me, 0) + 1
     try:
         yield
     finally:
         with _lock:
-            _holders -= 1
-            if _holders == 0 and _resume:
+            if _holders.get(me, 0) > 1:
+                _holders[me] -= 1
+            else:
+                _holders.pop(me, None)
+            if not _holders and _resume:
                 _resume = False
                 gc.enable()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has only the forking thread: the other threads' pauses (a save in progress beside the
+    fork) never end there, so they are dropped, and the collector runs again unless that thread's own
+    pause goes on (it ends with its block, as in the parent)."""
+    global _lock, _resume
+    _lock = threading.Lock()  # another thread may have held it at the fork
+    me = threading.get_ident()
+    mine = _holders.get(me, 0)
+    _holders.clear()
+    if mine:
+        _holders[me] = mine
+    elif _resume:
+        _resume = False
+        gc.enable()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

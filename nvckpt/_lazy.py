@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 from typing import Any, Callable
 
+from ._fork import importing
+
 
 def lazy_attributes(package: str, namespace: dict[str, Any], table: dict[str, str]) -> tuple[Callable, Callable]:
     """A module's ``__getattr__`` and ``__dir__`` for attributes ``name`` living in ``package.table[name]``."""
@@ -13,7 +15,8 @@ def lazy_attributes(package: str, namespace: dict[str, Any], table: dict[str, st
         module = table.get(name)
         if module is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(f"{package}.{module}"), name)
+        with importing():  # maybe in a thread while another forks: nvckpt._fork
+            value = getattr(importlib.import_module(f"{package}.{module}"), name)
         namespace[name] = value
         return value
 

@@ -6,6 +6,7 @@ import io
 import sys
 from typing import Any
 
+from .._fork import module
 from .base import Codec
 
 _LITTLE = sys.byteorder == "little"
@@ -134,8 +135,7 @@ class Zstd(Codec):
         check_zstd_window(payload)
 
     def encode(self, data: memoryview) -> bytes:
-        import zstandard
-
+        zstandard = module("zstandard")  # on first use in an engine's thread: nvckpt._fork
         if not -7 <= self.level <= 22:
             raise ValueError(f"zstd level must be in -7..22 to encode, got {self.level}")
         # A compressor per call: ZstdCompressor objects are not thread-safe.  With the size known,
@@ -145,8 +145,7 @@ class Zstd(Codec):
         return out
 
     def decode(self, data: memoryview, raw_length: int) -> bytes:
-        import zstandard
-
+        zstandard = module("zstandard")
         check_zstd_window(data)
         # Never trust a declared size: the frame header may lie (decompression bomb).
         size = zstandard.frame_content_size(data) if len(data) >= 4 else -1

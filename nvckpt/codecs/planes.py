@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from .._fork import importing, module
 from .builtin import MAX_ZSTD_WINDOW, check_zstd_window, shift_planes
 
 try:
@@ -65,14 +66,13 @@ _LIT_ENABLE = 1  # ZSTD_ps_enable
 _EXPLICIT_DELIMITERS = 1  # ZSTD_sf_explicitBlockDelimiters
 
 _native: Any = None
-_native_lock = threading.Lock()
 
 
 def _load_native() -> Any:
     """(ffi, lib) of python-zstandard's CFFI backend, or False where it cannot be loaded."""
     global _native
     if _native is None:
-        with _native_lock:
+        with importing():  # in the engine's threads: a fork waits for the import (nvckpt._fork)
             if _native is None:
                 try:
                     from zstandard._cffi import ffi, lib  # noqa: PLC0415 (needs the cffi package)
@@ -100,9 +100,7 @@ def kernel() -> str:
 
 
 def libzstd_version() -> str:
-    import zstandard
-
-    return ".".join(map(str, zstandard.ZSTD_VERSION))
+    return ".".join(map(str, module("zstandard").ZSTD_VERSION))
 
 
 class _Contexts(threading.local):
@@ -233,8 +231,7 @@ def encode_planes(planes: np.ndarray, k: int, out: np.ndarray, level: int = 1, m
                     size = alt
             at += size
         return at
-    import zstandard
-
+    zstandard = module("zstandard")
     c = _tls.public_c.get(level)
     if c is None:
         tuned = {"min_match": 7, "hash_log": 6} if level == 1 else {}  # level 1's parameters for byte planes

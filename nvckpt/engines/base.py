@@ -15,6 +15,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
+from .._fork import importing
 from ..codecs.base import Pipeline
 from ..codecs.presets import GPU_PRESETS, gpu_only
 from ..errors import UnsupportedCodecError
@@ -92,13 +93,15 @@ def select_engine(tensors: list["PlannedTensor"], options: "SaveOptions") -> Eng
     if not isinstance(options.engine, str):
         return options.engine
     device = gpu_device(tensors, options)
-    if device is None:
-        from .cpu import CpuEngine
+    # On first use, maybe in an async save's thread: a fork waits for the import (nvckpt._fork).
+    with importing():
+        if device is None:
+            from .cpu import CpuEngine
 
-        return CpuEngine()
-    from .gpu.engine import GpuEngine
+            return CpuEngine()
+        from .gpu.engine import GpuEngine
 
-    return GpuEngine(device)
+        return GpuEngine(device)
 
 
 def is_engine(value: Any) -> bool:

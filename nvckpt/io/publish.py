@@ -36,6 +36,7 @@ import shutil
 import threading
 from typing import Callable
 
+from .._fork import Lock
 from .atomic import fsync_path
 
 TMPDIR_SUFFIX = ".nvckpt-tmpdir"
@@ -58,7 +59,7 @@ def stale_names(final: str | os.PathLike) -> list[str]:
 
 
 _LIVE: set[str] = set()  # staging directories of saves in progress in this process
-_LIVE_LOCK = threading.Lock()
+_LIVE_LOCK = Lock()  # a forked child gets it unlocked (nvckpt._fork)
 
 
 def live_staging(staging: str, alive: bool) -> None:

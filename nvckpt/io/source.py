@@ -21,6 +21,7 @@ import threading
 import weakref
 from typing import Any, Protocol, runtime_checkable
 
+from .._fork import Lock
 from ..errors import EndOfStreamError, NvckptError, TruncatedError
 from .ranges import LOCAL, Coalescing
 
@@ -83,6 +84,14 @@ class _Counted:
         self._active = 0
         self._closing = False
         self.bytes_read = 0
+
+    def after_fork_in_child(self) -> None:
+        """In a forked child (a DataLoader worker reading its parent's open checkpoint): the parent's reads in
+        flight and its threads' holds on the locks stayed behind with their threads; close() must not wait
+        for them.  The descriptor is the child's own copy."""
+        self._lock = threading.Lock()
+        self._state = threading.Condition(threading.Lock())
+        self._active = 0
 
     def count(self, n: int) -> None:
         """Count ``n`` bytes read past this source (by its RangeReads) in ``bytes_read``."""
@@ -334,7 +343,7 @@ class FileObjectSource(_Counted):
 # Streams this process's readers left just after a checkpoint, with that position: a stream at its end
 # is read from its start (a save wrote it and did not rewind) unless nvckpt's reader put it there.
 _LEFT: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
-_LEFT_LOCK = threading.Lock()
+_LEFT_LOCK = Lock()  # a forked child gets it unlocked (nvckpt._fork)
 
 
 def _note_left(stream: Any, position: int) -> None:

@@ -18,6 +18,7 @@ import ctypes
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
+import numpy.ma  # noqa: F401 - np.unique imports it on first use: here, not in a lazy save's thread (nvckpt._fork)
 import torch
 
 from ..format.constants import BF16_RNE, COPY

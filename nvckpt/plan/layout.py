@@ -13,12 +13,12 @@ then).  Nothing here holds a tensor.
 
 from __future__ import annotations
 
-import threading
 from collections import OrderedDict
 from typing import Any
 
 import torch
 
+from .._fork import Lock
 from ..format.constants import BF16_RNE
 from ..format.dtypes import DTYPES
 from .chunking import ChunkPolicy, checked_ranges
@@ -27,7 +27,7 @@ KEPT = 4  # layouts remembered (a process saves one or two states: the model, th
 SEARCH_EVERY = 8  # a save of a known layout still searches for derived tensors once in this many
 
 _layouts: OrderedDict[tuple, "Layout"] = OrderedDict()
-_lock = threading.Lock()
+_lock = Lock()  # a forked child gets it unlocked (nvckpt._fork)
 
 Leaves = list[tuple[str, torch.Tensor, tuple[str, int]]]
 Hints = tuple[list[tuple[int, int]], list[list[int]]]

@@ -91,9 +91,12 @@ class ChunkReader:
     def _after_fork_in_child(self) -> None:
         # A forked child (a DataLoader worker reading through its dataset's open checkpoint) has none of the
         # parent's decode threads (the shared pools start anew there, nvckpt._threads), nor their
-        # work.  Reads (positional) need no reset.
+        # work, nor the parent's reads in flight (nvckpt.io.source; a source of another kind keeps its own).
         self._pool_lock = threading.Lock()
         self._inflight = set()
+        after_fork = getattr(self.source, "after_fork_in_child", None)
+        if after_fork is not None:
+            after_fork()
 
     # -- lifecycle ---------------------------------------------------------
     def close(self) -> None:

@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import torch
 
+from .._fork import Lock
 from .._gc import paused as gc_paused
 from .._signals import leave_to_main_thread
 from ..io.target import open_target
@@ -173,7 +174,7 @@ def _gpu_budget(options: SaveOptions) -> Callable[[torch.device], int]:
 
 
 _hooks: list[tuple[Any, SaveFuture]] = []  # step pre-hooks of lazy saves, with their futures
-_hooks_lock = threading.Lock()
+_hooks_lock = Lock()  # a forked child gets it unlocked (nvckpt._fork)
 
 
 def _remove_spent_hooks() -> None:

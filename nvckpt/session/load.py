@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 import torch
 import xxhash
 
+from .._fork import Lock
 from .._gc import paused as gc_paused
 from .._threads import TASK_BYTES, TASK_PIECES
 from ..errors import brief, ChecksumError, FormatError, LimitError, TensorNotFoundError, UnsupportedCodecError, UnsupportedFeatureError
@@ -228,7 +229,7 @@ class Checkpoint(Mapping):
                                     max_index_memory=index_memory_limit(options),
                                     storage_options=options.storage_options)
         self._gpu = None if options.untrusted else self._gpu_backend()
-        self._stats_lock = threading.Lock()
+        self._stats_lock = Lock()  # a forked child gets it unlocked (nvckpt._fork)
         self._stats: dict[str, Any] = {"gpu_loads": 0, "gpu_seconds": 0.0, "gpu_stored_bytes": 0}
         self._dotted: dict[str, str | None] | None = None  # DCP's dotted names of the tree's paths (_path)
 

@@ -57,6 +57,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..._fork import Lock, importing
 from ...errors import UnsupportedCodecError
 from ..base import DecodeRejected, DeviceOp
 from . import native
@@ -70,7 +71,6 @@ MAX_ANS_CHUNK = 16 << 20  # nvCOMP ANS compresses at most 16 MiB per chunk
 ALGORITHMS = {"ans": "ANS", "zstd": "Zstd"}
 
 _nv: Any = None
-_nv_lock = threading.Lock()
 
 
 # -- loading -----------------------------------------------------------------
@@ -78,7 +78,7 @@ def load_nvcomp() -> Any:
     """The ``nvidia.nvcomp`` module, imported on first use."""
     global _nv
     if _nv is None:
-        with _nv_lock:
+        with importing():  # a fork waits for the import (nvckpt._fork)
             if _nv is None:
                 try:
                     import nvidia.nvcomp as nv  # noqa: PLC0415 (lazy on purpose)
@@ -523,7 +523,7 @@ class GpuCodec:
 # for the next thread that asks for the same (codec, device, stream).  Work stays ordered: a codec is bound
 # to its stream, and the engine's streams are the device's (engines.gpu.backend.device_streams).
 _IDLE: dict[tuple, list[GpuCodec]] = {}
-_IDLE_LOCK = threading.Lock()
+_IDLE_LOCK = Lock()  # a forked child gets it unlocked (nvckpt._fork)
 _IDLE_KEPT = 8  # idle codecs kept per key (a decode pool has a few threads)
 _local = threading.local()
 

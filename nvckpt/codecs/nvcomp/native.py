@@ -19,11 +19,12 @@ Python API.
 from __future__ import annotations
 
 import ctypes
-import threading
 from typing import Any, Callable
 
 import numpy as np
 import torch
+
+from ..._fork import Lock, importing
 
 ENABLED = True  # False: always nvCOMP's Python API (an escape hatch, and the A/B of benchmarks/probe_async.py)
 
@@ -41,7 +42,7 @@ class _Opts(ctypes.Structure):
 
 
 _lib: Any = None
-_lib_lock = threading.Lock()
+_lib_lock = Lock()  # a forked child gets it unlocked (nvckpt._fork)
 _checked: dict[tuple[str, int], bool] = {}  # (data type, device index) -> the native streams match
 
 
@@ -49,7 +50,7 @@ def _library() -> Any:
     """libnvcomp with the C prototypes set, or False where it cannot be had."""
     global _lib
     if _lib is None:
-        with _lib_lock:
+        with importing():  # a fork waits for the library's loading (nvckpt._fork)
             if _lib is None:
                 _lib = _load()
     return _lib

@@ -11,12 +11,12 @@ Events stand for "this device work is done": ``wait(event)`` blocks on one,
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Protocol
 
 import torch
 
+from ..._fork import Lock
 from ...codecs.base import DeviceOp, Pipeline
 from ...tensors.staging import align_up, stage_parts
 from ...tensors import flat_bytes
@@ -138,7 +138,7 @@ GATHER_BUFFERS = 2  # device buffers of a slot each that pack runs before their 
 
 # -- CUDA ---------------------------------------------------------------------------------------
 _streams: dict[Any, tuple[Any, Any]] = {}
-_streams_lock = threading.Lock()
+_streams_lock = Lock()  # a forked child gets it unlocked (nvckpt._fork)
 
 
 def device_streams(device: torch.device) -> tuple[Any, Any, Any]:

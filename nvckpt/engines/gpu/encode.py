@@ -55,6 +55,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from ..._fork import Lock
 from ..._signals import leave_to_main_thread
 from ...codecs.base import Pipeline
 from ...codecs.registry import RAW
@@ -357,7 +358,7 @@ def gather_bytes(options: GpuSaveOptions, budget: int) -> int:
 # milliseconds of host time that an async_save's caller would wait for.
 _PLANS: "OrderedDict[tuple, tuple[list[Batch], dict[int, int]]]" = OrderedDict()
 _PLANS_KEPT = 4
-_PLANS_LOCK = threading.Lock()
+_PLANS_LOCK = Lock()  # a forked child gets it unlocked (nvckpt._fork)
 
 
 # A copy group's chunk frames go to the file in one write (EncodedChunk.flush): the writer's thread then

@@ -100,7 +100,8 @@ class GpuEngine:
 
     def encode(self, plan: SavePlan, prepared: Prepared, options: SaveOptions,
                stats: dict[str, Any]) -> tuple[Iterator[TensorReady | EncodedChunk], dict[str, Any]]:
-        from .encode import encode_batches
+        with importing():  # maybe in an async save's thread: a fork waits for the import (nvckpt._fork)
+            from .encode import encode_batches
 
         if not prepared.caller_decides:
             self._decide(plan, prepared.ready)
