@@ -359,6 +359,32 @@ def test_a_failed_async_save_at_exit_still_runs_atexit_handlers_and_flushes_file
     assert log.read_text() == "epoch 10 done\n"
 
 
+def test_ctrl_c_while_the_exit_waits_for_an_async_save_is_an_interrupted_exit(tmp_path):
+    """Ctrl-C while the interpreter waits at its exit for a pending async_save: the save is cancelled (the old
+    file stays, no temporary file), the message says so, the program's atexit handlers run, and the process
+    ends as an interrupted one does (killed by SIGINT: 130 in a shell).  Before: SIGABRT ("terminate called
+    without an active exception") after Python's "Exception ignored" traceback, or exit status 0."""
+    path = tmp_path / "h.nvckpt"
+    nvckpt.save({"old": torch.arange(5)}, path)
+    old = path.read_bytes()
+    proc = child(f"""
+        import atexit, torch, nvckpt
+        atexit.register(lambda: print("handler ran", flush=True))
+        {SLOW_SAVE.format(fn='async_save', path=str(path), extra='')}
+        print("returned", flush=True)
+    """, wait=False)
+    assert proc.stdout.readline().strip() == "returned"
+    assert "finishing 1 async save(s) before exit" in proc.stderr.readline()  # the interpreter waits now
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGINT, (proc.returncode, err)
+    assert f"interrupted: the async save to {path} was cancelled (the file there is unchanged)" in err
+    assert "Traceback" not in err and "Exception ignored" not in err and "terminate called" not in err, err
+    assert "handler ran" in out
+    assert path.read_bytes() == old
+    assert not glob.glob(str(tmp_path / ".*nvckpt-tmp"))
+
+
 def test_async_save_copies_its_metadata_and_tree_at_the_call(tmp_path):
     meta = {"run": "a", "nested": {"lr": [1e-3]}}
     tree = {"w": torch.ones(3), "cfg": {"layers": [1, 2]}}

@@ -19,6 +19,10 @@
   that was written.
 - SIGINT raises KeyboardInterrupt as usual: a synchronous save aborts (its
   temporary file is removed); an async_save runs on and is finished at exit.
+  Ctrl-C while the exit waits for it cancels it (the old file stays, its
+  temporary file is removed), says so, runs the program's atexit handlers and
+  ends the process as killed by SIGINT (130 in a shell), as an uncaught
+  KeyboardInterrupt does.
 """
 
 from __future__ import annotations
@@ -140,32 +144,49 @@ def _finish_at_exit() -> None:
     try:
         for run in waiting:
             run.done.wait()
-    except KeyboardInterrupt:  # a second Ctrl-C: the saves not finished are cancelled, and said so
-        late = [r for r in waiting if not r.done.is_set()]
-        for run in late:
-            run.cancel.set()
-        for run in late:
-            run.done.wait(30.0)  # the writer stops at its next chunk and removes its temporary file
-            print(f"nvckpt: interrupted: the async save to {run.path} was cancelled (the file there is unchanged)",
-                  file=sys.stderr, flush=True)
-        raise
+    except KeyboardInterrupt:  # Ctrl-C while the exit waits: the saves not finished are cancelled, and said so
+        _cancel_at_exit([r for r in waiting if not r.done.is_set()])
+        # Raising it here would end threading's shutdown midway (the thread pools' own exit hook skipped):
+        # the interpreter then printed "Exception ignored" and aborted (SIGABRT) or exited 0.
+        _exit_now(signum=signal.SIGINT)
     with _lock:  # failed now, or before the exit and nobody asked: lost either way
         failed = [(f.path, f.line) for f in _failed if not f.seen]
     for path, line in failed:
         print(f"nvckpt: error: the async save to {path} failed: {line}", file=sys.stderr, flush=True)
     if failed:
-        _exit_failed()  # the checkpoint the script believed it wrote does not exist: never exit 0
+        _exit_now(status=1)  # the checkpoint the script believed it wrote does not exist: never exit 0
 
 
-def _exit_failed() -> None:
-    """Exit status 1 although the script's main code has ended (its status is decided by then): what the
+def _cancel_at_exit(late: list[Running]) -> None:
+    """Cancel ``late`` and wait (up to 30 s) for each to remove its temporary file; a further Ctrl-C stops the
+    waiting (a temporary file may then stay, which the next save to that path reports)."""
+    for run in late:
+        run.cancel.set()
+    try:
+        for run in late:
+            run.done.wait(30.0)  # the writer stops at its next chunk and removes its temporary file
+            print(f"nvckpt: interrupted: the async save to {run.path} was cancelled (the file there is unchanged)",
+                  file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        print("nvckpt: interrupted again: exiting without waiting for the cancelled saves to clean up",
+              file=sys.stderr, flush=True)
+
+
+def _exit_now(status: int = 1, signum: int | None = None) -> None:
+    """End the process although the script's main code has ended (its status is decided by then): what the
     interpreter would still do -- the program's atexit handlers (this runs before them, in threading's
-    shutdown), flushing files it left open -- then os._exit(1)."""
+    shutdown), flushing files it left open -- then exit with ``status``, or as killed by ``signum`` (SIGINT:
+    as the interpreter ends on an uncaught KeyboardInterrupt, 130 in a shell)."""
     import atexit
     import gc
     import io
 
-    atexit._run_exitfuncs()  # each handler once, in their order (the interpreter then finds none left)
+    if signum is not None:
+        signal.signal(signum, signal.SIG_IGN)  # a further Ctrl-C while the handlers run does not cut them short
+    try:
+        atexit._run_exitfuncs()  # each handler once, in their order (the interpreter then finds none left)
+    except BaseException:  # noqa: BLE001 - the interpreter prints a handler's error and goes on
+        pass
     files = (io.BufferedWriter, io.BufferedRandom, io.TextIOWrapper)
     for obj in gc.get_objects():  # files a script leaves open are flushed when the interpreter ends
         if issubclass(type(obj), files):  # (not isinstance: it asks every object for its __class__)
@@ -179,7 +200,12 @@ def _exit_failed() -> None:
             stream.flush()
         except Exception:  # noqa: BLE001
             pass
-    os._exit(1)
+    if signum is not None:
+        signal.signal(signum, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
+        os.kill(os.getpid(), signum)
+        status = 128 + signum  # where the signal did not end the process (it is delivered at once otherwise)
+    os._exit(status)
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
