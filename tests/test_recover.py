@@ -305,6 +305,39 @@ def test_recover_keeps_undecodable_codecs(tmp_path):
     assert result.ok and len(result.undecoded) == 4
 
 
+@pytest.mark.parametrize("where", ["codec-frame", "codec-frame-and-index"])
+def test_recover_keeps_an_unregistered_codecs_configuration_as_stored(tmp_path, capsys, where):
+    """An unregistered codec's configuration is any msgpack value, kept as stored (SPEC 11.1): an ext value, bytes,
+    a map with int keys.  `nvckpt recover` crashed with "TypeError: Object of type Ext is not JSON serializable"
+    (a pipeline's hash went through json.dumps), then could not write the ext back (msgpack's packer)."""
+    import io
+
+    import msgpack
+
+    from conformance import craft
+
+    buf = io.BytesIO()
+    nvckpt.save({"w": torch.arange(10.0)}, buf, codec="zstd")
+    nv = craft.parse(buf.getvalue())
+    future = [{"name": "future", "configuration": {"x": msgpack.ExtType(1, b"\0\0\0\0"), "y": {1: b"by"}}}]
+    next(f for f in nv.frames if f.frame_type == craft.CODEC).payload = craft.pack(future)
+    if where == "codec-frame-and-index":
+        nv.index["codecs"][0] = future
+    src, out = tmp_path / "ext.nvckpt", tmp_path / "out.nvckpt"
+    src.write_bytes(craft.build(nv))
+    assert main(["recover", str(src), str(out)]) == EXIT_OK, capsys.readouterr().err
+    with nvckpt.open(out) as ck:
+        (pipeline,) = ck.file.pipelines
+        step = pipeline.steps[0]
+        assert step.name == "future" and step.configuration()["y"] == {1: b"by"}
+        assert (step.configuration()["x"].code, step.configuration()["x"].data) == (1, b"\0\0\0\0")
+        assert "future(" in repr(pipeline) and hash(pipeline) == hash(pipeline)
+        with pytest.raises(nvckpt.UnsupportedCodecError):
+            ck.get_tensor("w")
+    recovered = next(f for f in craft.parse(out.read_bytes()).frames if f.frame_type == craft.CODEC)
+    assert craft.unpack(recovered.payload) == future  # written back as it was stored
+
+
 def test_recover_errors(tmp_path, capsys):
     short = tmp_path / "short.nvckpt"
     short.write_bytes(b"\x89NVCKPT\n\x01")

@@ -40,6 +40,17 @@ class DecodeRejected(ValueError):
     """A decoder refused its input, or it decoded to another length than the chunk's raw length."""
 
 
+def _frozen(value: Any) -> Any:
+    """A hashable form of a configuration, equal where the configurations are equal.  An unregistered codec's
+    configuration is kept as stored (SPEC 11.1): any msgpack value (ext values, bytes, maps with keys of any
+    type), which json.dumps refused (`nvckpt recover` crashed on an ext value in a CODEC frame)."""
+    if isinstance(value, dict):
+        return frozenset((_frozen(k), _frozen(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    return value
+
+
 class Codec:
     """One step of a pipeline.  Subclasses set ``name`` and ``is_filter``.
 
@@ -87,10 +98,15 @@ class Codec:
                 and self.configuration() == other.configuration())  # type: ignore[attr-defined]
 
     def __hash__(self) -> int:
-        return hash((self.name, json.dumps(self.configuration(), sort_keys=True)))
+        return hash((self.name, _frozen(self.configuration())))
 
     def __repr__(self) -> str:
-        return f"{self.name}({json.dumps(self.configuration(), sort_keys=True)})"
+        config = self.configuration()
+        try:
+            shown = json.dumps(config, sort_keys=True)
+        except (TypeError, ValueError):  # an unregistered codec's configuration, kept as stored: any msgpack value
+            shown = repr(config)
+        return f"{self.name}({shown})"
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,7 @@ from .constants import (
 )
 from .index import Index, parse_index, unpack_index
 from .structs import Footer, FrameHeader, Preamble, pack_frame_header, xxh3
-from .tree import check_depth, msgpack_errors, pack_tree, tree_features, unpackb
+from .tree import check_depth, msgpack_errors, pack_tree, stored_ext, tree_features, unpackb
 
 _ZEROS = bytes(MAX_ALIGNMENT)
 _JOINED = 4096  # payloads up to this size are copied behind their frame header into one write
@@ -89,7 +89,7 @@ class FrameWriter:
         # The lowest version that describes the file (SPEC 19): 1.1 only when it uses a 1.1 feature.
         self.version = (VERSION_MAJOR, TYPED_TREE_MINOR if required_features & FEATURE_TYPED_TREE else VERSION_MINOR)
         self.required_features = required_features
-        self._packer = msgpack.Packer()  # one per writer (not thread-safe): a TENSOR frame per tensor, thousands per save
+        self._packer = msgpack.Packer(default=stored_ext)  # one per writer (not thread-safe): a TENSOR frame per tensor, thousands per save
         self._write(Preamble(self.version[0], self.version[1], required_features).pack())
 
     def defer(self) -> None:
@@ -160,7 +160,7 @@ class FrameWriter:
             cid = len(self.codec_table)
             if cid >= MAX_CODECS:
                 raise LimitError(f"more than {MAX_CODECS} distinct codec pipelines")
-            self._meta_frame(FRAME_CODEC, msgpack.packb(pipeline.to_json()), codec_id=cid)
+            self._meta_frame(FRAME_CODEC, msgpack.packb(pipeline.to_json(), default=stored_ext), codec_id=cid)
             self.codec_ids[pipeline] = cid
             self.codec_table.append(pipeline)
         return cid
@@ -256,8 +256,8 @@ def check_index_floor(entries: Sequence[dict[str, Any]], chunk_lengths: Sequence
     a chunk (so this never refuses an index that would fit; ``finish`` checks the exact size).
     Returns the packed tree (for ``FrameWriter.finish``)."""
     packed_tree = pack_tree(tree)
-    floor = len(packed_tree) + len(msgpack.packb(metadata, use_bin_type=True))
-    floor += len(msgpack.packb(writer_info, use_bin_type=True))
+    floor = len(packed_tree) + len(msgpack.packb(metadata, use_bin_type=True, default=stored_ext))
+    floor += len(msgpack.packb(writer_info, use_bin_type=True, default=stored_ext))
     if floor <= MAX_INDEX_LENGTH:
         chunks = 6 * sum(map(len, chunk_lengths))
         # The entries are packed only when a bound on their size does not fit: a name is at most 4 bytes a
@@ -265,7 +265,7 @@ def check_index_floor(entries: Sequence[dict[str, Any]], chunk_lengths: Sequence
         # (A save packs thousands of them again for the index; this runs beside training in an async_save.)
         bound = sum(4 * len(e["name"]) + 18 * len(e["shape"]) + 256 for e in entries)
         if floor + bound + chunks > MAX_INDEX_LENGTH:
-            floor += sum(len(msgpack.packb(e, use_bin_type=True)) for e in entries) + chunks
+            floor += sum(len(msgpack.packb(e, use_bin_type=True, default=stored_ext)) for e in entries) + chunks
     if floor > MAX_INDEX_LENGTH:
         raise LimitError(f"the index would be at least {floor} bytes, more than the limit of {MAX_INDEX_LENGTH} "
                          "(too many tensors or chunks, or too large a tree or metadata); nothing was written")
@@ -281,7 +281,7 @@ class _Packed:
 
 def _pack_index(index: dict[str, Any]) -> bytes:
     # msgpack-python cannot splice packed bytes, so write the map header by hand.
-    packer = msgpack.Packer(use_bin_type=True)
+    packer = msgpack.Packer(use_bin_type=True, default=stored_ext)
     out = [packer.pack_map_header(len(index))]
     for key, value in index.items():
         out.append(packer.pack(key))

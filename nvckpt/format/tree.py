@@ -87,6 +87,14 @@ class Ext:
         return f"Ext({self.code}, {self.data[:16]!r}{'...' if len(self.data) > 16 else ''})"
 
 
+def stored_ext(obj: Any) -> msgpack.ExtType:
+    """msgpack's ``default`` hook outside the tree: an ``Ext`` read from a file (in its metadata, or in an
+    unregistered codec's configuration) is written back as it was stored (``nvckpt recover``, ``convert``)."""
+    if isinstance(obj, Ext):
+        return msgpack.ExtType(obj.code, obj.data)
+    raise TypeError(f"can not serialize {type(obj).__qualname__!r} object")
+
+
 def shown(value: Any) -> str:
     """``brief(value)`` for an error message, an ``Ext`` named by its ext type."""
     return f"an ext type {value.code} value" if isinstance(value, Ext) else brief(value)
