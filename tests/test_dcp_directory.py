@@ -216,6 +216,35 @@ def test_a_metadata_that_is_no_dcp_metadata_is_named_without_running_it(tmp_path
     assert not marker.exists()
 
 
+# -- manifests that no save writes (found by tools/fuzz.py --targets all) -----------------------------
+@pytest.mark.parametrize("paths,int_keys", [
+    ({"model.w": ["model", ["w"]]}, None),  # a path element that is neither str nor int: TypeError in merge
+    ({"model.w": []}, None),  # an empty path: the value was dropped silently
+    ({"model.w": ["model", 10**9]}, None),  # a list position far beyond the values: a billion Nones appended
+    ({"model.w": ["model", -1]}, None),  # IndexError
+    ({"model.w": ["model", 0], "model.b": ["model", "b"]}, None),  # a list and a dict at one place: TypeError
+    ({"model.w": ["model"], "model.b": ["model", "b"]}, None),  # a value where a container is: AttributeError
+    ({"model.w": ["model", "w"], "model.b": ["model", "w"]}, None),  # two values at one path: one was dropped
+    ({"model.w": ["model", "w"]}, {"model.w": [1]}),  # an int key that is no integer: ValueError in merge
+])
+def test_a_manifest_whose_paths_no_state_has_is_named(tmp_path, capsys, paths, int_keys):
+    import json
+
+    a = str(tmp_path / "A")
+    _save_one_process(_state(1), a)
+    where = os.path.join(a, "nvckpt-dcp.json")
+    with open(where) as f:
+        doc = json.load(f)
+    doc["paths"].update(paths)
+    if int_keys is not None:
+        doc["int_keys"] = int_keys
+    with open(where, "w") as f:
+        json.dump(doc, f)
+    code, text = _cli(capsys, "merge", a, str(tmp_path / "out.nvckpt"))
+    assert code == 1 and "bad manifest" in text and "Traceback" not in text, text
+    assert not os.path.exists(tmp_path / "out.nvckpt")
+
+
 # -- a failed save leaves no staging directory -----------------------------------------------------
 def _staging_left(folder) -> list[str]:
     return [n for n in os.listdir(folder) if n.endswith(TMPDIR_SUFFIX)]

@@ -23,7 +23,7 @@ from ..errors import FormatError
 from ..options import LoadOptions
 from ..tensors.dtypes import to_torch
 from ..session.load import Checkpoint
-from .layout import directory_save_id, foreign_rank_file, read_manifest, typed_path
+from .layout import MANIFEST, directory_save_id, foreign_rank_file, read_manifest, typed_path
 
 
 def assemble(path: str | os.PathLike, *, device: str = "cpu", progress: Any = None) -> Any:
@@ -75,7 +75,10 @@ def assemble(path: str | os.PathLike, *, device: str = "cpu", progress: Any = No
     finally:
         for ck in opened.values():
             ck.close()
-    return nest(values, m.paths, m.int_keys, m.key_types, m.empty_dicts)
+    try:
+        return nest(values, m.paths, m.int_keys, m.key_types, m.empty_dicts)
+    except FormatError as exc:
+        raise exc.located(path=m.store.join(MANIFEST)) from None
 
 
 def nest(values: dict[str, Any], paths: dict[str, list[Any]], int_keys: dict[str, list[int]] | None = None,
@@ -94,29 +97,43 @@ def nest(values: dict[str, Any], paths: dict[str, list[Any]], int_keys: dict[str
         if not path:
             continue
         node: Any = root
-        for i, (key, nxt) in enumerate(zip(path[:-1], path[1:])):
-            node = _child(node, key, [] if isinstance(nxt, int) and i + 1 not in marked else {})
-        if empty:
-            _child(node, path[-1], {})
-        else:
-            _put(node, path[-1], value)
+        try:
+            for i, (key, nxt) in enumerate(zip(path[:-1], path[1:])):
+                node = _child(node, key, [] if isinstance(nxt, int) and i + 1 not in marked else {}, len(placed))
+            if empty:
+                _child(node, path[-1], {}, len(placed))
+            else:
+                _put(node, path[-1], value, len(placed))
+        except (TypeError, ValueError) as exc:  # paths that no one state has (a damaged or crafted manifest)
+            raise FormatError(f"bad manifest: the path {raw!r:.120} does not fit the others ({exc})") from None
     return root
 
 
-def _child(node: Any, key: Any, empty: Any) -> Any:
+def _slot(node: Any, key: Any, count: int) -> None:
+    """Check that ``node`` (a container being built) can hold ``key``; a list grows to it.  ``count``: the values
+    and empty dicts placed in all; each list position is on the path of one of them, so none is as large."""
     if isinstance(node, list):
+        if type(key) is not int or not 0 <= key < count:
+            raise ValueError(f"list position {key!r} (the state has {count} values)")
         while len(node) <= key:
             node.append(None)
+    elif not isinstance(node, dict):
+        raise ValueError(f"a {type(node).__name__} value where a container holds {key!r}")
+
+
+def _child(node: Any, key: Any, empty: Any, count: int) -> Any:
+    _slot(node, key, count)
+    if isinstance(node, list):
         if node[key] is None:
             node[key] = empty
         return node[key]
     return node.setdefault(key, empty)
 
 
-def _put(node: Any, key: Any, value: Any) -> None:
-    if isinstance(node, list):
-        while len(node) <= key:
-            node.append(None)
+def _put(node: Any, key: Any, value: Any, count: int) -> None:
+    _slot(node, key, count)
+    if (node[key] if isinstance(node, list) else node.get(key)) is not None:
+        raise ValueError(f"two values at {key!r}")
     node[key] = value
 
 

@@ -287,6 +287,14 @@ def _key_mark(mark: Any) -> tuple[int, str]:
     return int(position), str(tag)
 
 
+def _state_path(path: Any) -> list[Any]:
+    """A value's path in the nested state dict (DCP's planner data): a non-empty list of str keys and int
+    list positions."""
+    if not isinstance(path, list) or not path or not all(type(p) in (str, int) for p in path):
+        raise ValueError(f"a path in the state must be a non-empty array of str and int, got {path!r:.80}")
+    return path
+
+
 def is_dcp_directory(path: Any) -> bool:
     store = open_directory(path)
     return store.exists() and store.size(MANIFEST) is not None
@@ -328,14 +336,15 @@ def read_manifest(path: Any) -> Manifest:
         empty_dicts = [{"path": list(e["path"]), "int_keys": [int(i) for i in e.get("int_keys") or ()],
                         "key_types": [_key_mark(m) for m in e.get("key_types") or ()]}
                        for e in doc.get("empty_dicts") or ()]
+        paths = {str(fqn): _state_path(p) for fqn, p in (doc.get("paths") or {}).items()}
         manifest = Manifest(path, int(doc["world_size"]), doc.get("save_id"), files, tensors, objects,
-                            dict(doc.get("paths") or {}), int_keys, key_types, empty_dicts, store)
+                            paths, int_keys, key_types, empty_dicts, store)
         for e in empty_dicts:  # what nest() will convert, checked here (a bad manifest is one FormatError)
             if not all(type(p) in (str, int) for p in e["path"]):
                 raise ValueError(f"an empty dict's path {e['path']!r} holds a value that is not a str or int")
             typed_path(e["path"], e["int_keys"], e["key_types"])
-        for fqn, marks in key_types.items():
-            typed_path(manifest.paths.get(fqn) or [fqn], (), marks)
+        for fqn in set(int_keys) | set(key_types):  # what nest() will convert, as for the empty dicts
+            typed_path(manifest.paths.get(fqn) or [fqn], int_keys.get(fqn), key_types.get(fqn))
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise FormatError(f"bad manifest: {exc}", path=where) from None
     for name in files:
