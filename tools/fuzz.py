@@ -13,15 +13,27 @@ checksum recomputed, so the input gets past the checksums to the parsers and
 decoders behind them.  Blind ones flip bits, truncate, splice and insert
 random bytes without fixing anything.
 
+Targets (--targets):
+  reader   (default) the reading API above, and every Nth input nvckpt recover.
+  all      every reading path and the CLI tools, one per input (picked by the
+           input's CRC-32, so an input always runs the same one): the API,
+           load(untrusted=True), `nvckpt info | ls | verify | recover` and
+           `convert` of the input (as an nvckpt, safetensors or torch.save file,
+           by its content), and `info | ls | verify | merge` of a DCP directory
+           whose rank file, manifest or .metadata is the input.  The CLI's
+           property: an exit code of its table and no exception, whatever the
+           input.
+
 Engines:
   loop     (default) a pool of worker processes running random mutations; the
            parent restarts a worker that crashes or hangs and keeps the input.
   atheris  coverage-guided (libFuzzer through atheris, if installed) with the
-           same mutations as a custom mutator; one process.
+           same mutations as a custom mutator; one process.  tests/test_fuzz.py
+           runs it for a fixed time over --targets all in CI.
 
     python3 tools/fuzz.py --inputs 1000000 --workers 2 --out /tmp/fuzz-findings
-    python3 tools/fuzz.py --engine atheris -- -runs=1000000
-    python3 tools/fuzz.py --replay /tmp/fuzz-findings/crash-*.nvckpt
+    python3 tools/fuzz.py --engine atheris --targets all -- -max_total_time=3600
+    python3 tools/fuzz.py --replay /tmp/fuzz-findings/crash-*.nvckpt [--targets all]
 
 Findings (inputs that broke the property) are written to --out with the
 traceback next to them; the last line of the log gives counts and the rate.
@@ -492,6 +504,144 @@ def exercise_recover(data: bytes, folder: str) -> str:
                 os.unlink(p)
 
 
+# -- every reading path and the CLI tools ------------------------------------------------------------
+
+CLI_EXITS = {0, 1, 3, 4}  # ok, damage, unsupported here, I/O: never 2 (usage) for a valid command line
+TARGETS = ("api", "untrusted", "cli-info", "cli-ls", "cli-verify", "cli-recover", "cli-convert-nvckpt",
+           "cli-convert-safetensors", "cli-convert-torch", "dcp-rank-file", "dcp-manifest", "dcp-metadata")
+
+
+def make_tool_seeds() -> list[bytes]:
+    """Seeds of the other formats the tools read (convert sniffs a source's format from its content)."""
+    import torch
+
+    seeds = []
+    state = {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.ones(2, dtype=torch.bfloat16)}
+    try:
+        from safetensors.torch import save as st_save
+
+        seeds.append(st_save(state, metadata={"format": "pt", "k": "v"}))
+    except ImportError:
+        pass
+    buf = io.BytesIO()
+    torch.save({"model": state, "step": 3, "cfg": {"lr": 0.1}}, buf)
+    seeds.append(buf.getvalue())
+    return seeds
+
+
+class Tools:
+    """The targets of --targets all, on files in ``folder``."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        os.makedirs(folder, exist_ok=True)
+        self.directory = os.path.join(folder, "seed-dir")  # a valid DCP directory (one rank file)
+        if not os.path.isdir(self.directory):
+            import warnings
+
+            import torch
+
+            from nvckpt.dcp.assemble import write_directory
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                write_directory({"model": {"w": torch.arange(20, dtype=torch.float32).reshape(4, 5)},
+                                 "opt": {"state": {0: {"m": torch.ones(3)}}, "lr": 0.5}, "step": 7},
+                                self.directory, codec="portable", chunk_size=32)
+        with open(os.path.join(self.directory, "nvckpt-dcp.json")) as f:
+            self.manifest = json.load(f)
+
+    @staticmethod
+    def target_of(data: bytes) -> str:
+        import zlib
+
+        return TARGETS[zlib.crc32(data) % len(TARGETS)]
+
+    def run(self, data: bytes, target: str | None = None) -> str:
+        """The result of ``target`` (by default the input's own) on ``data``; raises where the property breaks."""
+        target = target or self.target_of(data)
+        if target == "api":
+            return exercise(data)
+        if target == "untrusted":
+            return self._untrusted(data)
+        work = os.path.join(self.folder, "work")
+        if os.path.lexists(work):
+            import shutil
+
+            shutil.rmtree(work)
+        os.makedirs(work)
+        if target.startswith("dcp-"):
+            return self._directory(data, target, work)
+        src = os.path.join(work, "in.pt")  # convert sniffs the format from the content; .pt if it cannot tell
+        with open(src, "wb") as f:
+            f.write(data)
+        command = {"cli-info": ["info", src], "cli-ls": ["ls", "--json", src], "cli-verify": ["verify", src],
+                   "cli-recover": ["recover", src, os.path.join(work, "out.nvckpt")],
+                   "cli-convert-nvckpt": ["convert", src, os.path.join(work, "out.nvckpt"), "--codec", "portable"],
+                   "cli-convert-safetensors": ["convert", src, os.path.join(work, "out.safetensors"), "--keep-tree"],
+                   "cli-convert-torch": ["convert", src, os.path.join(work, "out.pt")]}[target]
+        return self.cli(command)
+
+    def _untrusted(self, data: bytes) -> str:
+        import nvckpt
+
+        try:
+            with nvckpt.open(io.BytesIO(data), workers=1, untrusted=True) as ck:
+                ck.load()
+            return "ok"
+        except nvckpt.NvckptError as exc:
+            return type(exc).__name__
+
+    def _directory(self, data: bytes, target: str, work: str) -> str:
+        import shutil
+
+        directory = os.path.join(work, "dir")
+        shutil.copytree(self.directory, directory)
+        if target == "dcp-rank-file":
+            part, content = "__0.nvckpt", data
+        elif target == "dcp-metadata":
+            part, content = ".metadata", data
+        else:  # one value of the manifest changed, picked by a generator seeded with the input
+            doc = mutate_value(json.loads(json.dumps(self.manifest)), random.Random(data))
+            part, content = "nvckpt-dcp.json", json.dumps(doc, default=repr).encode()
+        with open(os.path.join(directory, part), "wb") as f:
+            f.write(content)
+        results = [self.cli([tool, directory]) for tool in ("verify", "info", "ls")]
+        results.append(self.cli(["merge", directory, os.path.join(work, "merged.nvckpt")]))
+        return "/".join(results)
+
+    @staticmethod
+    def cli(argv: list[str]) -> str:
+        """``nvckpt ARGV`` in this process: its exit code must be one of its table's, its stderr free of tracebacks."""
+        import contextlib
+
+        from nvckpt import cli
+
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = cli.main(argv)
+        text = err.getvalue()
+        if code not in CLI_EXITS or "Traceback" in text:
+            raise AssertionError(f"nvckpt {' '.join(argv[:1])} exited {code}: {text[-2000:]}")
+        return f"exit {code}"
+
+
+def instrument_nvckpt() -> None:
+    """Import nvckpt's modules under atheris's instrumentation (coverage of nvckpt's own code only): they are
+    imported on first use otherwise, after the instrumentation is over."""
+    import atheris
+
+    modules = ["nvckpt", "nvckpt.api", "nvckpt.cli", "nvckpt.format.bulk", "nvckpt.format.frames",
+               "nvckpt.format.index", "nvckpt.format.entry", "nvckpt.format.tree", "nvckpt.format.structs",
+               "nvckpt.codecs", "nvckpt.codecs.registry", "nvckpt.codecs.builtin", "nvckpt.codecs.planes",
+               "nvckpt.session.file", "nvckpt.session.load", "nvckpt.session.slicing", "nvckpt.io.source",
+               "nvckpt.tools.info", "nvckpt.tools.verify", "nvckpt.tools.recover", "nvckpt.tools.convert",
+               "nvckpt.tools.dcpdir", "nvckpt.tools._util", "nvckpt.dcp.layout", "nvckpt.dcp.assemble"]
+    with atheris.instrument_imports(include=["nvckpt"]):
+        for name in modules:
+            importlib.import_module(name)
+
+
 # --------------------------------------------------------------------------------------------
 # Engines
 # --------------------------------------------------------------------------------------------
@@ -539,9 +689,10 @@ def _save_finding(out: str, kind: str, data: bytes, text: str, sig: str = "") ->
 
 
 def worker(wid: int, seed: int, count: int, seeds: list[bytes], out: str, progress: Any, scratch: str,
-           timeout: int, mem_extra: int, recover_every: int) -> None:
+           timeout: int, mem_extra: int, recover_every: int, targets: str = "reader") -> None:
     import torch
     torch.set_num_threads(1)
+    tools = Tools(os.path.join(scratch, f"tools-{wid}")) if targets == "all" else None
     importlib.import_module("nvckpt")  # import before limiting memory
     try:
         importlib.import_module("nvckpt.tools.recover")
@@ -573,11 +724,13 @@ def worker(wid: int, seed: int, count: int, seeds: list[bytes], out: str, progre
         signal.alarm(timeout)
         try:
             use_path = rng.random() < 0.1
-            if use_path:
+            if tools is not None:
+                result = tools.run(data)
+            elif use_path:
                 result = exercise(data, path=current)
             else:
                 result = exercise(data)
-            if recover_every and done % recover_every == 0:
+            if tools is None and recover_every and done % recover_every == 0:
                 exercise_recover(data, folder)
         except Hang:
             result = "HANG"
@@ -616,7 +769,8 @@ def run_loop(args: argparse.Namespace, seeds: list[bytes]) -> int:
         nonlocal base_seed
         base_seed += 1
         p = ctx.Process(target=worker, args=(wid, base_seed * 1000 + wid, remaining[wid], seeds, args.out, progress,
-                                             scratch, args.timeout, args.mem_mb << 20, args.recover_every), daemon=True)
+                                             scratch, args.timeout, args.mem_mb << 20, args.recover_every,
+                                             args.targets), daemon=True)
         p.start()
         procs[wid] = p
 
@@ -683,8 +837,21 @@ def run_loop(args: argparse.Namespace, seeds: list[bytes]) -> int:
 def run_atheris(args: argparse.Namespace, seeds: list[bytes], libfuzzer_args: list[str]) -> int:
     import atheris
 
+    tools = Tools(os.path.join(args.scratch, "tools")) if args.targets == "all" else None
+
     def one_input(data: bytes) -> None:
-        exercise(data)
+        try:
+            if tools is not None:
+                tools.run(data)
+            else:
+                exercise(data)
+        except Exception as exc:
+            # The input and its traceback, as the loop engine keeps them (libFuzzer's own crash artifact needs
+            # sanitizer hooks that a pure-Python target lacks), then the finding ends the run.
+            target = f" (target {tools.target_of(data)})" if tools is not None else ""
+            name = _save_finding(args.out, "crash", data, traceback.format_exc() + target, signature(exc))
+            print(f"finding: {name}.nvckpt{target}", file=sys.stderr, flush=True)
+            raise
 
     def custom_mutator(data: bytes, max_size: int, seed: int) -> bytes:
         rng = random.Random(seed)
@@ -706,13 +873,14 @@ def run_atheris(args: argparse.Namespace, seeds: list[bytes], libfuzzer_args: li
     return 0
 
 
-def replay(paths: list[str]) -> int:
+def replay(paths: list[str], targets: str = "reader", scratch: str = "/tmp/nvckpt-fuzz") -> int:
+    tools = Tools(os.path.join(scratch, "tools")) if targets == "all" else None
     bad = 0
     for p in paths:
         with open(p, "rb") as f:
             data = f.read()
         try:
-            print(p, exercise(data))
+            print(p, exercise(data) if tools is None else f"{tools.target_of(data)}: {tools.run(data)}")
         except Exception:
             bad += 1
             print(p, "BROKE THE PROPERTY:")
@@ -728,6 +896,8 @@ def main(argv: list[str] | None = None) -> int:
         argv, extra = argv[:i], argv[i + 1:]
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--engine", choices=("loop", "atheris"), default="loop")
+    ap.add_argument("--targets", choices=("reader", "all"), default="reader",
+                    help="the reading API (and recover), or every reading path and the CLI tools")
     ap.add_argument("--inputs", type=int, default=100_000, help="inputs to run (loop engine)")
     ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2)))
     ap.add_argument("--seed", type=int, default=1)
@@ -741,16 +911,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replay", nargs="+", help="run these inputs once and report")
     args = ap.parse_args(argv)
     if args.replay:
-        return replay([p for pat in args.replay for p in glob.glob(pat)])
+        return replay([p for pat in args.replay for p in glob.glob(pat)], args.targets, args.scratch)
     if args.engine == "atheris":
-        import atheris
         import torch
 
         torch.set_num_threads(1)
-        with atheris.instrument_imports(include=["nvckpt"]):  # coverage of nvckpt's own code only
-            importlib.import_module("nvckpt")
+        instrument_nvckpt()
     seeds = make_seeds() + load_seed_files(args.conformance)
-    print(json.dumps({"engine": args.engine, "seeds": len(seeds), "workers": args.workers, "inputs": args.inputs}), flush=True)
+    if args.targets == "all":
+        seeds += make_tool_seeds()
+    print(json.dumps({"engine": args.engine, "targets": args.targets, "seeds": len(seeds), "workers": args.workers,
+                      "inputs": args.inputs}), flush=True)
     if args.engine == "atheris":
         return run_atheris(args, seeds, extra)
     return run_loop(args, seeds)
