@@ -160,6 +160,49 @@ def test_the_replaced_file_is_freed_off_the_callers_path_and_no_descriptor_is_le
     assert os.listdir(path.parent) == [path.name]
 
 
+def _replaced_descriptors(folder) -> list[str]:
+    """This process's descriptors on files of ``folder`` that have been replaced (deleted)."""
+    targets = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            targets.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return [t for t in targets if t.startswith(str(folder)) and t.endswith("(deleted)")]
+
+
+@pytest.fixture
+def slow_freeing(monkeypatch):
+    """The thread that lets go of a replaced file takes a second (a large file's blocks on a busy disk)."""
+    import time
+
+    from nvckpt.io import atomic
+
+    real_close = atomic._close
+    monkeypatch.setattr(atomic, "_close", lambda fd: (time.sleep(1.0), real_close(fd)))
+
+
+def test_an_async_save_frees_the_replaced_file_before_its_future_is_done(old_file, slow_freeing):
+    """Its thread pays the freeing, not the caller: once result() returns, the old file's blocks are free (before,
+    a caller that checked the free space then still saw them)."""
+    path, _ = old_file
+    nvckpt.async_save(NEW, path).result()
+    assert _replaced_descriptors(path.parent) == []
+    assert nvckpt.load(path)["step"] == 2
+
+
+def test_a_child_forked_while_a_replaced_file_is_held_does_not_keep_it(old_file, slow_freeing):
+    """A save's replaced file is let go a moment after save() returns; a child forked in that moment (a DataLoader
+    worker) got a copy of the descriptor and kept the old file's blocks for as long as it lived."""
+    from conftest import forked_exit_code
+
+    path, _ = old_file
+    nvckpt.save(NEW, path)
+    assert _replaced_descriptors(path.parent)  # held by the parent, for the second slow_freeing takes
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if _replaced_descriptors(path.parent) == [] else 3)
+    assert forked_exit_code(pid, 30, "the forked child hung") == 0
+
+
 def test_failed_first_save_creates_nothing(tmp_path):
     path = tmp_path / "fresh.nvckpt"
     with pytest.raises(OSError):

@@ -83,6 +83,9 @@ class AtomicFile:
         self.name = path
         self.path: str | None = None  # set at open_sink: the file a symlink names, which the rename replaces
         self.order_key = os.path.realpath(os.path.abspath(path))
+        # Free the replaced file's blocks before commit() returns (set by an async save, whose own thread
+        # pays for it; a plain save leaves that to a thread of its own, off the caller's path).
+        self.free_replaced_now = False
         self._out: AtomicReplace | None = None
 
     def check(self) -> None:
@@ -94,7 +97,8 @@ class AtomicFile:
     def open_sink(self, options: SinkOptions) -> FileSink:
         self._out = AtomicReplace(self.name, lambda tmp: FileSink(tmp, direct=options.direct,
                                                                    block_size=options.block_size,
-                                                                   blocks=options.blocks))
+                                                                   blocks=options.blocks),
+                                  free_now=self.free_replaced_now)
         self.path = self._out.path
         return self._out.writer
 

@@ -214,6 +214,8 @@ class SaveSession:
 
         if not target.atomic:  # what was written stays written: a cancel stops it before the index, or not at all
             items = _then(items, last_call)
+        if self.publishing is not None and hasattr(target, "free_replaced_now"):
+            target.free_replaced_now = True  # an async save: its thread frees the replaced file, before it is done
         try:
             sink = target.open_sink(self.engine.sink_options(self.options))
             size = write_items(sink, items, self.plan, alignment=alignment, info=writer_info(extra),
