@@ -10,7 +10,8 @@ from typing import Any
 from ..errors import FormatError, LimitError, brief
 from .constants import EXT_TENSOR, EXT_TUPLE, FEATURE_TYPED_TREE, MAX_CODECS, MAX_TENSORS, MAX_TREE_DEPTH, VERSION_MAJOR
 from .bulk import LazyEntries, decode_index
-from .entry import ChunkStore, TensorEntry, check_list, check_map, check_overlaps, parse_entry, reference_problem
+from .entry import (ChunkStore, TensorEntry, check_list, check_map, check_overlaps, parse_entry, plain_entries,
+                    reference_problem)
 from .tree import Ext, TensorRef, check_depth, check_tree, leaf_paths, memory_budget, msgpack_errors
 
 
@@ -66,15 +67,35 @@ def parse_index(data: dict[str, Any], index_offset: int, required_features: int 
     names: dict[str, int] = {}  # entry name -> tensor id
     store = ChunkStore()
     firsts = array("Q")  # index in the store of each tensor's first chunk
-    for tid, raw in enumerate(raw_tensors):
-        firsts.append(len(store))
-        entry = parse_entry(tid, raw, ncodecs=len(codecs), index_offset=index_offset, store=store)
-        if entry.name in names:
-            raise FormatError(f"duplicate tensor name {entry.name!r:.200}")
-        names[entry.name] = tid
-        tensors.append(entry)
-        if isinstance(raw_tensors, list):
-            raw_tensors[tid] = None  # the parsed entry replaces it: memory stays near the index's size
+    shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
+    lazy = isinstance(raw_tensors, LazyEntries)
+    for lo in range(0, len(raw_tensors), _BATCH):
+        hi = min(lo + _BATCH, len(raw_tensors))
+        batch = raw_tensors.plain(lo, hi) if lazy else raw_tensors[lo:hi]
+        tid = lo
+        while tid < hi:
+            # Runs of plain one-chunk entries a column at a time; any other entry (or a run that fails a
+            # check) one by one, which says what is wrong.
+            run = plain_entries(tid, batch, tid - lo, len(codecs), index_offset, store, shapes) if batch else []
+            if run:
+                start = len(store) - len(run)
+                firsts.extend(range(start, start + len(run)))
+                run_names = [e.name for e in run]
+                if not names.keys().isdisjoint(run_names) or len(set(run_names)) != len(run_names):
+                    _duplicate_name(run_names, names)
+                names.update(zip(run_names, range(tid, tid + len(run))))
+                tensors.extend(run)
+                tid += len(run)
+                continue
+            firsts.append(len(store))
+            entry = parse_entry(tid, raw_tensors[tid], ncodecs=len(codecs), index_offset=index_offset, store=store)
+            if entry.name in names:
+                raise FormatError(f"duplicate tensor name {entry.name!r:.200}")
+            names[entry.name] = tid
+            tensors.append(entry)
+            tid += 1
+        if not lazy:
+            raw_tensors[lo:hi] = [None] * (hi - lo)  # the parsed entries replace them: memory stays near the index's size
 
     def chunk_name(i: int) -> tuple[str, int]:
         tid = bisect_right(firsts, i) - 1
@@ -92,16 +113,30 @@ def parse_index(data: dict[str, Any], index_offset: int, required_features: int 
     tree = data["tree"]
     check_tree(tree, len(tensors), required_features)
     paths: dict[str, int] = {}
-    by_name = names
     for path, ref in leaf_paths(tree):
-        # SPEC 14.1: a name identifies one tensor, whether it is an entry's name or a path's.
-        if paths.setdefault(path, ref.tensor_id) != ref.tensor_id or by_name.get(path, ref.tensor_id) != ref.tensor_id:
+        if paths.setdefault(path, ref.tensor_id) != ref.tensor_id:
             raise FormatError(f"the name {path!r:.200} stands for two different tensors")
-    del by_name, names
-    for path, tid in paths.items():  # one str object for a name that is both a path and an entry's name
-        if tensors[tid].name == path:
-            tensors[tid].name = path
+    for path, tid in paths.items():
+        # SPEC 14.1: a name identifies one tensor, whether it is an entry's name or a path's.
+        owner = names.get(path)
+        if owner is not None:
+            if owner != tid:
+                raise FormatError(f"the name {path!r:.200} stands for two different tensors")
+            tensors[tid].name = path  # one str object for a name that is both a path and an entry's name
+    del names
     return Index(writer, codecs, tensors, tree, metadata, (version[0], version[1]), paths)
+
+
+_BATCH = 4096  # index entries decoded and checked together (nvckpt.format.entry.plain_entries)
+
+
+def _duplicate_name(run: list[str], names: dict[str, int]) -> None:
+    """The FormatError for the first name of ``run`` that an earlier entry has (in ``names`` or in the run)."""
+    seen: set[str] = set()
+    for name in run:
+        if name in names or name in seen:
+            raise FormatError(f"duplicate tensor name {name!r:.200}")
+        seen.add(name)
 
 
 def _check_metadata(node: Any) -> None:

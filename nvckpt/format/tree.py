@@ -14,6 +14,7 @@ import re
 import struct
 import threading
 from itertools import chain
+from operator import attrgetter
 from sys import getsizeof
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -482,8 +483,12 @@ def check_tree(node: Any, num_tensors: int, required_features: int = FEATURE_TYP
             if item.tensor_id >= num_tensors:
                 raise FormatError(f"tree refers to tensor {item.tensor_id}, but the index has {num_tensors}")
         elif isinstance(item, (list, tuple)):
+            if _only_refs(item, num_tensors):
+                continue
             stack.extend((x, depth + 1) for x in item)
         elif isinstance(item, dict):
+            if _only_refs(item.values(), num_tensors) and set(map(type, item)) <= _PLAIN_KEY_TYPES:
+                continue
             for k, v in item.items():
                 if not isinstance(k, _KEY_TYPES):
                     raise FormatError(f"tree map key of type {key_type(k)} is not allowed")
@@ -494,6 +499,17 @@ def check_tree(node: Any, num_tensors: int, required_features: int = FEATURE_TYP
             raise FormatError(f"unknown ext type {item.code} in the tree")
         elif not isinstance(item, (str, bytes, int, float, bool, type(None), *TYPED_LEAVES)):
             raise FormatError(f"unexpected {type(item).__name__} in the tree")
+
+
+_PLAIN_KEY_TYPES = {str, int, float, bool, type(None)}  # (not BigInt: an int only ext 6 encodes is no key)
+_TENSOR_ID = attrgetter("tensor_id")
+
+
+def _only_refs(values: Any, num_tensors: int) -> bool:
+    """Whether ``values`` (a container's, two or more) are all tensor references to entries of the index: a
+    module's state dict, checked without a step per value (a state of a million tensors)."""
+    return (len(values) > 1 and set(map(type, values)) == {TensorRef}
+            and max(map(_TENSOR_ID, values)) < num_tensors)
 
 
 def is_typed(item: Any) -> bool:
@@ -544,6 +560,11 @@ def leaf_paths(node: Any, parts: tuple[str, ...] = ()) -> Iterator[tuple[str, Te
     if isinstance(node, TensorRef):
         yield "/".join(parts), node
     elif isinstance(node, dict):
+        if len(node) > 1 and set(map(type, node.values())) == {TensorRef}:  # a module's state: one step for all
+            prefix = "/".join(parts) + "/" if parts else ""
+            yield from [(prefix + (k.replace("~", "~0").replace("/", "~1") if type(k) is str else escape(k)), v)
+                        for k, v in node.items()]
+            return
         for k, v in node.items():
             yield from leaf_paths(v, parts + (escape(k),))
     elif isinstance(node, (list, tuple)):
