@@ -181,9 +181,9 @@ def _stream_position_lock():
 
 
 def _lazy_hooks_lock():
-    from nvckpt.session import save
+    from nvckpt.session import async_save
 
-    return save._hooks_lock
+    return async_save._hooks_lock
 
 
 def _gc_pause_lock():
@@ -201,7 +201,7 @@ def test_a_child_forked_while_a_thread_holds_a_process_wide_lock_saves_and_loads
     hung in its first save or load."""
     import io as _io
 
-    from nvckpt.dcp.assemble import write_directory
+    from nvckpt.dcp.split import write_directory
 
     state = {"w": torch.randn(64, 64), "n": 1}
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
@@ -231,16 +231,16 @@ def test_a_child_reads_and_closes_a_checkpoint_its_parent_was_reading_at_the_for
     ck = nvckpt.open(tmp_path / "data.nvckpt")
     source = ck.file.source
     inside, release = threading.Event(), threading.Event()
-    read = source._pread
+    check = source._check_range  # called inside a read, once it is counted in flight
 
-    def slow_read(offset: int, length: int) -> bytes:
+    def slow_check(offset: int, length: int) -> None:
         if threading.current_thread() is not threading.main_thread():
             inside.set()
             release.wait(60)
-        return read(offset, length)
+        check(offset, length)
 
-    source._pread = slow_read
-    reader = threading.Thread(target=lambda: source.pread(0, 16), daemon=True)
+    source._check_range = slow_check
+    reader = threading.Thread(target=lambda: source.read(0, 16), daemon=True)
     reader.start()
     try:
         assert inside.wait(10)

@@ -209,7 +209,10 @@ class Pipeline:
         """(k, signshift) where this pipeline's host coding is the byte-plane path of nvckpt.codecs.planes
         (one zstd frame per plane: [signshift(k)?, byteshuffle(k)?, zstd]), else None."""
         if "_planar_form" not in self.__dict__:
-            from .planes import planar_form
+            from .._fork import importing
+
+            with importing():  # first use maybe in an engine's thread: a fork waits for the import (nvckpt._fork)
+                from .planes import planar_form
 
             self.__dict__["_planar_form"] = planar_form(self)
         return self.__dict__["_planar_form"]

@@ -15,6 +15,8 @@ import re
 from types import ModuleType
 from typing import Any
 
+from .._fork import importing
+
 #: scheme -> module.  Any other scheme goes to the fsspec backend, which serves whatever fsspec knows.
 SCHEMES: dict[str, str] = {}
 FSSPEC = "nvckpt.io.fsspec_store"
@@ -41,7 +43,8 @@ def backend_for(path: str) -> ModuleType | None:
         return None
     module = SCHEMES.get(scheme, FSSPEC)
     try:
-        return importlib.import_module(module)
+        with importing():  # maybe in a thread of the caller's: a fork waits for the import (nvckpt._fork)
+            return importlib.import_module(module)
     except ModuleNotFoundError as exc:
         if exc.name is not None and exc.name.startswith("nvckpt"):
             raise ValueError(f"{path!r}: this nvckpt has no storage backend for {scheme}:// URLs") from None

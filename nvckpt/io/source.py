@@ -21,7 +21,7 @@ import threading
 import weakref
 from typing import Any, Protocol, runtime_checkable
 
-from .._fork import Lock
+from .._fork import Lock, importing
 from ..errors import EndOfStreamError, NvckptError, TruncatedError
 from .ranges import LOCAL, Coalescing
 
@@ -138,7 +138,8 @@ def open_source(target: Any, storage_options: dict[str, Any] | None = None) -> B
     if isinstance(target, ByteSource):
         return target
     if isinstance(target, (str, os.PathLike)):
-        from .schemes import backend_for, local_path
+        with importing():  # maybe in a thread of the caller's: a fork waits for the import (nvckpt._fork)
+            from .schemes import backend_for, local_path
 
         path = os.fspath(target)
         if isinstance(path, str):

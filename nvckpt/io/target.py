@@ -212,7 +212,10 @@ def open_target(target: Any, *, absolute: bool = False, storage_options: dict[st
         return target
     if hasattr(target, "write"):
         return StreamTarget(target)
-    from .schemes import backend_for, local_path
+    from .._fork import importing
+
+    with importing():  # maybe in a thread of the caller's: a fork waits for the import (nvckpt._fork)
+        from .schemes import backend_for, local_path
 
     path = target_path(target)
     backend = backend_for(path)
