@@ -541,7 +541,7 @@ class Tools:
 
             import torch
 
-            from nvckpt.dcp.assemble import write_directory
+            from nvckpt.dcp.split import write_directory
 
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -634,9 +634,9 @@ def instrument_nvckpt() -> None:
     modules = ["nvckpt", "nvckpt.api", "nvckpt.cli", "nvckpt.format.bulk", "nvckpt.format.frames",
                "nvckpt.format.index", "nvckpt.format.entry", "nvckpt.format.tree", "nvckpt.format.structs",
                "nvckpt.codecs", "nvckpt.codecs.registry", "nvckpt.codecs.builtin", "nvckpt.codecs.planes",
-               "nvckpt.session.file", "nvckpt.session.load", "nvckpt.session.slicing", "nvckpt.io.source",
+               "nvckpt.read.reader", "nvckpt.session.load", "nvckpt.session.slicing", "nvckpt.io.source",
                "nvckpt.tools.info", "nvckpt.tools.verify", "nvckpt.tools.recover", "nvckpt.tools.convert",
-               "nvckpt.tools.dcpdir", "nvckpt.tools._util", "nvckpt.dcp.layout", "nvckpt.dcp.assemble"]
+               "nvckpt.tools.dcpdir", "nvckpt.tools._util", "nvckpt.sharded.layout", "nvckpt.sharded.assemble"]
     with atheris.instrument_imports(include=["nvckpt"]):
         for name in modules:
             importlib.import_module(name)
