@@ -28,6 +28,9 @@ class Coalescing:
     alone_from: int = _NO_LIMIT  # a range of at least this many bytes is read on its own
     max_ranges: int = _NO_LIMIT  # ranges one read covers at most
     align: int = 1  # a read starts and ends at multiples of this (O_DIRECT: 4096)
+    # a whole load reads a tensor's chunks in these groups too, not chunk by chunk (an object store, where
+    # each read is a request)
+    whole_loads: bool = False
 
     def with_(self, **changes: int) -> "Coalescing":
         return dataclasses.replace(self, **changes)

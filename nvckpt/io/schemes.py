@@ -18,7 +18,7 @@ from typing import Any
 from .._fork import importing
 
 #: scheme -> module.  Any other scheme goes to the fsspec backend, which serves whatever fsspec knows.
-SCHEMES: dict[str, str] = {}
+SCHEMES: dict[str, str] = {"s3": "nvckpt.io.s3"}
 FSSPEC = "nvckpt.io.fsspec_store"
 
 _URL = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*)://")

@@ -312,6 +312,11 @@ class ChunkReader:
         groups = _groups(entry, entry.chunks.covering(start, stop), self.source.coalescing)
         self.map(lambda g: self._fill(entry, g, start, dest), groups)
 
+    def read_run(self, entry: TensorEntry, group: range, out: np.ndarray) -> None:
+        """Chunks ``group`` of ``entry`` (neighbours, as ``coalesce`` grouped them) read with one read, verified
+        and decoded into ``out``, the whole tensor's raw bytes."""
+        self._fill(entry, group, 0, out)
+
     def _fill(self, entry: TensorEntry, group: range, start: int, out: np.ndarray) -> None:
         if len(group) == 1:
             self.fill(entry, group.start, start, out)

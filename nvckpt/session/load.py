@@ -26,7 +26,7 @@ from ..options import LoadOptions, index_memory_limit
 from ..plan.derived import bf16_rne
 from ..tensors import flat_bytes
 from ..tensors.dtypes import to_torch
-from ..read.reader import ChunkReader, check_supported
+from ..read.reader import ChunkReader, _groups, check_supported
 
 if TYPE_CHECKING:
     from .slicing import TensorSlice
@@ -381,9 +381,14 @@ class Checkpoint(Mapping):
         left = {e.tensor_id: len(e.chunks) for e in entries}
         lock = threading.Lock()
         tasks: list[list[tuple[TensorEntry, int]]] = []
+        runs: list[tuple[TensorEntry, range]] = []  # chunks read with one request (an object store)
         group: list[tuple[TensorEntry, int]] = []
         size = 0
+        policy = f.source.coalescing
         for e in entries:
+            if policy.whole_loads and e.chunks:
+                runs += [(e, run) for run in _groups(e, range(len(e.chunks)), policy)]
+                continue
             for i, c in enumerate(e.chunks):
                 if c.raw_length >= TASK_BYTES:
                     tasks.append([(e, i)])
@@ -405,31 +410,48 @@ class Checkpoint(Mapping):
         # completes the next one (its bytes still in cache), not in one pass at the end.
         hashing = {e.tensor_id: _InOrderHash(e) for e in entries if e.checksum is not None and len(e.chunks) > 1}
 
+        def refused(exc: UnsupportedCodecError) -> UnsupportedCodecError:
+            if self.untrusted:
+                exc.reason += " (refused: the file was opened with untrusted=True, which never runs nvCOMP)"
+                exc.located()
+            return exc
+
         def run(task: list[tuple[TensorEntry, int]]) -> None:
             for e, i in task:
                 try:
                     f.fill(e, i, 0, arrays[e.tensor_id])
                 except UnsupportedCodecError as exc:
-                    if self.untrusted:
-                        exc.reason += " (refused: the file was opened with untrusted=True, which never runs nvCOMP)"
-                        exc.located()
-                    raise
-                h = hashing.get(e.tensor_id)
-                if h is not None and h.add(i, arrays[e.tensor_id]):
-                    check(e, h.digest())
-                with lock:
-                    left[e.tensor_id] -= 1
-                    last = left[e.tensor_id] == 0
-                if last and e.checksum is not None and h is None:
-                    check(e)
-                if last and decoded is not None:
-                    decoded(e.tensor_id, dests[e.tensor_id])
-                if last and progress is not None:
-                    progress(e.nbytes)
+                    raise refused(exc)
+                done(e, i)
+
+        def run_chunks(task: tuple[TensorEntry, range]) -> None:
+            e, chunks = task
+            try:
+                f.read_run(e, chunks, arrays[e.tensor_id])
+            except UnsupportedCodecError as exc:
+                raise refused(exc)
+            for i in chunks:
+                done(e, i)
+
+        def done(e: TensorEntry, i: int) -> None:
+            h = hashing.get(e.tensor_id)
+            if h is not None and h.add(i, arrays[e.tensor_id]):
+                check(e, h.digest())
+            with lock:
+                left[e.tensor_id] -= 1
+                last = left[e.tensor_id] == 0
+            if last and e.checksum is not None and h is None:
+                check(e)
+            if last and decoded is not None:
+                decoded(e.tensor_id, dests[e.tensor_id])
+            if last and progress is not None:
+                progress(e.nbytes)
 
         for e in entries:  # tensors without chunks (empty ones)
             if not e.chunks and e.checksum is not None:
                 check(e)
+        if runs:
+            f.map(run_chunks, runs)
         f.map(run, tasks)
         return {tid: self._to_device(t) for tid, t in dests.items()}
 

@@ -196,10 +196,12 @@ class SaveSession:
         if target.atomic:
             left = target.leftovers()
             if left:
+                advice = getattr(target, "leftover_advice", None)  # an object store's open uploads
                 warnings.warn(LeftoverTemporaryWarning(
                     f"{len(left)} temporary file(s) of an earlier save to {target.name} that did not finish: "
-                    f"{', '.join(map(os.path.basename, left))}; `nvckpt recover TMP OUT` salvages their complete "
-                    "tensors (remove them when done)"), stacklevel=_outside_nvckpt())
+                    f"{', '.join(map(os.path.basename, left))}; " + (advice() if advice is not None else
+                    "`nvckpt recover TMP OUT` salvages their complete tensors (remove them when done)")),
+                    stacklevel=_outside_nvckpt())
         alignment = self.options.alignment or self.engine.alignment
 
         def last_call() -> None:
