@@ -241,10 +241,11 @@ class PrefixDirectory:
             raise FileExistsError(errno.EEXIST, "is an object, not a checkpoint directory (a prefix); a checkpoint "
                                   "directory is written under it", self.name)
         doc = self._read_commit()
-        if doc is not None and any(own(e) for e in doc["files"]):
+        published = doc["files"] if doc is not None else {}
+        if any(own(e) for e in published):
             if not overwrite:
                 raise FileExistsError(errno.EEXIST, "a checkpoint exists there and overwrite=False", self.name)
-        elif doc is None and self._others(limit_one=True):
+        elif published or self._others(limit_one=True):
             raise FileExistsError(errno.EEXIST, "holds other objects, not a checkpoint; a checkpoint directory is "
                                   "published only under an empty prefix or over a checkpoint", self.name)
 
