@@ -92,7 +92,17 @@ def _refuse_existing(src: str, dst: str, force: bool) -> None:
     """An existing DST is replaced only with --force: a file, or a directory that holds anything (a device
     or pipe such as /dev/null or /dev/stdout is written through).  DST that is SRC is the tool's to refuse."""
     from .tools._util import overwrites_source
+    from .tools.remote import exists, is_url
 
+    if is_url(dst):
+        if src == dst:
+            raise UsageError("the destination would overwrite the source")
+        if not force and exists(dst):
+            raise UsageError(f"{dst} exists (an object): it may be a checkpoint you still need; give another name, "
+                             "or --force to replace it")
+        return
+    if is_url(src):
+        return
     if force or not os.path.lexists(dst) or overwrites_source(src, dst) or _is_stdout(dst):
         return
     if os.path.isdir(dst):
@@ -105,6 +115,14 @@ def _refuse_existing(src: str, dst: str, force: bool) -> None:
         what = "a file" if os.path.isfile(dst) else "a broken symbolic link"
     raise UsageError(f"{dst} exists ({what}): it may be a checkpoint you still need; give another name, or "
                      "--force to replace it")
+
+
+def _is_directory(path: str) -> bool:
+    """A local folder, or a URL's prefix holding a directory (a DCP checkpoint in an object store)."""
+    from .io.directory import is_directory
+    from .tools.remote import is_url
+
+    return is_directory(path) if is_url(path) else os.path.isdir(path)
 
 
 def _is_stdout(path: str) -> bool:
@@ -230,6 +248,18 @@ def main_parser(prog: str = "nvckpt") -> argparse.ArgumentParser:
     _add_quiet(p)
     p.set_defaults(run=_recover)
 
+    p = command("reap", "abort the multipart uploads that saves which did not finish left open in S3",
+                "Abort the multipart uploads open under URL (an s3:// key or prefix): what a save killed in its "
+                "middle, or one whose server died, left behind; their parts hold storage until aborted. A save "
+                "to a key reports those it finds there. Listing and aborting uploads uses boto3.")
+    p.add_argument("url", help="s3://BUCKET/KEY or s3://BUCKET/PREFIX")
+    p.add_argument("--older-than", type=float, default=0.0, metavar="SECONDS",
+                   help="only uploads started more than this many seconds ago (default: 0, all): leave a save "
+                        "that is still running alone")
+    p.add_argument("--dry-run", action="store_true", help="list them, abort nothing")
+    _add_json(p)
+    p.set_defaults(run=_reap)
+
     p = command("demo", "train a tiny transformer on CPU, checkpoint it with nvckpt and compare with torch.save",
                 "Train a tiny transformer a few steps on CPU (seed 0), save its whole training state (model, "
                 "AdamW state, scheduler, step, RNG state) with nvckpt.save, load it back with nvckpt.load, "
@@ -337,7 +367,7 @@ def _filesystem_directory(args: argparse.Namespace) -> bool:
 
 
 def _info(args: argparse.Namespace) -> int:
-    if os.path.isdir(args.file):
+    if _is_directory(args.file):
         return _info_directory(args)
     from .tools.info import describe
 
@@ -408,7 +438,7 @@ def _ls_directory(args: argparse.Namespace) -> int:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    if os.path.isdir(args.file):
+    if _is_directory(args.file):
         return _ls_directory(args)
     from .tools.info import list_tensors
 
@@ -426,7 +456,7 @@ def _ls(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    if os.path.isdir(args.file):
+    if _is_directory(args.file):
         from .tools.dcpdir import verify_directory as verify
     else:
         from .tools.verify import verify
@@ -476,10 +506,12 @@ def _convert(args: argparse.Namespace) -> int:
     from .session.lifecycle import saves_are_the_job
 
     try:
-        with saves_are_the_job():  # SIGTERM while DST is written: it is finished, and the command exits as usual
-            report = convert(args.src, args.dst, src_format=args.src_format, dst_format=args.dst_format,
+        with saves_are_the_job(), _local_files(args) as (src, dst):
+            # SIGTERM while DST is written: it is finished, and the command exits as usual
+            report = convert(src, dst, src_format=args.src_format, dst_format=args.dst_format,
                              codec=args.codec, zstd_level=args.level, keep_tree=args.keep_tree,
                              allow_pickle=args.allow_pickle, progress=_bars(args))
+        report.src, report.dst = args.src, args.dst
     except UnknownFormatError as exc:
         if args.command == "convert":
             raise
@@ -505,7 +537,9 @@ def _recover(args: argparse.Namespace) -> int:
     from .tools.recover import recover
 
     _refuse_existing(args.src, args.dst, args.force)
-    report = recover(args.src, args.dst, progress=_bars(args))
+    with _local_files(args) as (src, dst):
+        report = recover(src, dst, progress=_bars(args))
+    report.src, report.dst = args.src, args.dst
     code = EXIT_OK if report.complete else EXIT_PROBLEMS
     if args.json:
         _print_json(dict(report.to_json(), exit_code=code))
@@ -533,6 +567,46 @@ def _recover(args: argparse.Namespace) -> int:
         print("no intact index: the tree, non-tensor values, tied paths and metadata (which live only there) are "
               "lost, tensors are stored under their names, and tensors whose frames came after the cut are unknown")
     return code
+
+
+@contextlib.contextmanager
+def _local_files(args: argparse.Namespace):
+    """convert and recover work on local files: a URL SRC is fetched first, a URL DST uploaded at the end
+    (whole or not at all).  A DCP directory at a URL is read by info, ls and verify, not by these."""
+    from .tools.remote import is_url, local_files
+
+    if (getattr(args, "src_format", None) == "dcp" and is_url(args.src)
+            or getattr(args, "dst_format", None) == "dcp" and is_url(args.dst)):
+        raise UsageError(f"`nvckpt {args.command}` reads and writes DCP directories on a local filesystem; for one in "
+                         "an object store use nvckpt.dcp.Writer / Reader (info, ls and verify read it as it is)")
+    for path in (args.src, args.dst):
+        if is_url(path) and _is_directory(path):
+            raise UsageError(f"{path} is a directory (a prefix holding objects): `nvckpt {args.command}` converts "
+                             "single files at a URL; DCP directories there: nvckpt.dcp.Writer / Reader")
+    with local_files(args.src, args.dst) as paths:
+        yield paths
+
+
+def _reap(args: argparse.Namespace) -> int:
+    from .io.schemes import url_scheme
+
+    if url_scheme(args.url) != "s3":
+        raise UsageError(f"{args.url!r} is not an s3:// URL: open multipart uploads are an S3 thing")
+    from .io.s3 import reap
+
+    uploads = reap(args.url, older_than=args.older_than, dry_run=args.dry_run)
+    if args.json:
+        _print_json({"url": args.url, "aborted": not args.dry_run,
+                     "uploads": [{"key": u["Key"], "upload_id": u["UploadId"], "initiated": u["Initiated"].isoformat()}
+                                 for u in uploads]})
+        return EXIT_OK
+    verb = "open" if args.dry_run else "aborted"
+    for u in uploads:
+        print(f"{verb}  s3://{args.url.split('://', 1)[1].split('/', 1)[0]}/{u['Key']}  upload {u['UploadId']}  "
+              f"started {u['Initiated']:%Y-%m-%d %H:%M:%S %Z}")
+    print(f"{len(uploads)} multipart upload(s) {verb} under {args.url}"
+          + (f" started more than {args.older_than:g} s ago" if args.older_than else ""))
+    return EXIT_OK
 
 
 def _demo(args: argparse.Namespace) -> int:

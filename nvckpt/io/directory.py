@@ -243,6 +243,20 @@ def location(target: str | os.PathLike) -> str:
     return path if url_scheme(path) not in (None, "file") else os.path.abspath(local_path(path))
 
 
+def is_directory(target: Any, storage_options: dict[str, Any] | None = None) -> bool:
+    """``target`` names a directory (a local folder; under a URL, a prefix holding objects) and not a file."""
+    from .schemes import backend_for, local_path
+
+    path = os.fspath(target)
+    if isinstance(path, str) and backend_for(path) is not None:
+        d = open_directory(path, storage_options)
+        try:
+            return not d.is_file() and d.exists()
+        except FileNotFoundError:  # no bucket: what opening it as a file says is the error to give
+            return False
+    return os.path.isdir(local_path(path) if isinstance(path, str) else path)
+
+
 def open_directory(target: Any, storage_options: dict[str, Any] | None = None) -> Directory:
     """The Directory for a path or URL (a Directory is returned as it is)."""
     if isinstance(target, Directory):
@@ -256,4 +270,4 @@ def open_directory(target: Any, storage_options: dict[str, Any] | None = None) -
     return LocalDirectory(local_path(path))
 
 
-__all__ = ["Directory", "Staging", "LocalDirectory", "LocalStaging", "location", "open_directory", "SAVES"]
+__all__ = ["Directory", "Staging", "LocalDirectory", "LocalStaging", "location", "open_directory", "is_directory", "SAVES"]

@@ -242,10 +242,4 @@ def open_directory(url: str, options: dict[str, Any] | None = None) -> PrefixDir
     return PrefixDirectory(FsspecKeys(fs), path, url)
 
 
-def is_directory(url: str, options: dict[str, Any] | None = None) -> bool:
-    fs, path = filesystem(url, options)
-    return fs.isdir(path)
-
-
-__all__ = ["FsspecSource", "FsspecTarget", "FsspecKeys", "open_source", "open_target", "open_directory",
-           "is_directory"]
+__all__ = ["FsspecSource", "FsspecTarget", "FsspecKeys", "open_source", "open_target", "open_directory"]

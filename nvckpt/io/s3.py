@@ -670,11 +670,5 @@ def open_directory(url: str, options: dict[str, Any] | None = None) -> PrefixDir
     return PrefixDirectory(S3Bucket(bucket, S3Options.of(options)), key, url)
 
 
-def is_directory(url: str, options: dict[str, Any] | None = None) -> bool:
-    """``url`` names a checkpoint directory (a prefix with objects under it), not an object."""
-    d = open_directory(url, options)
-    return not d.is_file() and d.exists()
-
-
 __all__ = ["S3Options", "S3Source", "S3Target", "S3Bucket", "open_source", "open_target", "open_directory",
-           "open_uploads", "reap", "split_url", "s3_error", "is_directory"]
+           "open_uploads", "reap", "split_url", "s3_error"]
