@@ -25,6 +25,7 @@ import errno
 import json
 import secrets
 import threading
+import weakref
 from typing import Any, Callable, Protocol
 
 from .source import ByteSource
@@ -88,6 +89,8 @@ class PrefixStaging:
         if create:
             directory.store.put(self.base + _STAGED, b"")
             _live(directory.store.url(self.base), True)
+            # A save that failed and is never discarded: its generation is stale once this object is freed.
+            weakref.finalize(self, _live, directory.store.url(self.base), False)
 
     def _key(self, name: str) -> str:
         if "/" in name or name in ("", ".", "..") or name.startswith(".nvckpt-"):

@@ -164,9 +164,9 @@ def _store_config(opts: S3Options, bucket: str) -> dict[str, Any]:
     endpoint = (opts.endpoint_url or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
                 or files.get("endpoint_url"))
     region = opts.region or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or files.get("region")
-    key_id = opts.access_key_id or (None if env.get("AWS_ACCESS_KEY_ID") else files.get("aws_access_key_id"))
-    secret = opts.secret_access_key or (None if env.get("AWS_ACCESS_KEY_ID") else files.get("aws_secret_access_key"))
-    token = opts.session_token or (None if env.get("AWS_ACCESS_KEY_ID") else files.get("aws_session_token"))
+    key_id = opts.access_key_id or env.get("AWS_ACCESS_KEY_ID") or files.get("aws_access_key_id")
+    secret = opts.secret_access_key or env.get("AWS_SECRET_ACCESS_KEY") or files.get("aws_secret_access_key")
+    token = opts.session_token or env.get("AWS_SESSION_TOKEN") or files.get("aws_session_token")
     if endpoint:
         config["endpoint"] = endpoint
     if region:
@@ -252,7 +252,10 @@ def s3_error(exc: BaseException, url: str, action: str, opts: S3Options | None =
                                f"AWS_PROFILE, storage_options){where}", url)
     lowered = text.lower()
     limit = f"{opts.timeout:g} s" if opts is not None else "the timeout"
-    if "timed out" in lowered or "timeout" in lowered or "deadline" in lowered:
+    took = re.search(r" in ([\d.]+)(s|ms)\b", text)
+    elapsed = (float(took.group(1)) / (1000 if took.group(2) == "ms" else 1)) if took else 0.0
+    stalled = opts is not None and "error sending request" in lowered and elapsed >= 0.9 * opts.timeout
+    if "timed out" in lowered or "timeout" in lowered or "deadline" in lowered or stalled:
         return TimeoutError(errno.ETIMEDOUT, f"{action}: no progress for {limit} (the server is stalled or "
                             f"unreachable; storage option timeout=){where}", url)
     detail = said or status_s or _cause(text)

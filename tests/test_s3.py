@@ -1,0 +1,356 @@
+"""s3:// end to end against a real S3 server (SeaweedFS on loopback) and the fault proxy in front of it:
+save, async_save, load, open, DCP and the CLI on s3:// URLs; requests per open and per tensor; throttling,
+resets, a stalled and a killed server; an object replaced while it is read; one-line errors; open uploads."""
+
+from __future__ import annotations
+
+import errno
+import gc
+import itertools
+import os
+import sys
+import time
+
+import pytest
+import torch
+
+import nvckpt
+from conftest import assert_tree_equal, small_training_state
+
+pytest.importorskip("obstore")
+
+_keys = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def bucket(s3_server):
+    """One bucket for the module (making one costs seconds here); each test writes under its own prefix."""
+    s3_server.start()
+    return s3_server.create_bucket()
+
+
+@pytest.fixture
+def s3(s3_server, bucket, monkeypatch):
+    """(server, a fresh s3:// prefix) with the server's endpoint and credentials in the environment, where
+    boto3 users keep them; the server is running and thawed again after the test."""
+    s3_server.thaw()
+    s3_server.start()
+    for key, value in s3_server.env().items():
+        monkeypatch.setenv(key, value)
+    yield s3_server, f"s3://{bucket}/t{next(_keys)}"
+    s3_server.thaw()
+    s3_server.start()
+
+
+def _state(mb: float = 6.0) -> dict:
+    state = small_training_state()
+    g = torch.Generator().manual_seed(1)
+    state["big"] = torch.randn(int(mb * (1 << 20) / 4), generator=g)
+    state["rows"] = torch.randn(256, 1024, generator=g)
+    return state
+
+
+def _requests_since(proxy, start: int) -> list:
+    return proxy.requests[start:]
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc)
+    assert "\n" not in text, text
+    return text
+
+
+# -- round trips -------------------------------------------------------------------------------
+
+def test_save_load_open_round_trip(s3):
+    server, prefix = s3
+    url = f"{prefix}/step100.nvckpt"
+    state = _state()
+    result = nvckpt.save(state, url, storage_options={"part_size": 5 << 20})  # several parts
+    assert result.path == url
+    assert_tree_equal(nvckpt.load(url), state)
+    with nvckpt.open(url) as ck:
+        assert torch.equal(ck.get_tensor("big"), state["big"])
+        assert torch.equal(ck.get_slice("rows")[10:20], state["rows"][10:20])
+    part = nvckpt.load(url, keys=["rows"])
+    assert list(part) == ["rows"] and torch.equal(part["rows"], state["rows"])
+    future = nvckpt.async_save(state, f"{prefix}/async.nvckpt")
+    future.result(timeout=120)
+    assert_tree_equal(nvckpt.load(f"{prefix}/async.nvckpt"), state)
+    bucket = url.split("/")[2]
+    assert server.open_uploads(bucket, prefix.split("/", 3)[3]) == []
+
+
+def test_storage_options_override_the_environment(s3, monkeypatch):
+    server, prefix = s3
+    url = f"{prefix}/opts.nvckpt"
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens there
+    options = {"endpoint_url": server.endpoint_url, "aws_secret_access_key": server.secret_key}
+    nvckpt.save({"w": torch.arange(10)}, url, storage_options=options)
+    assert torch.equal(nvckpt.load(url, storage_options=options)["w"], torch.arange(10))
+
+
+def test_config_files_give_credentials_and_endpoint(s3, monkeypatch, tmp_path):
+    server, prefix = s3
+    (tmp_path / "credentials").write_text(f"[ckpt]\naws_access_key_id = {server.access_key}\n"
+                                          f"aws_secret_access_key = {server.secret_key}\n")
+    (tmp_path / "config").write_text(f"[profile ckpt]\nregion = {server.region}\nendpoint_url = {server.endpoint_url}\n")
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    monkeypatch.setenv("AWS_PROFILE", "ckpt")
+    url = f"{prefix}/profile.nvckpt"
+    nvckpt.save({"w": torch.ones(4)}, url)
+    assert torch.equal(nvckpt.load(url)["w"], torch.ones(4))
+
+
+def test_open_and_one_tensor_take_at_most_two_requests(s3, fault_proxy):
+    server, prefix = s3
+    url = f"{prefix}/many.nvckpt"
+    state = {f"layer{i}": torch.randn(64, 1024) for i in range(40)}  # 10 MB in 40 tensors, 1 MiB chunks
+    state["big"] = torch.randn(1 << 20)
+    nvckpt.save(state, url, chunk_size=1 << 20)
+    options = {"endpoint_url": fault_proxy.endpoint_url}
+    start = len(fault_proxy.requests)
+    with nvckpt.open(url, storage_options=options) as ck:
+        opened = len(fault_proxy.requests)
+        assert opened - start <= 2, _requests_since(fault_proxy, start)
+        assert torch.equal(ck.get_tensor("layer17"), state["layer17"])
+        assert len(fault_proxy.requests) - opened <= 2
+        before = len(fault_proxy.requests)
+        assert torch.equal(ck.get_tensor("big"), state["big"])  # 4 MiB in four chunks: one ranged GET
+        assert len(fault_proxy.requests) - before <= 2
+        before = len(fault_proxy.requests)
+        assert torch.equal(ck.get_slice("layer3")[5:9], state["layer3"][5:9])
+        assert len(fault_proxy.requests) - before == 1
+    assert all(r.method == "GET" for r in _requests_since(fault_proxy, start))
+
+
+# -- faults ------------------------------------------------------------------------------------
+
+def test_throttling_5xx_and_resets_are_retried(s3, fault_proxy):
+    server, prefix = s3
+    url = f"{prefix}/retried.nvckpt"
+    state = _state(12)
+    options = {"endpoint_url": fault_proxy.endpoint_url, "part_size": 5 << 20, "timeout": 20}
+    throttled = fault_proxy.fail(503, "SlowDown", times=2, method="PUT", target="partNumber=")
+    failed = fault_proxy.fail(500, "InternalError", times=1, method="POST")
+    nvckpt.save(state, url, storage_options=options)
+    reset = fault_proxy.reset(during="response", after_bytes=256 << 10, method="GET", times=2)
+    slow = fault_proxy.fail(503, "SlowDown", times=2, method="GET")
+    assert_tree_equal(nvckpt.load(url, storage_options=options), state)
+    assert throttled.fired == 2 and failed.fired == 1 and reset.fired == 2 and slow.fired == 2
+
+
+def test_a_server_killed_mid_save_fails_in_bounded_time_and_publishes_nothing(s3, fault_proxy):
+    from nvckpt.cli import main
+
+    server, prefix = s3
+    url = f"{prefix}/killed.nvckpt"
+    old = {"w": torch.arange(1000)}
+    nvckpt.save(old, url)
+    options = {"endpoint_url": fault_proxy.endpoint_url, "part_size": 5 << 20, "timeout": 4}
+    fault_proxy.kill_server(during="request", after_bytes=2 << 20, target="partNumber=", skip=1)
+    began = time.monotonic()
+    with pytest.raises(OSError) as caught:
+        nvckpt.save(_state(16), url, storage_options=options)
+    took = time.monotonic() - began
+    assert took < 60, took
+    message = _one_line(caught.value)
+    assert url in message
+    server.start()
+    assert_tree_equal(nvckpt.load(url), old)  # the previous object, as it was
+    bucket, key = url[5:].split("/", 1)
+    left = server.open_uploads(bucket, key)  # the dead server could not be told to abort
+    with pytest.warns(nvckpt.errors.LeftoverTemporaryWarning, match="nvckpt reap"):
+        nvckpt.save(old, url)  # the next save to the key reports them
+    assert main(["reap", url, "--dry-run"]) == 0
+    assert len(server.open_uploads(bucket, key)) == len(left)
+    assert main(["reap", url]) == 0
+    assert server.open_uploads(bucket, key) == []
+
+
+def test_a_failed_save_aborts_its_upload(s3, fault_proxy):
+    server, prefix = s3
+    url = f"{prefix}/refused.nvckpt"
+    options = {"endpoint_url": fault_proxy.endpoint_url, "part_size": 5 << 20}
+    fault_proxy.fail(400, "InvalidArgument", message="refused by the test", times=None, method="PUT",
+                     target="partNumber=", skip=1)
+    with pytest.raises(OSError, match="InvalidArgument") as caught:
+        nvckpt.save(_state(16), url, storage_options=options)
+    assert url in _one_line(caught.value)
+    fault_proxy.clear()
+    bucket, key = url[5:].split("/", 1)
+    assert server.open_uploads(bucket, key) == [] and server.keys(bucket, key) == []
+
+
+@pytest.mark.parametrize("method", ["GET", "PUT"])
+def test_a_stalled_server_times_out_naming_the_url(s3, fault_proxy, method):
+    server, prefix = s3
+    url = f"{prefix}/stalled.nvckpt"
+    state = _state(12)
+    if method == "GET":
+        nvckpt.save(state, url)
+    options = {"endpoint_url": fault_proxy.endpoint_url, "part_size": 5 << 20, "timeout": 2}
+    fault_proxy.stall(method=method, during="request" if method == "PUT" else "response",
+                      after_bytes=1 << 20 if method == "PUT" else 0)
+    began = time.monotonic()
+    with pytest.raises(OSError) as caught:
+        if method == "GET":
+            nvckpt.load(url, storage_options=options)
+        else:
+            nvckpt.save(state, url, storage_options=options)
+    assert time.monotonic() - began < 30
+    message = _one_line(caught.value)
+    assert url in message and ("no progress" in message or "timed out" in message.lower()), message
+    fault_proxy.clear()
+
+
+def test_an_object_replaced_while_read_gives_old_bytes_or_a_named_error(s3):
+    server, prefix = s3
+    url = f"{prefix}/replaced.nvckpt"
+    old, new = _state(4), _state(4)
+    new["big"] = new["big"] + 1
+    nvckpt.save(old, url)
+    with nvckpt.open(url) as ck:
+        nvckpt.save(new, url)
+        try:
+            got = ck.get_tensor("big")
+        except OSError as exc:
+            assert exc.errno == errno.ESTALE and url in _one_line(exc) and "replaced" in str(exc)
+        else:
+            assert torch.equal(got, old["big"])
+    assert torch.equal(nvckpt.load(url)["big"], new["big"])
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+def test_wrong_credentials_missing_bucket_and_key_are_one_line_errors(s3, monkeypatch):
+    server, prefix = s3
+    bucket = prefix.split("/")[2]
+    url = f"{prefix}/x.nvckpt"
+    nvckpt.save({"w": torch.ones(3)}, url)
+    with pytest.raises(PermissionError) as caught:
+        nvckpt.load(url, storage_options={"secret_access_key": "wrong"})
+    message = _one_line(caught.value)
+    assert url in message and ("SignatureDoesNotMatch" in message or "AccessDenied" in message)
+    assert f"bucket {bucket!r}" in message and "key 't" in message
+
+    with pytest.raises(FileNotFoundError) as caught:
+        nvckpt.load(f"{prefix}/missing.nvckpt")
+    assert "NoSuchKey" in _one_line(caught.value)
+
+    missing = "nvckpt-no-such-bucket"
+    with pytest.raises(FileNotFoundError) as caught:
+        nvckpt.save({"w": torch.ones(3)}, f"s3://{missing}/x.nvckpt")
+    message = _one_line(caught.value)
+    assert "NoSuchBucket" in message and f"bucket {missing!r}" in message
+    assert missing not in [b["Name"] for b in server.client().list_buckets()["Buckets"]]  # never created
+
+    with pytest.raises(ValueError, match="not an S3 bucket name"):
+        nvckpt.load("s3://A_B/x")
+    with pytest.raises(ValueError, match="storage option 'colour'"):
+        nvckpt.load(url, storage_options={"colour": "blue"})
+
+
+def test_without_obstore_a_one_line_error_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "obstore", None)
+    monkeypatch.delitem(sys.modules, "nvckpt.io.s3", raising=False)
+    with pytest.raises(ValueError, match=r"pip install 'nvckpt\[s3\]'") as caught:
+        nvckpt.load("s3://bucket/x.nvckpt")
+    _one_line(caught.value)
+
+
+# -- DCP and the CLI -------------------------------------------------------------------------
+
+_SINGLE_PROCESS = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+@_SINGLE_PROCESS
+def test_dcp_directory_published_by_its_commit_object(s3, capsys):
+    import torch.distributed.checkpoint as dcp
+
+    import nvckpt.dcp
+    from nvckpt.cli import main
+    from nvckpt.io.directory import open_directory
+    from nvckpt.sharded.transaction import DirectorySave
+
+    server, prefix = s3
+    url = f"{prefix}/step100"
+    state = {"model": {"w": torch.randn(300, 40), "b": torch.arange(7)}, "step": 3}
+    dcp.save(state, storage_writer=nvckpt.dcp.Writer(url))
+    target = {"model": {"w": torch.zeros(300, 40), "b": torch.zeros(7, dtype=torch.int64)}, "step": 0}
+    dcp.load(target, storage_reader=nvckpt.dcp.Reader(url))
+    assert torch.equal(target["model"]["w"], state["model"]["w"]) and target["step"] == 3
+
+    # a save killed before its commit (ranks wrote, the coordinator never published): the old one stays
+    save = DirectorySave(open_directory(url))
+    token = save.begin()
+    save.write_rank(token, "__0.nvckpt", {"model": {"w": torch.ones(300, 40)}}, nvckpt.options.SaveOptions())
+    del save  # the coordinator is gone: what it staged is stale
+    gc.collect()
+    again = {"model": {"w": torch.zeros(300, 40), "b": torch.zeros(7, dtype=torch.int64)}, "step": 0}
+    dcp.load(again, storage_reader=nvckpt.dcp.Reader(url))
+    assert torch.equal(again["model"]["w"], state["model"]["w"])
+
+    # the next save removes what the killed one left, and replaces the checkpoint whole
+    state["model"]["w"] += 1
+    dcp.save(state, storage_writer=nvckpt.dcp.Writer(url))
+    dcp.load(again, storage_reader=nvckpt.dcp.Reader(url))
+    assert torch.equal(again["model"]["w"], state["model"]["w"])
+    bucket, key = url[5:].split("/", 1)
+    generations = {k.split("/")[3] for k in server.keys(bucket, key + "/.nvckpt-generations/")}
+    assert len(generations) == 1  # the previous one and the abandoned one are gone
+
+    for command in ("info", "ls", "verify"):
+        assert main([command, url]) == 0, command
+    assert "OK" in capsys.readouterr().out
+
+
+def test_cli_on_s3_files(s3, tmp_path, capsys):
+    from nvckpt.cli import main
+
+    server, prefix = s3
+    url = f"{prefix}/cli.nvckpt"
+    state = small_training_state()
+    nvckpt.save(state, url)
+    assert main(["info", url]) == 0 and main(["ls", url]) == 0 and main(["verify", url]) == 0
+    assert main(["convert", url, f"{prefix}/cli.pt"]) == 0
+    assert main(["convert", f"{prefix}/cli.pt", str(tmp_path / "back.nvckpt")]) == 0
+    assert_tree_equal(nvckpt.load(tmp_path / "back.nvckpt"), state)
+    assert main(["convert", url, f"{prefix}/cli.pt"]) == 2  # an existing object: only with --force
+    assert main(["recover", url, f"{prefix}/recovered.nvckpt"]) == 0
+    assert_tree_equal(nvckpt.load(f"{prefix}/recovered.nvckpt"), state)
+    capsys.readouterr()
+    assert main(["info", f"{prefix}/nothing.nvckpt"]) == 4
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "NoSuchKey" in err and f"{prefix}/nothing.nvckpt" in err
+
+
+# -- other URLs through fsspec ---------------------------------------------------------------
+
+@_SINGLE_PROCESS
+def test_memory_urls_through_fsspec():
+    import fsspec
+    import torch.distributed.checkpoint as dcp
+
+    import nvckpt.dcp
+
+    root = f"memory://nvckpt-{os.getpid()}-{next(_keys)}"
+    try:
+        state = _state(2)
+        nvckpt.save(state, f"{root}/a.nvckpt")
+        assert_tree_equal(nvckpt.load(f"{root}/a.nvckpt"), state)
+        with nvckpt.open(f"{root}/a.nvckpt") as ck:
+            assert torch.equal(ck.get_slice("rows")[3:5], state["rows"][3:5])
+        dstate = {"w": torch.randn(50, 8)}
+        dcp.save(dstate, storage_writer=nvckpt.dcp.Writer(f"{root}/dcp"))
+        target = {"w": torch.zeros(50, 8)}
+        dcp.load(target, storage_reader=nvckpt.dcp.Reader(f"{root}/dcp"))
+        assert torch.equal(target["w"], dstate["w"])
+    finally:
+        fs = fsspec.filesystem("memory")
+        if fs.exists(root):
+            fs.rm(root, recursive=True)
