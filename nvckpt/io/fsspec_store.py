@@ -218,8 +218,8 @@ class FsspecKeys:
             except FileNotFoundError:
                 pass
 
-    def source(self, key: str, etag: str | None = None, size: int | None = None) -> FsspecSource:
-        return FsspecSource(self.fs, key)
+    def source(self, key: str, name: str, etag: str | None = None) -> FsspecSource:
+        return FsspecSource(self.fs, key, name)
 
     def target(self, key: str, name: str) -> FsspecTarget:
         return FsspecTarget(self.fs, key, name)

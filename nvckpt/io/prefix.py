@@ -67,7 +67,9 @@ class KeyStore(Protocol):
         """Delete the objects (missing ones are no error)."""
         ...
 
-    def source(self, key: str, etag: str | None = None, size: int | None = None) -> ByteSource: ...
+    def source(self, key: str, name: str, etag: str | None = None) -> ByteSource:
+        """The object ``key`` (pinned to ``etag`` where the store can), named ``name`` in errors."""
+        ...
 
     def target(self, key: str, name: str) -> Target:
         """An atomic Target writing the object ``key``; its errors name ``name``."""
@@ -237,7 +239,7 @@ class PrefixDirectory:
         key, size, etag = self._file(name)
         if size is None:
             raise FileNotFoundError(errno.ENOENT, "No such file or directory", self.join(name))
-        return self.store.source(key, etag, size)
+        return self.store.source(key, self.join(name), etag)
 
     def check_replaceable(self, own: Callable[[str], bool], overwrite: bool) -> None:
         if self.is_file():

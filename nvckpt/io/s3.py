@@ -341,8 +341,8 @@ class S3Bucket:
             with _translated(self.url(keys[i]), "DELETE", self.opts):
                 obstore.delete(self.store, keys[i: i + 1000])
 
-    def source(self, key: str, etag: str | None = None, size: int | None = None) -> "S3Source":
-        return S3Source(self.url(key), self.opts, etag=etag)
+    def source(self, key: str, name: str, etag: str | None = None) -> "S3Source":
+        return S3Source(self.url(key), self.opts, etag=etag, name=name)
 
     def target(self, key: str, name: str) -> "S3Target":
         return S3Target(self.url(key), self.opts, name=name)
@@ -379,9 +379,10 @@ class S3Source(_Counted):
     exact_size = True
     coalescing = S3_COALESCING
 
-    def __init__(self, url: str, opts: S3Options | None = None, *, etag: str | None = None) -> None:
+    def __init__(self, url: str, opts: S3Options | None = None, *, etag: str | None = None,
+                 name: str | None = None) -> None:
         super().__init__()
-        self.name = url
+        self.name = name or url  # a DCP rank file: named as published, not by its generation's key
         self.opts = opts or S3Options()
         bucket, self.key = split_url(url)
         if not self.key or self.key.endswith("/"):

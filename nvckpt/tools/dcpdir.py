@@ -132,11 +132,10 @@ def verify_directory(path: str | os.PathLike, *, progress: ProgressFactory | Non
     for fqn, (file, tensor) in m.objects.items():
         wanted.setdefault(file, []).append((fqn, tensor, None, "uint8"))
     for name in m.files:
-        where = m.store.join(name)
         if m.store.size(name) is None:
             continue
         try:
-            one = verify(where, progress=progress, workers=workers)
+            one = verify(m.store.open_source(name), progress=progress, workers=workers)
         except NvckptError as exc:
             report.problems.append(Problem(f"{name}: {exc.reason}", exc.tensor, exc.chunk, exc.offset))
             continue
@@ -144,7 +143,7 @@ def verify_directory(path: str | os.PathLike, *, progress: ProgressFactory | Non
             setattr(report, field, getattr(report, field) + getattr(one, field))
         report.problems.extend(Problem(f"{name}: {p.message}", p.tensor, p.chunk, p.offset) for p in one.problems)
         report.undecoded.extend(Problem(f"{name}: {p.message}", p.tensor, p.chunk, p.offset) for p in one.undecoded)
-        with closing(ChunkReader(where, workers=1)) as f:
+        with closing(ChunkReader(m.store.open_source(name), workers=1)) as f:
             foreign = foreign_rank_file(f.index.metadata, save_id, name)
             if foreign:
                 report.problems.append(Problem(foreign))
