@@ -36,8 +36,8 @@ tensors).  Repetitions are interleaved (every client once per repetition).  Seaw
 same cores and bounds every PUT here: compare rows with each other, not with a real S3.
 Writes bench_s3.json and bench_s3.md.
 
-Later rows (nvckpt's own object-storage backend) slot in as further entries of ``PEERS`` and
-``RAW_CLIENTS``.
+nvckpt's own rows are the peers ``nvckpt`` (save, load, open + get_tensor of one file) and ``nvckpt_dcp``
+(nvckpt.dcp.Writer / Reader); ``--merge`` puts the rows of a partial run into the committed results.
 """
 
 from __future__ import annotations
@@ -630,8 +630,68 @@ class SafetensorsBoto3(Peer):
         return torch.frombuffer(bytearray(data), dtype=dtype).reshape(info["shape"])
 
 
+class NvckptPeer(Peer):
+    name = "nvckpt.save / load / open (s3://, obstore)"
+    key = "nvckpt"
+
+    def url(self, bucket: str, prefix: str) -> str:
+        return f"s3://{bucket}/{prefix}/ckpt.nvckpt"
+
+    def options(self) -> dict[str, Any]:
+        return {"endpoint_url": self.endpoint}  # the rest (credentials, region) from the environment
+
+    def save(self, state, bucket, prefix):
+        import nvckpt
+
+        nvckpt.save(state, self.url(bucket, prefix), storage_options=self.options())
+
+    def load(self, bucket, prefix, like):
+        import nvckpt
+
+        return nvckpt.load(self.url(bucket, prefix), storage_options=self.options())
+
+    def read_tensor(self, bucket, prefix, path, like):
+        """open (one suffix GET for the footer and index, one for the preamble), then the tensor's chunks."""
+        import nvckpt
+
+        with nvckpt.open(self.url(bucket, prefix), storage_options=self.options()) as ck:
+            return ck.get_tensor(path)
+
+
+class NvckptDcpPeer(NvckptPeer):
+    name = "nvckpt.dcp.Writer / Reader (s3://)"
+    key = "nvckpt_dcp"
+
+    def save(self, state, bucket, prefix):
+        import torch.distributed.checkpoint as dcp
+
+        import nvckpt.dcp
+
+        dcp.save(dcp_state(state), storage_writer=nvckpt.dcp.Writer(f"s3://{bucket}/{prefix}",
+                                                                     storage_options=self.options()))
+
+    def load(self, bucket, prefix, like):
+        import torch.distributed.checkpoint as dcp
+
+        import nvckpt.dcp
+
+        target = empty_like_tree(dcp_state(like))
+        dcp.load(target, storage_reader=nvckpt.dcp.Reader(f"s3://{bucket}/{prefix}", storage_options=self.options()))
+        return target
+
+    def read_tensor(self, bucket, prefix, path, like):
+        import torch.distributed.checkpoint as dcp
+
+        import nvckpt.dcp
+
+        group, name = path.split("/", 1)
+        target = {group: {name: empty_like_tree(like[group][name])}}
+        dcp.load(target, storage_reader=nvckpt.dcp.Reader(f"s3://{bucket}/{prefix}", storage_options=self.options()))
+        return target[group][name]
+
+
 PEERS: dict[str, type[Peer]] = {p.key: p for p in (TorchSaveBoto3, S3CheckpointPeer, DcpS3Peer, DcpFsspecPeer,
-                                                    SafetensorsBoto3)}
+                                                    SafetensorsBoto3, NvckptPeer, NvckptDcpPeer)}
 
 
 # -- the data -------------------------------------------------------------------------------------------
@@ -745,7 +805,8 @@ def peer_op(spec: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
         row = m.row(raw)
         row["peak_rss_beyond_result_MB"] = round(m.peak_mb - raw / MiB, 1)
         got_t, _ = flatten(got)
-        want = tensors if spec["peer"] in ("torch_boto3", "s3checkpoint", "safetensors_boto3") else flatten(dcp_state(state))[0]
+        want = (tensors if spec["peer"] in ("torch_boto3", "s3checkpoint", "safetensors_boto3", "nvckpt")
+                else flatten(dcp_state(state))[0])
         assert_same_tensors(got_t, want)
         return row
     if op == "tensor":
@@ -1099,6 +1160,21 @@ def markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def merged(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """The earlier results with this run's rows put in (raw clients and peers by name, other parts whole)."""
+    out = dict(old)
+    for part in ("raw", "peers", "tensor_floor", "faults"):
+        if part in new:
+            out[part] = {**old.get(part, {}), **new[part]}
+    rows = sorted(f"{part} {name}" for part in ("raw", "peers") for name in new.get(part, {}))
+    note = (f"rows {', '.join(rows)} from the run of {new['date']} (`{new['command']}`, load average "
+            f"{new.get('load_average')}); the others from the run of {old['date']}")
+    out["notes"] = [n for n in old.get("notes", []) if not n.startswith("rows ")] + [note]
+    out["runs"] = old.get("runs", [{"date": old["date"], "command": old["command"]}]) + [
+        {"date": new["date"], "command": new["command"], "load_average": new.get("load_average")}]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -1112,6 +1188,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stall-cap", type=float, default=200.0)
     ap.add_argument("--work", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "nvckpt-bench-s3"))
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+    ap.add_argument("--merge", action="store_true",
+                    help="update the rows this run measures in the results already there (the others are kept, "
+                         "and a note says which rows came from which run)")
     args = ap.parse_args(argv)
     if args.worker:
         result = worker(json.loads(args.worker))
@@ -1152,7 +1231,10 @@ def main(argv: list[str] | None = None) -> int:
             doc["faults"] = run_faults(server, file, args.stall_cap, args.fault_clients.split(","), only_stalls=True,
                                        stall_timeouts=(20.0,))
         doc["run_seconds"] = round(time.time() - t0)
+    doc["load_average"] = [round(x, 2) for x in os.getloadavg()]
     os.makedirs(args.out, exist_ok=True)
+    if args.merge and os.path.exists(os.path.join(args.out, "bench_s3.json")):
+        doc = merged(json.load(open(os.path.join(args.out, "bench_s3.json"))), doc)
     with open(os.path.join(args.out, "bench_s3.json"), "w") as f:
         json.dump(doc, f, indent=1)
     with open(os.path.join(args.out, "bench_s3.md"), "w") as f:
