@@ -102,10 +102,6 @@ class FsspecSource(_Counted):
             self.count(length)
             return data
 
-    def read_into(self, offset: int, buf: Any) -> None:
-        view = memoryview(buf).cast("B")
-        view[:] = self.read(offset, view.nbytes)
-
     def close(self) -> None:
         with self._state:
             self._drain()

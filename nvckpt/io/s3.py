@@ -279,9 +279,12 @@ def _cause(text: str) -> str:
 
 
 def _is_store_error(exc: BaseException) -> bool:
-    module = type(exc).__module__ or ""
-    return module.startswith(("obstore", "builtins")) and isinstance(exc, Exception) and (
-        module.startswith("obstore") or "Error performing" in str(exc) or isinstance(exc, (TimeoutError, ConnectionError)))
+    """An error obstore raised (its own classes, or builtin ones such as FileNotFoundError with its request
+    text), not one nvckpt raised itself."""
+    if (type(exc).__module__ or "").startswith("obstore"):
+        return True
+    return isinstance(exc, OSError) and getattr(exc, "filename", None) is None and (
+        "Error performing" in str(exc) or "S3 error" in str(exc) or isinstance(exc, TimeoutError))
 
 
 @contextlib.contextmanager

@@ -127,6 +127,11 @@ class _Counted:
     def closed(self) -> bool:  # pragma: no cover - every source defines it
         raise NotImplementedError
 
+    def read_into(self, offset: int, buf: Any) -> None:
+        """``read`` copied into ``buf`` (a source that cannot read into a caller's buffer)."""
+        view = memoryview(buf).cast("B")
+        view[:] = self.read(offset, view.nbytes)  # type: ignore[attr-defined]
+
     def range_reads(self, direct: bool) -> RangeReads:
         """Reads into caller buffers through ``read_into`` (a source without a faster way)."""
         return BufferedReads(self)  # type: ignore[arg-type]
@@ -326,10 +331,6 @@ class FileObjectSource(_Counted):
                 raise TruncatedError(f"file ended while reading {length} bytes", path=self.name, offset=offset)
             self.count(length)
             return data
-
-    def read_into(self, offset: int, buf: Any) -> None:
-        view = memoryview(buf).cast("B")
-        view[:] = self.read(offset, view.nbytes)
 
     def close(self) -> None:
         with self._state:
