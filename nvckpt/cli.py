@@ -9,6 +9,7 @@ an unexpected exception (a bug) keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os

@@ -22,6 +22,7 @@ def shared_bucket(s3_server):
     return s3_server.create_bucket(), s3_server.client()
 
 
+@pytest.mark.slow  # a real S3 server: its start takes seconds on 2 shared cores
 class _OnS3:
     @pytest.fixture(autouse=True)
     def _bucket(self, s3_server, shared_bucket, monkeypatch):

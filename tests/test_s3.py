@@ -62,6 +62,7 @@ def _one_line(exc: BaseException) -> str:
 
 # -- round trips -------------------------------------------------------------------------------
 
+@pytest.mark.slow  # a real S3 server: seconds on 2 shared cores
 def test_save_load_open_round_trip(s3):
     server, prefix = s3
     url = f"{prefix}/step100.nvckpt"
@@ -81,6 +82,7 @@ def test_save_load_open_round_trip(s3):
     assert server.open_uploads(bucket, prefix.split("/", 3)[3]) == []
 
 
+@pytest.mark.slow  # a real S3 server: seconds on 2 shared cores
 def test_storage_options_override_the_environment(s3, monkeypatch):
     server, prefix = s3
     url = f"{prefix}/opts.nvckpt"
@@ -91,6 +93,7 @@ def test_storage_options_override_the_environment(s3, monkeypatch):
     assert torch.equal(nvckpt.load(url, storage_options=options)["w"], torch.arange(10))
 
 
+@pytest.mark.slow  # a real S3 server: seconds on 2 shared cores
 def test_config_files_give_credentials_and_endpoint(s3, monkeypatch, tmp_path):
     server, prefix = s3
     (tmp_path / "credentials").write_text(f"[ckpt]\naws_access_key_id = {server.access_key}\n"
@@ -106,6 +109,7 @@ def test_config_files_give_credentials_and_endpoint(s3, monkeypatch, tmp_path):
     assert torch.equal(nvckpt.load(url)["w"], torch.ones(4))
 
 
+@pytest.mark.slow  # a real S3 server: seconds on 2 shared cores
 def test_open_and_one_tensor_take_at_most_two_requests(s3, fault_proxy):
     server, prefix = s3
     url = f"{prefix}/many.nvckpt"
@@ -130,6 +134,7 @@ def test_open_and_one_tensor_take_at_most_two_requests(s3, fault_proxy):
 
 # -- faults ------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # a real S3 server: seconds on 2 shared cores
 def test_throttling_5xx_and_resets_are_retried(s3, fault_proxy):
     server, prefix = s3
     url = f"{prefix}/retried.nvckpt"
@@ -144,6 +149,7 @@ def test_throttling_5xx_and_resets_are_retried(s3, fault_proxy):
     assert throttled.fired == 2 and failed.fired == 1 and reset.fired == 2 and slow.fired == 2
 
 
+@pytest.mark.slow  # a real S3 server: seconds on 2 shared cores
 def test_a_server_killed_mid_save_fails_in_bounded_time_and_publishes_nothing(s3, fault_proxy):
     from nvckpt.cli import main
 
@@ -172,6 +178,7 @@ def test_a_server_killed_mid_save_fails_in_bounded_time_and_publishes_nothing(s3
     assert server.open_uploads(bucket, key) == []
 
 
+@pytest.mark.slow  # a real S3 server: seconds on 2 shared cores
 def test_a_failed_save_aborts_its_upload(s3, fault_proxy):
     server, prefix = s3
     url = f"{prefix}/refused.nvckpt"
@@ -186,6 +193,7 @@ def test_a_failed_save_aborts_its_upload(s3, fault_proxy):
     assert server.open_uploads(bucket, key) == [] and server.keys(bucket, key) == []
 
 
+@pytest.mark.slow  # a real S3 server: seconds on 2 shared cores
 @pytest.mark.parametrize("method", ["GET", "PUT"])
 def test_a_stalled_server_times_out_naming_the_url(s3, fault_proxy, method):
     server, prefix = s3
@@ -208,6 +216,7 @@ def test_a_stalled_server_times_out_naming_the_url(s3, fault_proxy, method):
     fault_proxy.clear()
 
 
+@pytest.mark.slow  # a real S3 server: seconds on 2 shared cores
 def test_an_object_replaced_while_read_gives_old_bytes_or_a_named_error(s3):
     server, prefix = s3
     url = f"{prefix}/replaced.nvckpt"
@@ -227,6 +236,7 @@ def test_an_object_replaced_while_read_gives_old_bytes_or_a_named_error(s3):
 
 # -- errors ------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # a real S3 server: seconds on 2 shared cores
 def test_wrong_credentials_missing_bucket_and_key_are_one_line_errors(s3, monkeypatch):
     server, prefix = s3
     bucket = prefix.split("/")[2]
@@ -268,6 +278,7 @@ def test_without_obstore_a_one_line_error_says_what_to_install(monkeypatch):
 _SINGLE_PROCESS = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 
+@pytest.mark.slow  # a real S3 server: seconds on 2 shared cores
 @_SINGLE_PROCESS
 def test_dcp_directory_published_by_its_commit_object(s3, capsys):
     import torch.distributed.checkpoint as dcp
@@ -309,6 +320,7 @@ def test_dcp_directory_published_by_its_commit_object(s3, capsys):
     assert "OK" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # a real S3 server: seconds on 2 shared cores
 def test_cli_on_s3_files(s3, tmp_path, capsys):
     from nvckpt.cli import main
 
