@@ -21,6 +21,15 @@ seconds with nvckpt's stager, with DCP's default stager (thread mode), and
 FileSystemWriter in process mode; the disk's buffered write+fsync and cold
 read bandwidth.  Writes bench_dcp.json and bench_dcp.md to OUT_DIR.
 ``--smoke``: a small model and few steps on any device (runs on a CPU in CI).
+
+``--parts reshard`` (or ``all``): resharded loads.  The state saved by ``--ranks`` ranks (Shard(0)) is loaded
+at each world size of ``--load-worlds`` into every placement users meet: Shard(0) (FSDP2: world size up or
+down moves row boundaries), Shard(1) (tensor parallel: a column strip of every stored row shard), Replicate
+(every rank the whole state) and, at world size 4, a 2-D mesh (2 x 2: rows over one dim, columns over the
+other).  Each load is timed ``--reps`` times, nvckpt.dcp.Reader and FileSystemReader interleaved, into
+the same target tensors (fresh DTensors, every local piece checked bit for bit), from the page cache (the
+rank files are read once before); per rank, the bytes its read calls returned (``/proc/self/io`` rchar) and
+the bytes it needs (its local pieces' raw bytes).  The median and the slowest rank's seconds are reported.
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GB = 1e9
 STATES = 4096
 METHODS = ("nvckpt", "fs", "fs+zstd")
+RESHARD_METHODS = ("nvckpt", "fs")
 
 
 # -- helpers -------------------------------------------------------------------------------------
@@ -317,6 +327,234 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, store: str, resul
     dist.destroy_process_group()
 
 
+# -- resharded loads ------------------------------------------------------------------------------
+def placements_at(world: int) -> list[tuple[str, tuple[int, ...], Any]]:
+    """(label, mesh shape, placements of a 2-D tensor) users meet at ``world`` ranks; vectors follow the rows."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    out = [("Shard(0)", (world,), (Shard(0),)), ("Shard(1)", (world,), (Shard(1),)),
+           ("Replicate", (world,), (Replicate(),))]
+    if world == 4:
+        out.append(("2-D (Shard(0), Shard(1))", (2, 2), (Shard(0), Shard(1))))
+    return out
+
+
+def io_read_bytes() -> int:
+    """Bytes this process's read calls returned so far (page cache or disk: what the reader asked for)."""
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
+def reshard_main(rank: int, world: int, args: argparse.Namespace, store: str, results: str) -> None:
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    full = torch.load(os.path.join(args.workdir, "reference.pt"), weights_only=True)
+    flat = {f"model/{n}": t for n, t in full["model"].items()}
+    flat.update({f"optim/{k}/{n}": t for k, g in full["optim"].items() for n, t in g.items()})
+    out: dict[str, Any] = {"rank": rank, "world": world, "loads": {}}
+
+    def target(mesh: Any, placements: tuple) -> tuple[dict, dict, int]:
+        pieces, want, need = {}, {}, 0
+        for name, t in flat.items():
+            pl = placements if t.dim() >= len(placements) and all(
+                not isinstance(p, Shard) or p.dim < t.dim() for p in placements) else tuple(
+                Shard(0) if isinstance(p, Shard) else Replicate() for p in placements)
+            if t.dim() == 1:  # vectors (biases, norms): row sharded where the matrices are, else replicated
+                pl = tuple(Shard(0) if isinstance(p, Shard) and p.dim == 0 else Replicate() for p in placements)
+            shape, offset = compute_local_shape_and_global_offset(t.shape, mesh, pl)
+            local = torch.full(shape, 7.0, dtype=t.dtype)
+            pieces[name] = DTensor.from_local(local, mesh, pl, run_check=False, shape=t.shape, stride=t.stride())
+            box = t
+            for d, (o, n) in enumerate(zip(offset, shape)):
+                box = box.narrow(d, o, n)
+            want[name] = box
+            need += local.numel() * local.element_size()
+        state = {"model": {}, "optim": {k: {} for k in full["optim"]}, "step": 0}
+        for name, dt in pieces.items():
+            parts = name.split("/")
+            if parts[0] == "model":
+                state["model"][parts[1]] = dt
+            else:
+                state["optim"][parts[1]][parts[2]] = dt
+        return state, want, need
+
+    def exact(state: dict, want: dict) -> bool:
+        got = {f"model/{n}": t for n, t in state["model"].items()}
+        got.update({f"optim/{k}/{n}": t for k, g in state["optim"].items() for n, t in g.items()})
+        return state["step"] == args.steps and all(
+            torch.equal(got[n].to_local().contiguous().view(torch.uint8), w.contiguous().view(torch.uint8))
+            for n, w in want.items())
+
+    for label, shape, placements in placements_at(world):
+        mesh = init_device_mesh("cpu", shape)
+        for method in RESHARD_METHODS:
+            path = os.path.join(args.workdir, f"ck-{method}")
+            times, reads = [], []
+            ok = True
+            for rep in range(args.reps + 1):  # the first warms the page cache and DCP's code: not counted
+                state, want, need = target(mesh, placements)
+                dist.barrier()
+                before = io_read_bytes()
+                t0 = time.perf_counter()
+                dcp.load(state, storage_reader=reader_for(method, path))
+                dist.barrier()
+                elapsed = time.perf_counter() - t0
+                if rep:
+                    times.append(elapsed)
+                    reads.append(io_read_bytes() - before)
+                ok = ok and exact(state, want)
+                del state, want
+            out["loads"][f"{label}|{method}"] = {"s": times, "read_bytes": reads, "need_bytes": need, "exact": ok}
+            dist.barrier()
+    with open(os.path.join(results, f"reshard{world}_rank{rank}.json"), "w") as f:
+        json.dump(out, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def spawn(fn: Any, world: int, args: argparse.Namespace, results: str, errors: dict, tag: str) -> None:
+    store = os.path.join(args.workdir, f"store-{tag}")
+    ctx = mp.start_processes(fn, args=(world, args, store, results), nprocs=world, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + args.timeout
+    try:
+        while not ctx.join(timeout=5):
+            if time.monotonic() > deadline:
+                errors[tag] = f"the ranks did not finish in {args.timeout} s: killed"
+                break
+    except Exception as exc:  # a rank died: report what the others wrote
+        errors[tag] = "".join(traceback.format_exception_only(type(exc), exc)).strip()[:4000]
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+
+
+def save_for_reshard(args: argparse.Namespace) -> dict[str, Any]:
+    """The training state saved by ``args.ranks`` ranks (Shard(0)) with each reader's writer, and the full
+    tensors as the reference every load is checked against; returns the bytes on disk."""
+    results = os.path.join(args.workdir, "results")
+    errors: dict[str, str] = {}
+    spawn(save_main, args.ranks, args, results, errors, "save")
+    if errors:
+        raise RuntimeError(f"the save for the resharded loads failed: {errors}")
+    return {m: dir_bytes(os.path.join(args.workdir, f"ck-{m}")) for m in RESHARD_METHODS}
+
+
+def save_main(rank: int, world: int, args: argparse.Namespace, store: str, results: str) -> None:
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import DeviceMesh
+
+    mesh = DeviceMesh("cpu", list(range(world)))
+    weights, moments, _ = train_state(args, torch.device("cpu"))
+    if rank == 0:
+        torch.save({"model": weights, "optim": moments}, os.path.join(args.workdir, "reference.pt"))
+    state = shard_state(weights, moments, mesh, rank, world, args.steps)
+    for method in RESHARD_METHODS:
+        dcp.save(state, storage_writer=writer_for(method, os.path.join(args.workdir, f"ck-{method}")))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def reshard_table(loads: dict[int, list[dict]], saved_world: int) -> list[dict[str, Any]]:
+    """One row per (world size, placement, method): median over reps of the slowest rank, bytes per rank."""
+    import statistics
+
+    rows = []
+    for world, ranks in sorted(loads.items()):
+        for key in ranks[0]["loads"]:
+            label, method = key.split("|")
+            per = [r["loads"][key] for r in ranks]
+            slowest = [max(p["s"][i] for p in per) for i in range(len(per[0]["s"]))]
+            rows.append({"world": world, "from": saved_world, "placement": label, "method": method,
+                         "median_s": round(statistics.median(slowest), 4),
+                         "min_s": round(min(slowest), 4),
+                         "read_MB_per_rank": [round(statistics.median(p["read_bytes"]) / 1e6, 1) for p in per],
+                         "need_MB_per_rank": [round(p["need_bytes"] / 1e6, 1) for p in per],
+                         "max_read_over_need": round(max(statistics.median(p["read_bytes"]) / max(1, p["need_bytes"])
+                                                         for p in per), 3),
+                         "exact": all(p["exact"] for p in per)})
+    return rows
+
+
+def reshard_markdown(R: dict[str, Any]) -> str:
+    env = R["env"]
+    rows = R["reshard"]
+    lines = [f"# Resharded DCP loads: nvckpt.dcp.Reader vs FileSystemReader ({env['date']})", "",
+             f"- device: {env['device']}; {env['cpus']} CPUs; torch {env['torch']}; python {env['python']}; "
+             f"code {env.get('code')}",
+             f"- command: `{env['command']}`",
+             f"- load average before / after: {R.get('loadavg_before')} / {R.get('loadavg_after')} (the machine is "
+             "shared: a load above 0 means other processes took some of the cores)",
+             f"- state: {R['params']:,} parameters (GPT, d_model {R['model']['d_model']}, {R['model']['layers']} "
+             f"layers, vocab {R['model']['vocab']}), fp32 weights + AdamW exp_avg + exp_avg_sq after {R['steps']} "
+             f"steps: {R['raw_bytes'] / 1e6:.1f} MB; saved by {R['ranks']} ranks as Shard(0) rows; bytes on disk: "
+             + ", ".join(f"{NAMES[m].split(' /')[0].split(' +')[0]} {b / 1e6:.1f} MB" for m, b in R['saved_bytes'].items()),
+             "- each load from the page cache (the files read before), into fresh DTensors checked bit for bit; "
+             f"seconds: the slowest rank's (barriers around each load), median of {R['reps']} interleaved "
+             "repetitions; read MB: what each rank's read calls returned (/proc/self/io rchar, the median), need "
+             "MB: the raw bytes of its local pieces", "",
+             "| ranks | placement | nvckpt s | FileSystemReader s | nvckpt / FSR | nvckpt read MB per rank "
+             "| FSR read MB per rank | need MB per rank | nvckpt read / need (worst rank) | bit-exact |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    by = {(r["world"], r["placement"], r["method"]): r for r in rows}
+    for (world, label, method), r in by.items():
+        if method != "nvckpt":
+            continue
+        f = by.get((world, label, "fs"))
+        if f is None:
+            continue
+        lines.append(f"| {r['from']} -> {world} | {label} | {r['median_s']} | {f['median_s']} | "
+                     f"{r['median_s'] / f['median_s']:.2f} | {', '.join(map(str, r['read_MB_per_rank']))} | "
+                     f"{', '.join(map(str, f['read_MB_per_rank']))} | {', '.join(map(str, r['need_MB_per_rank']))} | "
+                     f"{r['max_read_over_need']} | {'yes' if r['exact'] and f['exact'] else 'NO'} |")
+    if R.get("errors"):
+        lines += ["", "## errors", ""] + [f"- {k}: `{v.splitlines()[-1]}`" for k, v in R["errors"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def run_reshard(args: argparse.Namespace, argv: list[str]) -> int:
+    results = os.path.join(args.workdir, "results")
+    R: dict[str, Any] = {"env": environment(args, argv), "ranks": args.ranks, "steps": args.steps, "reps": args.reps,
+                         "model": {"d_model": args.d_model, "layers": args.layers, "vocab": args.vocab},
+                         "loadavg_before": " ".join(open("/proc/loadavg").read().split()[:3]), "errors": {}}
+    R["saved_bytes"] = save_for_reshard(args)
+    reference = torch.load(os.path.join(args.workdir, "reference.pt"), weights_only=True)
+    R["raw_bytes"] = sum(t.numel() * t.element_size() for g in (reference["model"], *reference["optim"].values())
+                         for t in g.values())
+    R["params"] = R["raw_bytes"] // 12
+    del reference
+    loads: dict[int, list[dict]] = {}
+    for world in args.load_worlds:
+        spawn(reshard_main, world, args, results, R["errors"], f"load{world}")
+        try:
+            loads[world] = [json.load(open(os.path.join(results, f"reshard{world}_rank{r}.json"))) for r in range(world)]
+        except OSError:
+            pass
+    R["loadavg_after"] = " ".join(open("/proc/loadavg").read().split()[:3])
+    R["reshard"] = reshard_table(loads, args.ranks)
+    R["per_rank"] = loads
+    with open(os.path.join(args.out, "bench_dcp_reshard.json"), "w") as f:
+        json.dump(R, f, indent=1)
+    text = reshard_markdown(R)
+    with open(os.path.join(args.out, "bench_dcp_reshard.md"), "w") as f:
+        f.write(text)
+    print(text)
+    return 0 if not R["errors"] and all(r["exact"] for r in R["reshard"]) else 1
+
+
 # -- the run --------------------------------------------------------------------------------------
 def environment(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     def sh(cmd: str) -> str:
@@ -328,6 +566,7 @@ def environment(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
         "kernel": platform.release(), "workdir_fs": sh(f"df -T {args.workdir} | tail -1"),
         "command": "python3 benchmarks/bench_dcp.py " + " ".join(argv),
+        "code": sh("git rev-parse --short HEAD"),
     }
     if args.device == "cuda":
         env["driver"] = sh("nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1")
@@ -416,6 +655,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--disk-bytes", type=int, default=4 << 30, help="bytes for the disk bandwidth test")
     ap.add_argument("--timeout", type=int, default=420, help="seconds before the ranks are killed")
+    ap.add_argument("--parts", choices=("save", "reshard", "all"), default="save",
+                    help="save: the save/load/async table; reshard: resharded loads at --load-worlds; all: both")
+    ap.add_argument("--load-worlds", type=lambda v: [int(x) for x in v.split(",")], default=[1, 2, 3, 4],
+                    help="world sizes the resharded loads run at (comma separated)")
+    ap.add_argument("--reps", type=int, default=5, help="repetitions of each resharded load")
     args = ap.parse_args(argv)
     if args.smoke:
         args.d_model, args.layers, args.vocab, args.seq, args.batch, args.steps = 64, 2, 512, 32, 4, 3
@@ -425,6 +669,15 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.workdir)
     results = os.path.join(args.workdir, "results")
     os.makedirs(results)
+    if args.parts in ("reshard", "all"):
+        if args.device != "cpu":
+            raise SystemExit("--parts reshard runs on the CPU (--device cpu)")
+        code = run_reshard(args, argv)
+        if args.parts == "reshard":
+            shutil.rmtree(args.workdir, ignore_errors=True)
+            return code
+        shutil.rmtree(args.workdir, ignore_errors=True)
+        os.makedirs(results)
     R: dict[str, Any] = {"env": environment(args, argv), "ranks": args.ranks, "steps": args.steps,
                          "model": {"d_model": args.d_model, "layers": args.layers, "vocab": args.vocab}}
     R["disk"] = disk_bandwidth(args.workdir, args.disk_bytes)
