@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import nvckpt
+import nvckpt.session.load as loading
 
 
 @pytest.fixture
@@ -68,3 +71,101 @@ def test_bad_boxes_are_refused(stored, offsets, lengths, match):
     with nvckpt.open(stored[0]) as ck, pytest.raises(ValueError, match=match) as info:
         ck.read_box("w", offsets, lengths)
     assert "'w'" in str(info.value)
+
+
+# -- read_boxes_into: boxes decoded straight into the caller's tensors -------------------------------------------
+
+def test_boxes_into_targets_of_any_layout(stored):
+    path, w = stored
+    targets = [torch.empty(256, 64), torch.empty(16, 64), torch.empty(64, 256).t(), torch.empty(100, 3)[::2],
+               torch.empty(256, 64, dtype=torch.bfloat16), torch.empty(0, 64)]
+    boxes = [("w", (0, 0), (256, 64)), ("w", (40, 0), (16, 64)), ("w", (0, 0), (256, 64)), ("w", (100, 9), (50, 3)),
+             ("b", (0, 0), (256, 64)), ("w", (9, 0), (0, 64))]
+    with nvckpt.open(path) as ck:
+        assert ck.read_boxes_into([(*b, t) for b, t in zip(boxes, targets)]) == [4]  # derived (bf16 of w): left
+        for (name, o, n), t in zip(boxes[:4], targets):
+            assert torch.equal(t, w[o[0]: o[0] + n[0], o[1]: o[1] + n[1]])
+
+
+def test_column_strips_of_one_tensor_read_each_chunk_once(stored):
+    """Several column boxes of one stored tensor (a 2-D mesh, strided shards) decode its rows once, not once
+    per box: the bytes read are those of the rows' chunks, once."""
+    path, w = stored
+    with nvckpt.open(path) as ck:
+        rows = _chunks_read(ck, lambda: ck.read_box("w", (32, 0), (64, 64)))
+        strips = [torch.empty(64, 16) for _ in range(4)]
+        read = _chunks_read(ck, lambda: ck.read_boxes_into([("w", (32, 16 * k), (64, 16), t)
+                                                           for k, t in enumerate(strips)]))
+        assert read == rows
+        assert torch.equal(torch.cat(strips, 1), w[32:96])
+
+
+def test_boxes_into_a_damaged_file_raise(tmp_path):
+    path = tmp_path / "d.nvckpt"
+    w = torch.randn(64, 32)
+    nvckpt.save({"w": w}, str(path), chunk_size=1024, codec="raw")
+    with nvckpt.open(str(path)) as ck:
+        c = ck.file.entry("w").chunks[3]
+    data = bytearray(path.read_bytes())
+    data[c.offset + 5] ^= 1
+    path.write_bytes(bytes(data))
+    for box in (((0, 0), (64, 32)), ((20, 0), (10, 32)), ((0, 3), (64, 4))):
+        with nvckpt.open(str(path)) as ck, pytest.raises(nvckpt.ChecksumError):
+            ck.read_boxes_into([("w", *box, torch.empty(box[1]))])
+
+
+@pytest.fixture(scope="module")
+def box_files(tmp_path_factory):
+    """Files of tensors of several dtypes and shapes, cut into chunks of whole rows, of pieces of rows, and
+    raw or compressed, for the property below."""
+    root = tmp_path_factory.mktemp("boxes")
+    g = torch.Generator().manual_seed(5)
+    tensors = {"f32": torch.randn(37, 11, generator=g), "bf16": torch.randn(20, 5, 6, generator=g).to(torch.bfloat16),
+               "i64": torch.randint(-9, 9, (50, 3), generator=g), "u8": torch.randint(0, 255, (9, 300), generator=g,
+                                                                                       dtype=torch.uint8),
+               "bool": torch.rand(13, 7, generator=g) > 0.5, "vec": torch.randn(41, generator=g)}
+    paths = []
+    for codec in ("raw", "portable"):
+        for chunk_size in (64, 200, 4096):
+            p = str(root / f"{codec}-{chunk_size}.nvckpt")
+            nvckpt.save(tensors, p, codec=codec, chunk_size=chunk_size)
+            paths.append(p)
+    return paths, tensors
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_boxes_into_any_targets_are_bit_exact(box_files, data):
+    paths, tensors = box_files
+    path = data.draw(st.sampled_from(paths))
+    boxes, want = [], []
+    for _ in range(data.draw(st.integers(1, 6))):
+        name = data.draw(st.sampled_from(sorted(tensors)))
+        t = tensors[name]
+        offsets, lengths = [], []
+        for size in t.shape:
+            o = data.draw(st.integers(0, size))
+            offsets.append(o)
+            lengths.append(data.draw(st.integers(0, size - o)))
+        expected = t
+        for d, (o, n) in enumerate(zip(offsets, lengths)):
+            expected = expected.narrow(d, o, n)
+        layout = data.draw(st.sampled_from(["contiguous", "transposed", "strided"]))
+        if layout == "transposed" and t.dim() >= 2:
+            out = torch.empty(tuple(reversed(lengths)), dtype=t.dtype).permute(*reversed(range(t.dim())))
+        elif layout == "strided":
+            out = torch.empty((lengths[0] * 2,) + tuple(lengths[1:]), dtype=t.dtype)[::2]
+        else:
+            out = torch.empty(lengths, dtype=t.dtype)
+        boxes.append((name, offsets, lengths, out))
+        want.append(expected)
+    band = data.draw(st.sampled_from([1, 300, 4 << 20]))  # rows decoded a band at a time: many bands, or one
+    before, loading.BAND_BYTES = loading.BAND_BYTES, band
+    try:
+        with nvckpt.open(path) as ck:
+            assert ck.read_boxes_into(boxes) == []
+    finally:
+        loading.BAND_BYTES = before
+    for (_, _, _, out), expected in zip(boxes, want):
+        assert torch.equal(out.view(torch.uint8) if out.dtype == torch.bool else out,
+                           expected.view(torch.uint8) if expected.dtype == torch.bool else expected)

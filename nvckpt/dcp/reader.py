@@ -2,8 +2,9 @@
 
 DCP's load planner turns the target state dict (any world size, any
 sharding) into ReadItems, each an n-d box of one stored shard; the reader
-reads each box with ``Checkpoint.read_box``, which decodes only the chunks
-holding the box's rows.  Each chunk's checksum is verified before it is
+decodes each box with ``Checkpoint.read_boxes_into`` straight into its target
+on the CPU (each chunk once, only those holding the box's rows), with
+``Checkpoint.read_box`` on a GPU.  Each chunk's checksum is verified before it is
 decoded, each whole tensor's after; an error names the rank file and the
 tensor.
 """
@@ -26,7 +27,9 @@ from ..errors import FormatError
 from ..io.directory import location, open_directory
 from ..options import LoadOptions, options_from
 from ..session.load import Checkpoint
-from ..sharded.layout import METADATA, foreign_rank_file, metadata_bytes, read_manifest, save_of
+from .._gc import paused as gc_paused
+from ..sharded.layout import (METADATA, foreign_rank_file, metadata_bytes, metadata_damaged, read_manifest,
+                                   save_of)
 
 
 class Reader(StorageReader):
@@ -67,7 +70,12 @@ class Reader(StorageReader):
         missing = [f for f in manifest.files if self.store.size(f) is None]
         if missing:
             raise FormatError(f"rank file{'s' if len(missing) > 1 else ''} {', '.join(missing)} missing", path=self.path)
-        metadata = pickle.loads(metadata_bytes(self.store))
+        data = metadata_bytes(self.store)
+        try:
+            with gc_paused():  # tens of thousands of objects, none cyclic: no full collection while they are made
+                metadata = pickle.loads(data)
+        except Exception as exc:  # noqa: BLE001 - a pickle cut short or damaged
+            raise metadata_damaged(self.path, data, exc) from None
         if not isinstance(metadata, Metadata):
             raise FormatError(f"{METADATA} holds a {type(metadata).__qualname__}, not DCP Metadata", path=self.path)
         if metadata.storage_meta is None:
@@ -137,12 +145,24 @@ class Reader(StorageReader):
         try:
             for file, items in per_file.items():
                 whole: list[tuple[Any, Any]] = []  # boxes spanning all rows of their stored tensor
+                boxes: list[tuple[Any, Any, torch.Tensor]] = []
                 for item, loc in items:
                     if item.type == LoadItemType.BYTE_IO:
                         raw = checkpoint(file, torch.device("cpu")).get_tensor(loc.tensor)
                         planner.load_bytes(item, io.BytesIO(raw.numpy().tobytes()))
                         continue
-                    target = planner.resolve_tensor(item).detach()
+                    boxes.append((item, loc, planner.resolve_tensor(item).detach()))
+                on_cpu = [b for b in boxes if b[2].device.type == "cpu"]
+                if on_cpu:
+                    # Decoded straight into the targets, every box of the file in one run of the decode threads.
+                    ck = checkpoint(file, torch.device("cpu"))
+                    left = set(ck.read_boxes_into([(loc.tensor, item.storage_offsets, item.lengths, target)
+                                                   for item, loc, target in on_cpu]))
+                    for k, (item, loc, target) in enumerate(on_cpu):
+                        if k not in left:
+                            planner.commit_tensor(item, target)
+                    boxes = [b for b in boxes if b[2].device.type != "cpu"] + [on_cpu[k] for k in sorted(left)]
+                for item, loc, target in boxes:
                     ck = checkpoint(file, target.device)
                     rows = ck.file.entry(loc.tensor).shape[:1]
                     if not rows or (item.storage_offsets[0] == 0 and item.lengths[0] == rows[0]):

@@ -307,10 +307,19 @@ class ChunkReader:
         Neighbouring small chunks are read with one read and handed to a thread together, so a
         tensor of a million small chunks costs a few thousand tasks, not a million; a chunk on its
         own is read (and decoded) straight into ``out`` where it lies inside it (``fill``)."""
+        self.map(lambda task: self._fill(*task), self.fill_tasks(entry, start, stop, out))
+
+    def fill_tasks(self, entry: TensorEntry, start: int, stop: int, out: Any) -> list[tuple[Any, ...]]:
+        """``read_into``'s work as tasks (``fill_task(*task)`` each, on any thread): a caller reading many
+        ranges of many tensors runs all of their tasks in one ``map``."""
         assert entry.chunks is not None
         dest = np.frombuffer(out, dtype=np.uint8)
-        groups = _groups(entry, entry.chunks.covering(start, stop), self.source.coalescing)
-        self.map(lambda g: self._fill(entry, g, start, dest), groups)
+        return [(entry, g, start, dest) for g in _groups(entry, entry.chunks.covering(start, stop),
+                                                         self.source.coalescing)]
+
+    def fill_task(self, entry: TensorEntry, group: range, start: int, out: np.ndarray) -> None:
+        """One of ``fill_tasks``, on the calling thread."""
+        self._fill(entry, group, start, out)
 
     def read_run(self, entry: TensorEntry, group: range, out: np.ndarray) -> None:
         """Chunks ``group`` of ``entry`` (neighbours, as ``coalesce`` grouped them) read with one read, verified

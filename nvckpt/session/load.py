@@ -10,6 +10,7 @@ import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
+import numpy as np
 import torch
 import xxhash
 
@@ -207,6 +208,56 @@ def _check_box(entry: TensorEntry, offsets: Sequence[int], lengths: Sequence[int
     return offsets, lengths
 
 
+#: numpy integer types by element size: a box's elements are moved as bits (bf16, fp8 and bool alike).
+_INTS = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
+_TORCH_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+#: Rows of a column strip are decoded in bands of about this many bytes (each chunk of a band once).
+BAND_BYTES = 4 << 20
+_band_tls = threading.local()
+
+
+def _band_scratch(n: int) -> np.ndarray:
+    """This thread's buffer for a band of rows (kept: bands of one load are of about one size)."""
+    buf = getattr(_band_tls, "buf", None)
+    if buf is None or buf.nbytes < n:
+        buf = _band_tls.buf = np.empty(max(n, 1 << 20), dtype=np.uint8)
+    return buf[:n]
+
+
+def _same_size_ints(out: torch.Tensor) -> np.ndarray:
+    """``out``'s memory as a numpy array of integers of its element size, its strides kept (bits, not values)."""
+    return out.view(_TORCH_INTS[out.element_size()]).numpy()
+
+
+def _bands(entry: TensorEntry, held: list[tuple[tuple[int, ...], tuple[int, ...], Any]]) -> list[tuple[int, int]]:
+    """Rows [lo, hi) of ``entry`` decoded together for its column boxes ``held``: the union of their row ranges
+    cut into bands of about BAND_BYTES, each ending where a chunk ends on a row boundary, so no chunk is
+    decoded twice (a band grows past BAND_BYTES until one does)."""
+    row = entry.nbytes // entry.shape[0]
+    spans = sorted((o[0], o[0] + n[0]) for o, n, _ in held if n[0])
+    merged: list[list[int]] = []
+    for a, b in spans:
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    chunks = entry.chunks
+    assert chunks is not None
+    out = []
+    for a, b in merged:
+        first = chunks.covering(a * row, b * row)
+        columns = chunks.columns(first.start, first.stop)
+        lo, size = a, 0
+        for s, n in zip(columns[5], columns[2]):
+            size += n
+            end = s + n
+            if size >= BAND_BYTES and end % row == 0 and lo < end // row < b:
+                out.append((lo, end // row))
+                lo, size = end // row, 0
+        out.append((lo, b))
+    return out
+
+
 class Checkpoint(Mapping):
     """An open nvckpt file: lazy, random access, safe to share between threads.
 
@@ -370,13 +421,15 @@ class Checkpoint(Mapping):
         return self._host_tensors(entries, progress, decoded if self.device.type == "cpu" else None)
 
     def _host_tensors(self, entries: list[TensorEntry], progress: Callable[[int], None] | None,
-                      decoded: Callable[[int, torch.Tensor], None] | None = None) -> dict[int, torch.Tensor]:
+                      decoded: Callable[[int, torch.Tensor], None] | None = None,
+                      into: dict[int, torch.Tensor] | None = None) -> dict[int, torch.Tensor]:
         """Every chunk of ``entries`` read, verified and decoded on the decode threads, straight into the
-        tensors' memory; small chunks in tasks of ~256 KiB, so thousands of small tensors cost little.
+        tensors' memory (``into``: the caller's, 1-D uint8 by tensor id; else allocated here); small chunks
+        in tasks of ~256 KiB, so thousands of small tensors cost little.
         A tensor's checksum is a task started by whichever thread finishes its last chunk, so it runs
         beside the other chunks' decoding (and on bytes still in cache); so does ``decoded``."""
         f = self._file
-        dests = {e.tensor_id: allocate(e.nbytes, e, self.path) for e in entries}
+        dests = into if into is not None else {e.tensor_id: allocate(e.nbytes, e, self.path) for e in entries}
         arrays = {tid: t.numpy() for tid, t in dests.items()}
         left = {e.tensor_id: len(e.chunks) for e in entries}
         lock = threading.Lock()
@@ -613,6 +666,86 @@ class Checkpoint(Mapping):
             if lengths[d] != entry.shape[d]:
                 rows = rows.narrow(d, offsets[d], lengths[d])
         return rows
+
+    def read_boxes_into(self, boxes: Sequence[tuple[str, Sequence[int], Sequence[int], torch.Tensor]]) -> list[int]:
+        """Each box ``(name, offsets, lengths, out)`` of a stored tensor (``read_box``'s) decoded into ``out``, a
+        CPU tensor of the box's shape and the tensor's dtype (any strides), with no tensor of the box's own in
+        between; returns the positions of the boxes it left to the caller (a view, a derived tensor, another
+        dtype or device: read those with ``read_box`` and copy).
+
+        All boxes' chunks are decoded in one run on the decode threads, each chunk once: a box spanning the
+        tensor's later dims whole (a row box: FSDP's Shard(0)) is decoded straight into ``out`` where it is
+        contiguous, a whole tensor with its tensor checksum checked as it is decoded; a narrower box (a
+        column strip: Shard(1), a 2-D mesh) is decoded a band of whole rows at a time into a thread's scratch
+        and each box that band holds keeps its columns, so several boxes of one tensor decode its rows once."""
+        f = self._file
+        left: list[int] = []
+        whole: dict[int, torch.Tensor] = {}
+        tasks: list[tuple[Any, ...]] = []
+        strips: dict[int, tuple[TensorEntry, list[tuple[tuple[int, ...], tuple[int, ...], np.ndarray]]]] = {}
+        bools: list[tuple[TensorEntry, torch.Tensor]] = []
+        for k, (name, offsets, lengths, out) in enumerate(boxes):
+            entry = f.entry(name)
+            offsets, lengths = _check_box(entry, offsets, lengths, self.path)
+            if not self._box_direct(entry, lengths, out):
+                left.append(k)
+                continue
+            check_supported(entry, self.path)
+            f.check_size(entry, math.prod(lengths) * entry.dtype.itemsize)
+            if entry.dtype.name == "bool":
+                bools.append((entry, out))
+            if out.numel() == 0:
+                continue
+            if tuple(lengths[1:]) == tuple(entry.shape[1:]) and out.is_contiguous():
+                # its elements are one run of memory (a dim of one element may have any stride): that run, flat
+                flat = out.new_empty(0).set_(out.untyped_storage(), out.storage_offset(), (out.numel(),), (1,))
+                flat = flat.view(torch.uint8)
+                if lengths[0] == entry.shape[0] and entry.tensor_id not in whole:
+                    whole[entry.tensor_id] = flat
+                    continue
+                row = entry.nbytes // entry.shape[0]
+                tasks += [("rows", *t) for t in f.fill_tasks(entry, offsets[0] * row, (offsets[0] + lengths[0]) * row,
+                                                             memoryview(flat.numpy()))]
+                continue
+            strips.setdefault(entry.tensor_id, (entry, []))[1].append((offsets, lengths, _same_size_ints(out)))
+        for entry, held in strips.values():
+            tasks += [("band", entry, lo, hi, held) for lo, hi in _bands(entry, held)]
+        if whole:
+            tensors = f.index.tensors
+            self._host_tensors([tensors[tid] for tid in whole], None, into=whole)
+        f.map(self._box_task, tasks)
+        for entry, out in bools:  # SPEC 10, as _check_bools
+            if out.numel() and bool((_same_size_ints(out) > 1).any()):
+                raise FormatError("bool tensor holds a byte other than 0 and 1", path=self.path, tensor=entry.name)
+        return left
+
+    def _box_direct(self, entry: TensorEntry, lengths: tuple[int, ...], out: torch.Tensor) -> bool:
+        """Can ``read_boxes_into`` decode this box straight into ``out``?"""
+        return (self.device.type == "cpu" and self._gpu is None and self._relocate is None
+                and entry.chunks is not None and bool(entry.shape) and isinstance(out, torch.Tensor)
+                and out.device.type == "cpu" and tuple(out.shape) == lengths
+                and entry.unsupported is None and out.dtype == to_torch(entry.dtype.name)
+                and out.element_size() in _INTS and not out.is_conj() and not out.is_neg())
+
+    def _box_task(self, task: tuple[Any, ...]) -> None:
+        if task[0] == "rows":
+            self._file.fill_task(*task[1:])
+            return
+        _, entry, lo, hi, held = task
+        shape = tuple(entry.shape)
+        row = entry.nbytes // shape[0]
+        scratch = _band_scratch((hi - lo) * row)
+        f = self._file
+        for t in f.fill_tasks(entry, lo * row, hi * row, memoryview(scratch)):
+            f.fill_task(*t)
+        itemsize = entry.dtype.itemsize
+        rows = scratch.view(_INTS[itemsize]).reshape((hi - lo,) + shape[1:])
+        for offsets, lengths, out in held:
+            a, b = max(lo, offsets[0]), min(hi, offsets[0] + lengths[0])
+            if a >= b:
+                continue
+            index = (slice(a - lo, b - lo),) + tuple(slice(o, o + n) for o, n in zip(offsets[1:], lengths[1:]))
+            out[a - offsets[0]: b - offsets[0]] = rows[index]
 
     def get_slice(self, name: str) -> "TensorSlice":
         """A lazy handle on tensor ``name``: ``get_slice(name)[a:b]`` reads only the chunks holding rows a..b-1;

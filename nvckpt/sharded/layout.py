@@ -126,8 +126,8 @@ def metadata_save_id(directory: Any) -> str | None:
     data = metadata_bytes(directory)
     try:
         root = _Inert(data).load()
-    except Exception as exc:  # noqa: BLE001 - opcodes that do not build (a pickle made to look whole)
-        raise FormatError(f"{METADATA} is damaged ({len(data)} bytes, not a whole pickle: {exc})", path=directory) from None
+    except Exception as exc:  # noqa: BLE001 - opcodes that do not build, a pickle cut short
+        raise metadata_damaged(directory, data, exc) from None
     name = f"{root.module}.{root.qualname}" if isinstance(root, _Named) else type(root).__qualname__
     if name != "torch.distributed.checkpoint.metadata.Metadata":
         raise FormatError(f"{METADATA} holds a {name}, not DCP Metadata", path=directory)
@@ -138,10 +138,10 @@ def metadata_save_id(directory: Any) -> str | None:
 
 def metadata_bytes(directory: Any) -> bytes:
     """DCP's ``.metadata`` file in ``directory`` (a path, a URL or a Directory), or a FormatError saying what is
-    wrong with it (missing, unreadable, empty, cut short).  Its pickle opcodes are walked, not run (nothing is
-    imported or executed)."""
-    import pickletools
-
+    wrong with it (missing, unreadable, empty, cut short).  Only its last byte is looked at here (a pickle ends
+    with STOP): whoever reads it (``metadata_damaged`` names what stops an unpickler) finds the rest, without a
+    walk over every opcode (a list of tens of thousands of them on every load, which set off full garbage
+    collections)."""
     store = open_directory(directory)
     directory = store.name
     try:
@@ -150,13 +150,15 @@ def metadata_bytes(directory: Any) -> bytes:
         raise FormatError(f"{METADATA} is missing (dcp.load reads the checkpoint's plan from it)", path=directory) from None
     except OSError as exc:
         raise FormatError(f"{METADATA} cannot be read: {exc.strerror or exc}", path=directory) from None
-    try:
-        ops = list(pickletools.genops(data))
-        if not ops or ops[-1][0].name != "STOP":
-            raise ValueError("no STOP opcode")
-    except Exception as exc:  # noqa: BLE001 - truncated or not a pickle at all
-        raise FormatError(f"{METADATA} is damaged ({len(data)} bytes, not a whole pickle: {exc})", path=directory) from None
+    if not data.endswith(b"."):  # pickle's STOP opcode
+        raise metadata_damaged(directory, data, ValueError("no STOP opcode at its end"))
     return data
+
+
+def metadata_damaged(directory: Any, data: bytes, exc: BaseException) -> FormatError:
+    """The FormatError for a ``.metadata`` of ``data`` that an unpickler stopped at with ``exc``."""
+    return FormatError(f"{METADATA} is damaged ({len(data)} bytes, not a whole pickle: {exc})",
+                       path=getattr(directory, "name", directory))
 
 
 def user_entry(name: str) -> bool:
@@ -364,4 +366,4 @@ def read_manifest(path: Any) -> Manifest:
 
 __all__ = ["MANIFEST", "METADATA", "Manifest", "GlobalTensor", "Shard", "is_dcp_directory", "read_manifest",
            "rank_file", "shard_key", "KEY_TYPES", "key_tag", "typed_path", "foreign_rank_file", "save_of",
-           "directory_save_id", "metadata_save_id"]
+           "directory_save_id", "metadata_save_id", "metadata_bytes", "metadata_damaged"]
