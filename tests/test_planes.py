@@ -173,26 +173,71 @@ def _frames_cases():
             "junk after": (small + b"\x00\x01", 3000), "empty": (b"", 0), "bad magic": (b"\x00" * 16, 16)}
 
 
-@pytest.mark.parametrize("case", list(_frames_cases()))
-def test_native_window_check_agrees_with_the_python_parser(case, monkeypatch):
-    """decode_frames checks SPEC 11.4 in libzstd (frame and block headers walked in C); the pure-Python
-    parser (check_zstd_window) is the fallback: both accept and refuse the same chunks."""
-    if not planes._load_native():
-        pytest.skip("no cffi backend")
-    data, n = _frames_cases()[case]
+def _window_outcomes(data: bytes, n: int, monkeypatch, walks: int = 3) -> list[tuple[str, bytes | None]]:
+    """decode_frames' outcome with each walk of the frames: the kernel's, libzstd's (through cffi), the
+    pure-Python parser's (check_zstd_window, where neither is)."""
     outcomes = []
-    for native in (None, False):
+    for native, kernel in ((None, planes._frames), (None, None), (False, None))[:walks]:
         monkeypatch.setattr(planes, "_native", native)
+        monkeypatch.setattr(planes, "_frames", kernel)
         out = np.empty(n, np.uint8)
         try:
             planes.decode_frames(data, out)
             outcomes.append(("ok", bytes(out)))
         except ValueError as exc:
             outcomes.append(("window" if "SPEC 11.4" in str(exc) else "error", None))
-    assert outcomes[0] == outcomes[1], outcomes
+    return outcomes
+
+
+@pytest.mark.parametrize("case", list(_frames_cases()))
+def test_native_window_check_agrees_with_the_python_parser(case, monkeypatch):
+    """decode_frames checks SPEC 11.4 in the kernel (frame and block headers walked in C, the GIL kept), else
+    in libzstd; the pure-Python parser (check_zstd_window) is the last fallback: all accept and refuse the
+    same chunks."""
+    if not planes._load_native() or planes._frames is None:
+        pytest.skip("no cffi backend or no kernel")
+    data, n = _frames_cases()[case]
+    outcomes = _window_outcomes(data, n, monkeypatch)
+    assert outcomes[0] == outcomes[1] == outcomes[2], outcomes
     assert (outcomes[0][0] == "ok") == (case in ("one frame", "two frames", "skippable first"))
     if case == "window over the bound":
         assert outcomes[0][0] == "window"
+
+
+def _frames_of(draw_bytes: bytes, window_log: int, single: bool, checksum: bool) -> bytes:
+    params = zstandard.ZstdCompressionParameters(window_log=window_log, write_content_size=single,
+                                                 write_checksum=checksum)
+    if single:
+        return zstandard.ZstdCompressor(compression_params=params).compress(draw_bytes)
+    cobj = zstandard.ZstdCompressor(compression_params=params).compressobj()
+    return cobj.compress(draw_bytes) + cobj.flush()
+
+
+@settings(max_examples=150, deadline=None)
+@given(parts=st.lists(st.tuples(st.binary(max_size=3000), st.integers(10, 26), st.booleans(), st.booleans(),
+                                st.booleans()), min_size=0, max_size=3),
+       cut=st.integers(0, 40), flip=st.one_of(st.none(), st.tuples(st.integers(0, 10**6), st.integers(1, 255))))
+def test_the_kernels_frame_walk_agrees_with_libzstd_on_any_chunk(parts, cut, flip):
+    """Frames of any window (single-segment or not, with checksums, skippable ones between), cut short or with
+    a byte changed: the kernel's walk and libzstd's give decode_frames one outcome (the Python fallback decodes
+    through python-zstandard, whose errors on damaged frames are its own: compared on the cases above only)."""
+    if not planes._load_native() or planes._frames is None:
+        pytest.skip("no cffi backend or no kernel")
+    data, n = b"", 0
+    for raw, window_log, single, checksum, skippable in parts:
+        if skippable:
+            data += (0x184D2A53).to_bytes(4, "little") + (len(raw) % 9).to_bytes(4, "little") + raw[: len(raw) % 9]
+        data += _frames_of(raw * 8, window_log, single, checksum)
+        n += len(raw) * 8
+    data = data[: max(0, len(data) - cut)] if cut < 20 else data
+    if flip is not None and data:
+        at, mask = flip
+        b = bytearray(data)
+        b[at % len(b)] ^= mask
+        data = bytes(b)
+    with pytest.MonkeyPatch.context() as mp:
+        outcomes = _window_outcomes(data, n, mp, walks=2)
+    assert outcomes[0] == outcomes[1], outcomes
 
 
 def test_the_zstd_level_is_honoured_and_integers_are_matched():

@@ -182,6 +182,93 @@ static PyObject *repeats(PyObject *self, PyObject *args)
     return PyLong_FromSize_t(count);
 }
 
+/* zstd_frames(buf, max_window): the zstd frames of buf (RFC 8878 section 3.1), walked header by header
+ * (skippable frames stepped over): how many zstd frames it holds, or ValueError where buf is not whole frames
+ * or a frame's Window_Size is above max_window (SPEC 11.4).  What libzstd's ZSTD_findFrameCompressedSize and
+ * ZSTD_getFrameHeader tell, in one call that keeps the GIL (a few header reads per 1 MiB chunk): through
+ * cffi those were four calls per chunk that each let the GIL go, and each time it had to be taken back from
+ * the other decode thread. */
+static uint64_t le(const uint8_t *p, int n)
+{
+    uint64_t v = 0;
+    for (int i = n - 1; i >= 0; i--)
+        v = (v << 8) | p[i];
+    return v;
+}
+
+static PyObject *zstd_frames(PyObject *self, PyObject *args)
+{
+    Py_buffer src;
+    unsigned long long max_window;
+    if (!PyArg_ParseTuple(args, "y*K", &src, &max_window))
+        return NULL;
+    const uint8_t *b = src.buf;
+    size_t n = (size_t)src.len, pos = 0, frames = 0;
+    const char *why = NULL;
+    unsigned long long window = 0;
+    while (pos < n && !why) {
+        size_t left = n - pos;
+        const uint8_t *f = b + pos;
+        if (left < 4) { why = "a frame cut short"; break; }
+        uint32_t magic = (uint32_t)le(f, 4);
+        if ((magic & 0xFFFFFFF0u) == 0x184D2A50u) {  /* skippable frame: magic, 4-byte size, data */
+            if (left < 8) { why = "a skippable frame cut short"; break; }
+            uint64_t size = 8 + le(f + 4, 4);
+            if (size > left) { why = "a skippable frame cut short"; break; }
+            pos += (size_t)size;
+            continue;
+        }
+        if (magic != 0xFD2FB528u) { why = "not a zstd frame (unknown magic number)"; break; }
+        if (left < 5) { why = "a frame header cut short"; break; }
+        uint8_t fhd = f[4];
+        int fcs_flag = fhd >> 6, single = (fhd >> 5) & 1, checksum = (fhd >> 2) & 1, dict_flag = fhd & 3;
+        if (fhd & 0x08) { why = "a frame header with its reserved bit set"; break; }
+        static const int dict_bytes[4] = {0, 1, 2, 4}, fcs_bytes[4] = {0, 2, 4, 8};
+        int fcs_len = fcs_flag == 0 && single ? 1 : fcs_bytes[fcs_flag];
+        size_t header = 5 + (single ? 0 : 1) + (size_t)dict_bytes[dict_flag] + (size_t)fcs_len;
+        if (left < header) { why = "a frame header cut short"; break; }
+        if (single) {
+            uint64_t fcs = le(f + header - fcs_len, fcs_len);
+            window = (unsigned long long)(fcs_len == 2 ? fcs + 256 : fcs);
+        } else {
+            uint8_t wd = f[5];
+            unsigned long long base = 1ULL << (10 + (wd >> 3));
+            window = base + (base / 8) * (wd & 7);
+        }
+        size_t at = pos + header;
+        for (;;) {  /* blocks: a 3-byte header (last, type, size), then the block's bytes (1 for RLE) */
+            if (n - at < 3) { why = "a block header cut short"; break; }
+            uint32_t bh = (uint32_t)le(b + at, 3);
+            int last = bh & 1, type = (bh >> 1) & 3;
+            size_t size = type == 1 ? 1 : (size_t)(bh >> 3);
+            if (type == 3) { why = "a block of the reserved type"; break; }
+            if (n - at - 3 < size) { why = "a block cut short"; break; }
+            at += 3 + size;
+            if (last)
+                break;
+        }
+        if (why)
+            break;
+        if (checksum) {
+            if (n - at < 4) { why = "a frame checksum cut short"; break; }
+            at += 4;
+        }
+        if (window > max_window) {  /* after the frame's walk, as libzstd's order: a frame cut short is that */
+            PyBuffer_Release(&src);
+            return PyErr_Format(PyExc_ValueError, "zstd frame needs a window of %llu bytes, more than the limit of "
+                                "%llu (SPEC 11.4)", window, max_window);
+        }
+        frames++;
+        pos = at;
+    }
+    PyBuffer_Release(&src);
+    if (why)
+        return PyErr_Format(PyExc_ValueError, "zstd: no whole frame at byte %zu: %s", pos, why);
+    if (!frames)
+        return PyErr_Format(PyExc_ValueError, "zstd: the chunk holds no zstd frame");
+    return PyLong_FromSize_t(frames);
+}
+
 static PyObject *split(PyObject *self, PyObject *args) { return run(args, 0); }
 static PyObject *join(PyObject *self, PyObject *args) { return run(args, 1); }
 
@@ -190,6 +277,9 @@ static PyMethodDef methods[] = {
      "split(raw, planes, k, signshift): the byte planes of raw (elements of k bytes) into planes"},
     {"join", join, METH_VARARGS, "join(planes, raw, k, signshift): the inverse of split"},
     {"repeats", repeats, METH_VARARGS, "repeats(buf): how many bytes of buf equal the byte before them"},
+    {"zstd_frames", zstd_frames, METH_VARARGS,
+     "zstd_frames(buf, max_window): how many zstd frames buf holds; ValueError unless it is whole frames of "
+     "windows up to max_window"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -245,6 +245,10 @@ def encode_planes(planes: np.ndarray, k: int, out: np.ndarray, level: int = 1, m
     return at
 
 
+#: The kernel's walk of a chunk's zstd frames (None for a kernel built before it had one: libzstd's, below).
+_frames = getattr(_kernel, "zstd_frames", None)
+
+
 def _check_windows(ffi: Any, lib: Any, src: Any, n: int) -> None:
     """``check_zstd_window`` in libzstd: the frames' headers and block headers are walked in C
     (``ZSTD_findFrameCompressedSize``), with the GIL released, instead of in Python."""
@@ -279,7 +283,10 @@ def decode_frames(data: Any, out: np.ndarray) -> None:
         if d is None:
             d = _tls.dctx = ffi.gc(lib.ZSTD_createDCtx(), lib.ZSTD_freeDCtx)
         src = ffi.from_buffer("char[]", data)
-        _check_windows(ffi, lib, src, len(src))
+        if _frames is not None:
+            _frames(data, MAX_ZSTD_WINDOW)
+        else:
+            _check_windows(ffi, lib, src, len(src))
         # One call decodes every frame (skippable ones too) and never writes past ``n`` bytes (SPEC 11.7).
         got = lib.ZSTD_decompressDCtx(d, ffi.from_buffer("char[]", out, require_writable=True), n, src, len(src))
         if lib.ZSTD_isError(got):
