@@ -650,7 +650,8 @@ class Checkpoint(Mapping):
         bytes; a box narrower than the tensor in a later dim (a column box)
         decodes whole rows of its row range and keeps its columns, so it costs
         rows x full row bytes (loading Shard(1) from a Shard(0) save decodes
-        every stored row once per reader).  A view in C order in its base (a
+        every stored row once per reader; ``read_boxes_into`` decodes them once
+        for all the boxes it is given).  A view in C order in its base (a
         slice of a flat buffer) and a tensor derived from a stored one read
         their rows the same way; other views are built whole, then cut."""
         entry = self._tensor_entry(name)
