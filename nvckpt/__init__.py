@@ -9,7 +9,9 @@ class is first touched (the CLI's info, ls and verify never import it).
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # the one place: pyproject.toml reads it (tool.setuptools.dynamic)
+
+from typing import TYPE_CHECKING  # noqa: E402
 
 from ._lazy import lazy_attributes  # noqa: E402
 from .errors import (  # noqa: E402
@@ -32,6 +34,11 @@ _LAZY = {
     "release_pinned_memory": "engines.gpu.pinned", "reserve_pinned_memory": "engines.gpu.pinned",
     "SaveOptions": "options", "LoadOptions": "options", "GpuSaveOptions": "options", "GpuLoadOptions": "options",
 }
+
+if TYPE_CHECKING:  # what _LAZY imports on first use, for type checkers and the API reference
+    from .api import Checkpoint, SaveFuture, SaveResult, TensorSlice, async_save, load, open, save
+    from .engines.gpu.pinned import release_pinned_memory, reserve_pinned_memory
+    from .options import GpuLoadOptions, GpuSaveOptions, LoadOptions, SaveOptions
 
 __all__ = [
     "save", "async_save", "SaveFuture", "load", "open", "Checkpoint", "TensorSlice", "SaveResult",

@@ -1887,7 +1887,7 @@ def gen_issue13(s: Suite) -> None:
          "a complex ext (5) in a version 1.1 file whose required_features is 0",
          "version_minor is never a reason to accept or refuse: only the feature bit is"),
         ("typed-dtype-uppercase", with_tree(one(ext(3, b"Float32"))), "format",
-         "a dtype ext whose name is 'Float32' (names are [a-z][a-z0-9_]*)",
+         "a dtype ext whose name is 'Float32' (names match `[a-z][a-z0-9_]*`)",
          "a name that is not a torch attribute name; getattr on arbitrary text reaches more than dtypes"),
         ("typed-dtype-dunder", with_tree(one(ext(3, b"__class__"))), "format",
          "a dtype ext whose name is '__class__'", "getattr(torch, name) on a name like this reaches non-dtypes"),

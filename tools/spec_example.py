@@ -7,8 +7,9 @@ checksum to an in-memory stream (front to back, as to a pipe), then walks the
 bytes with nothing but struct, xxhash and this file's small msgpack
 tokenizer, checking every field and checksum against SPEC.md's tables.
 
-The writer map records the torch and Python versions of the writing process;
-they are pinned here so that the dump is the same on every machine.
+The writer map records the nvckpt, torch and Python versions of the writing
+process; they are pinned here so that the dump is the same on every machine and
+release.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import xxhash  # noqa: E402
 import nvckpt  # noqa: E402
 import nvckpt.session.save  # noqa: E402
 
-PINNED = {"torch": "2.13.0", "python": "3.11.7"}
+PINNED = {"version": "0.1.0", "torch": "2.13.0", "python": "3.11.7"}
 _writer_info = nvckpt.session.save.writer_info
 
 

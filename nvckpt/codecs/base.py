@@ -28,6 +28,7 @@ class DeviceOp(NamedTuple):
         return self.shuffle > 1
 
     def describe(self) -> str:
+        """How errors and reports name this device coder, e.g. ``ans(|u1, shuffle=2)``."""
         return f"{self.algorithm}({self.data_type}, shuffle={self.shuffle})"
 
 
@@ -77,15 +78,18 @@ class Codec:
         (what a device decoder would not check itself: zstd's window bound, SPEC 11.4).  Coders only."""
 
     def configuration(self) -> dict[str, Any]:
+        """The step's parameters as stored in the file's codec table (SPEC 11.1); ``{}`` when it has none."""
         return {}
 
     @classmethod
     def from_configuration(cls, configuration: dict[str, Any]) -> "Codec":
+        """The step a file's codec table describes (ValueError for a configuration it does not take)."""
         if configuration:
             raise ValueError(f"codec {cls.name!r} takes no configuration, got {configuration!r}")
         return cls()
 
     def encode(self, data: memoryview) -> bytes | memoryview:
+        """Encode ``data`` on the host (a coder may return more bytes than it was given: the writer then stores the chunk raw)."""
         raise NotImplementedError
 
     def decode(self, data: memoryview, raw_length: int) -> bytes | memoryview:
@@ -134,6 +138,7 @@ class Pipeline:
 
     @property
     def coder(self) -> Codec:
+        """The last step, which turns bytes into the stored payload (the others are filters)."""
         return self.steps[-1]
 
     @property
@@ -150,6 +155,7 @@ class Pipeline:
 
     @property
     def needs_gpu(self) -> bool:
+        """A step has no host decoder (nvcomp-ans): its chunks decode only on a GPU with nvCOMP."""
         return any(s.needs_gpu for s in self.steps)
 
     def __hash__(self) -> int:
@@ -252,20 +258,24 @@ class Pipeline:
         return encode_chunk(raw, k, signshift, out, self.coder.level, self.matches)  # type: ignore[attr-defined]
 
     def to_json(self) -> list[dict[str, Any]]:
+        """The pipeline as a file's codec table stores it (SPEC 11.1): one ``{name, configuration}`` per step."""
         return [{"name": s.name, "configuration": s.configuration()} for s in self.steps]
 
     def describe(self) -> str:
+        """How errors, ``nvckpt ls`` and reports name the pipeline, e.g. ``signshift+byteshuffle(elementsize=2)+zstd``."""
         return "+".join(
             s.name + (f"({','.join(f'{k}={v}' for k, v in s.configuration().items())})" if s.configuration() else "")
             for s in self.steps
         )
 
     def encode(self, data: memoryview) -> bytes | memoryview:
+        """Run every step's host encoder in order (the step-by-step path; planar pipelines have a faster one)."""
         for step in self.steps:
             data = step.encode(memoryview(data))
         return data
 
     def decode(self, data: memoryview, raw_length: int) -> bytes | memoryview:
+        """Undo the steps in reverse order; returns exactly ``raw_length`` bytes or raises."""
         self.check_known()
         out = self.coder.decode(memoryview(data), raw_length)
         for step in reversed(self.steps[:-1]):

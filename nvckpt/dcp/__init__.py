@@ -16,7 +16,14 @@ package loads no torch until ``Writer``, ``Reader`` or ``Stager`` is touched.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from .._lazy import lazy_attributes
+
+if TYPE_CHECKING:  # what _LAZY imports on first use, for type checkers and the API reference
+    from .reader import Reader
+    from .stager import Stager
+    from .writer import Writer
 
 _LAZY = {"Writer": "writer", "Reader": "reader", "Stager": "stager"}
 

@@ -62,7 +62,9 @@ class Directory(Protocol):
 
     name: str
 
-    def exists(self) -> bool: ...
+    def exists(self) -> bool:
+        """The directory (or prefix) holds anything."""
+        ...
 
     def is_file(self) -> bool:
         """The name is a plain file, not a directory (a rank file given where a directory belongs)."""
@@ -80,7 +82,9 @@ class Directory(Protocol):
         """The size of entry ``name``, or None if there is no such file."""
         ...
 
-    def open_source(self, name: str) -> ByteSource: ...
+    def open_source(self, name: str) -> ByteSource:
+        """A ByteSource of entry ``name`` (a rank file), for a ChunkReader."""
+        ...
 
     def join(self, name: str) -> str:
         """How errors and reports name entry ``name``."""
@@ -95,9 +99,13 @@ class Directory(Protocol):
         """Remove what saves that did not finish left (not a staging this process is still writing)."""
         ...
 
-    def stage(self) -> Staging: ...
+    def stage(self) -> Staging:
+        """Begin a new checkpoint here, invisible to readers (the coordinator calls it once per save)."""
+        ...
 
-    def staging(self, token: str) -> Staging: ...
+    def staging(self, token: str) -> Staging:
+        """The staging another process began, from its ``token`` (every rank writes into the same one)."""
+        ...
 
 
 class LocalStaging:

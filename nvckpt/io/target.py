@@ -34,7 +34,9 @@ class SinkOptions:
 class Sink(Protocol):
     """A write-only binary stream: ``write(data) -> int``; ``write_many(pieces)`` where it has one."""
 
-    def write(self, data: Any) -> int: ...
+    def write(self, data: Any) -> int:
+        """Append ``data`` (bytes-like); returns its length."""
+        ...
 
 
 @runtime_checkable
@@ -58,7 +60,9 @@ class Target(Protocol):
         """Temporaries of earlier saves to this target that did not finish (a crash), to report."""
         ...
 
-    def open_sink(self, options: SinkOptions) -> Sink: ...
+    def open_sink(self, options: SinkOptions) -> Sink:
+        """Start the write: the stream the frames go to, front to back (``options``: what the engine asks of a local file)."""
+        ...
 
     def commit(self, before_publish: Callable[[], None] | None = None) -> None:
         """The written file becomes the target.  ``before_publish`` is called last before that (it may raise,

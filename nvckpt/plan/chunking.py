@@ -26,6 +26,7 @@ GPU_CHUNK_SIZE = 4 * MiB
 
 
 def check_chunk_size(chunk_size: object) -> int:
+    """``chunk_size`` if it is an int in 1..MAX_CHUNK_LENGTH (SPEC 16), else ValueError naming the range."""
     if type(chunk_size) is not int or not 1 <= chunk_size <= MAX_CHUNK_LENGTH:
         raise ValueError(f"chunk_size must be an integer in 1..{MAX_CHUNK_LENGTH}, got {chunk_size!r}")
     return chunk_size
@@ -51,6 +52,7 @@ class RowChunks:
         check_chunk_size(self.size)
 
     def ranges(self, shape: tuple[int, ...], itemsize: int) -> Sequence[tuple[int, int]]:
+        """As many whole rows of dim 0 per chunk as fit in ``size`` bytes; a row larger than ``size`` is cut into pieces."""
         return chunk_ranges(shape, itemsize, self.size)
 
 

@@ -56,6 +56,7 @@ class SaveFuture(Future):
         self._failure: lifecycle.Failure | None = None  # set when it fails: exit reports it unless it was seen
 
     def result(self, timeout: float | None = None) -> Any:
+        """The save's ``SaveResult`` once the file is complete; raises the save's error, or CancelledError after ``cancel()``."""
         try:
             self._wait_cleanup(timeout)
             return super().result(timeout)
@@ -65,6 +66,7 @@ class SaveFuture(Future):
             self._seen()
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The save's error once it ended (None if it succeeded), as ``concurrent.futures.Future.exception``."""
         try:
             self._wait_cleanup(timeout)
             return super().exception(timeout)

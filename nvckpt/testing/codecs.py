@@ -33,6 +33,7 @@ class CodecTests:
     """The codec contract (see the module docstring)."""
 
     def pipelines(self) -> list[Pipeline]:
+        """The pipelines under test: override in the subclass (a fixture)."""
         raise NotImplementedError
 
     @staticmethod

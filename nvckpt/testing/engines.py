@@ -55,6 +55,7 @@ class EngineTests:
     """The engine contract (see the module docstring)."""
 
     def engine(self) -> Engine:
+        """The engine under test: override in the subclass (a fixture)."""
         raise NotImplementedError
 
     def test_is_an_engine(self) -> None:

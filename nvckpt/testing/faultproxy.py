@@ -115,10 +115,12 @@ class FaultProxy:
 
     @property
     def endpoint_url(self) -> str:
+        """The proxy's URL, to give a client instead of the server's."""
         return f"http://127.0.0.1:{self.port}"
 
     # -- faults -----------------------------------------------------------------------------------
     def add(self, fault: Fault) -> Fault:
+        """Inject ``fault`` into the requests it matches from now on; returns it (its counters say what it did)."""
         with self._lock:
             self._faults.append(fault)
         return fault
@@ -183,6 +185,7 @@ class FaultProxy:
 
     # -- life cycle -------------------------------------------------------------------------------
     def start(self) -> FaultProxy:
+        """Start listening on a free loopback port (use as a context manager to stop it)."""
         if self._thread is not None:
             return self
         ready = threading.Event()

@@ -125,22 +125,27 @@ class S3Server:
     # -- where it is ------------------------------------------------------------------------------
     @property
     def port(self) -> int:
+        """The S3 API's port on 127.0.0.1."""
         return self.ports["s3.port"]
 
     @property
     def endpoint_url(self) -> str:
+        """The S3 endpoint to give a client (``http://127.0.0.1:PORT``)."""
         return f"http://127.0.0.1:{self.port}"
 
     @property
     def pid(self) -> int | None:
+        """The server process's id while it runs (None before ``start``)."""
         return self.proc.pid if self.proc is not None else None
 
     @property
     def alive(self) -> bool:
+        """The server process is running."""
         return self.proc is not None and self.proc.poll() is None
 
     @property
     def log_path(self) -> str:
+        """The server's log file (``weed.log`` in its directory)."""
         return os.path.join(self.root, "weed.log")
 
     def env(self) -> dict[str, str]:
@@ -150,6 +155,7 @@ class S3Server:
                 "AWS_DEFAULT_REGION": self.region, "AWS_ALLOW_HTTP": "true"}
 
     def log_tail(self, lines: int = 30) -> str:
+        """The last ``lines`` lines of the server's log, for a failing test's message."""
         try:
             with open(self.log_path, "rb") as f:
                 f.seek(max(0, os.fstat(f.fileno()).st_size - 64 * 1024))
@@ -272,12 +278,14 @@ class S3Server:
             self._frozen = True
 
     def thaw(self) -> None:
+        """Resume a server that ``freeze`` stopped (SIGCONT)."""
         if self.alive and self._frozen:
             self._signal(signal.SIGCONT)
         self._frozen = False
 
     @property
     def frozen(self) -> bool:
+        """The server is stopped by ``freeze`` (alive, answering nothing)."""
         return self._frozen and self.alive
 
     def stop(self, timeout: float = 15.0) -> None:
