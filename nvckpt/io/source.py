@@ -39,7 +39,7 @@ class RangeReads(Protocol):
         ...
 
     def close(self) -> None:
-        X
+        """Release what the reads hold (descriptors) and add the bytes they read to the source's ``bytes_read``."""
         ...
 
 
