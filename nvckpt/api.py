@@ -18,33 +18,33 @@ from .session.slicing import TensorSlice
 def save(obj: Any, target: str | os.PathLike | Any, **options: Any) -> SaveResult:
     """Save a nested training state (tensors in dicts, lists, tuples, with scalars and strings).
 
-    ``obj``: what to save (README, "What can be saved"); anything else raises UnsupportedObjectError
-    naming its path, before a byte is written.
-    ``target``: a path (written atomically: temporary file beside it, fsync, rename; the old file stays
-    until the new one is complete) or a binary stream (written front to back, never seeking).
-    ``codec``: "auto" (nvcomp-ans on a GPU with nvCOMP, else portable), "portable"
-    (signshift+byteshuffle+zstd, one frame per byte plane, readable by any zstd library),
-    "portable-1.0" (byteshuffle+zstd as nvckpt 0.1 wrote it), "zstd", "raw", "ans" (GPU only),
-    or a ``nvckpt.codecs.Pipeline``.
-    ``metadata``: a JSON-like dict with str keys, stored in the index (``Checkpoint.metadata()``).
-    ``derive`` (default True): store a bf16 tensor that is exactly the rounding of a saved fp32
-    tensor, and an exact copy of another tensor, as derived (zero bytes; verified bit for bit on
-    their device).  ``derive_bf16``: the former option (bf16 roundings only).
-    ``chunk_size``: target raw bytes per chunk, whole rows of dim 0 where they fit (default: 1 MiB on the
-    CPU engine, 4 MiB on the GPU engine), or a ``nvckpt.plan.chunking.ChunkPolicy``.
-    ``alignment``: large chunk payloads start at a multiple of it (a power of two; default 1 on the
-    CPU engine, 4096 on the GPU engine, for O_DIRECT).
-    ``zstd_level``: the zstd level, -7..22 (1: fast; higher: smaller and slower).
-    ``tensor_checksums``: also store each tensor's XXH3-64 (every chunk has its own checksum anyway;
-    default yes, except in an async_save that reads the tensors ahead, see async_save).
-    ``engine``: "auto" (the GPU engine for CUDA tensors where nvCOMP is), "cpu", "gpu", or an engine to
-    run (an ``nvckpt.engines.base.Engine``).
-    ``workers``: CPU encode threads (default: all cores; the process keeps one shared pool per count, nvckpt._threads).
-    ``direct_io``: write with O_DIRECT where the filesystem allows it.
-    ``preemption_grace``: seconds a save may still run after SIGTERM before it is cancelled (README).
-    ``storage_options``: for a URL target (``s3://bucket/key``, any fsspec URL), its storage backend's options
-    (endpoint, credentials, timeouts), over what the environment and config files say.
-    ``gpu``: the GPU engine's knobs (``nvckpt.GpuSaveOptions``).
+    - ``obj``: what to save (the docs' "What can be saved"); anything else raises UnsupportedObjectError
+      naming its path, before a byte is written.
+    - ``target``: a path (written atomically: temporary file beside it, fsync, rename; the old file stays
+      until the new one is complete) or a binary stream (written front to back, never seeking).
+    - ``codec``: "auto" (nvcomp-ans on a GPU with nvCOMP, else portable), "portable"
+      (signshift+byteshuffle+zstd, one frame per byte plane, readable by any zstd library),
+      "portable-1.0" (byteshuffle+zstd as nvckpt 0.1 wrote it), "zstd", "raw", "ans" (GPU only),
+      or a ``nvckpt.codecs.Pipeline``.
+    - ``metadata``: a JSON-like dict with str keys, stored in the index (``Checkpoint.metadata()``).
+    - ``derive`` (default True): store a bf16 tensor that is exactly the rounding of a saved fp32
+      tensor, and an exact copy of another tensor, as derived (zero bytes; verified bit for bit on
+      their device).  ``derive_bf16``: the former option (bf16 roundings only).
+    - ``chunk_size``: target raw bytes per chunk, whole rows of dim 0 where they fit (default: 1 MiB on the
+      CPU engine, 4 MiB on the GPU engine), or a ``nvckpt.plan.chunking.ChunkPolicy``.
+    - ``alignment``: large chunk payloads start at a multiple of it (a power of two; default 1 on the
+      CPU engine, 4096 on the GPU engine, for O_DIRECT).
+    - ``zstd_level``: the zstd level, -7..22 (1: fast; higher: smaller and slower).
+    - ``tensor_checksums``: also store each tensor's XXH3-64 (every chunk has its own checksum anyway;
+      default yes, except in an async_save that reads the tensors ahead, see async_save).
+    - ``engine``: "auto" (the GPU engine for CUDA tensors where nvCOMP is), "cpu", "gpu", or an engine to
+      run (an ``nvckpt.engines.base.Engine``).
+    - ``workers``: CPU encode threads (default: all cores; the process keeps one shared pool per count, nvckpt._threads).
+    - ``direct_io``: write with O_DIRECT where the filesystem allows it.
+    - ``preemption_grace``: seconds a save may still run after SIGTERM before it is cancelled (the docs' "Async save").
+    - ``storage_options``: for a URL target (``s3://bucket/key``, any fsspec URL), its storage backend's options
+      (endpoint, credentials, timeouts), over what the environment and config files say.
+    - ``gpu``: the GPU engine's knobs (``nvckpt.GpuSaveOptions``).
 
     Returns a ``SaveResult`` (path, raw_bytes, file_bytes, seconds, ratio, stats).
     Raises ``NvckptError`` (``UnsupportedObjectError`` for what cannot be stored, ``LimitError`` past
@@ -71,7 +71,7 @@ def async_save(obj: Any, target: str | os.PathLike | Any, fence: Any = None, **o
     forward changes) are copied at the call, up to 1 MiB each and 64 MiB in all.
     Change the tensors in any other way only after ``future.wait_read()``.
     Takes the options of ``save``; a pending save is finished at interpreter
-    exit, and SIGTERM gives it ``preemption_grace`` seconds (README)."""
+    exit, and SIGTERM gives it ``preemption_grace`` seconds (the docs' "Async save")."""
     return start_async(obj, target, options_from(SaveOptions, "async_save", options), fence)
 
 
@@ -80,24 +80,24 @@ def open(target: str | os.PathLike | Any, **options: Any) -> Checkpoint:  # noqa
     """Open a checkpoint for random access (use as a context manager); a read-only Mapping of tensor names
     to tensors, like safetensors' ``safe_open``.
 
-    ``target``: a path, a URL of a storage backend, or a seekable binary file object (read from its position,
-    where save wrote it; a stream left at its end from its start).
-    ``device``: where every tensor is materialized: "cpu" (the default), "cuda", "cuda:1", a torch.device
-    or a CUDA index; the file does not record where a tensor was saved from, so any file loads on any device.
-    ``workers``: CPU decode threads, the caller's among them (default: all cores; shared pools, nvckpt._threads).
-    ``untrusted``: for files from an untrusted source, decode only with the hardened CPU decoders (no
-    nvCOMP; nvcomp-ans chunks are refused) and bound the memory of the decoded index to
-    ``max_index_memory`` bytes (default ``nvckpt.options.UNTRUSTED_INDEX_MEMORY``, 1 GiB; a trusted
-    open has no bound of its own unless it is given).
-    ``max_tensor_bytes``: refuse (LimitError) to materialize a tensor, view or slice larger than this.
-    ``storage_options``: for a URL (``s3://bucket/key``, any fsspec URL), its storage backend's options
-    (endpoint, credentials, timeouts), over what the environment and config files say.
-    ``gpu``: the GPU loader's knobs (``nvckpt.GpuLoadOptions``).
-    ``map_location``: torch.load's, instead of ``device``: a device, a string, a dict whose values all
-    name one device, or a callable ``fn(storage, "cpu") -> storage`` called once per storage.
-    ``weights_only``: accepted and changes nothing: nvckpt never unpickles, so loading never runs code
-    (what torch.load(weights_only=True) protects against) and only tensors and plain data come back.
-    ``mmap``: False or None only: chunks are compressed and checksummed; ``open`` reads lazily instead.
+    - ``target``: a path, a URL of a storage backend, or a seekable binary file object (read from its position,
+      where save wrote it; a stream left at its end from its start).
+    - ``device``: where every tensor is materialized: "cpu" (the default), "cuda", "cuda:1", a torch.device
+      or a CUDA index; the file does not record where a tensor was saved from, so any file loads on any device.
+    - ``workers``: CPU decode threads, the caller's among them (default: all cores; shared pools, nvckpt._threads).
+    - ``untrusted``: for files from an untrusted source, decode only with the hardened CPU decoders (no
+      nvCOMP; nvcomp-ans chunks are refused) and bound the memory of the decoded index to
+      ``max_index_memory`` bytes (default ``nvckpt.options.UNTRUSTED_INDEX_MEMORY``, 1 GiB; a trusted
+      open has no bound of its own unless it is given).
+    - ``max_tensor_bytes``: refuse (LimitError) to materialize a tensor, view or slice larger than this.
+    - ``storage_options``: for a URL (``s3://bucket/key``, any fsspec URL), its storage backend's options
+      (endpoint, credentials, timeouts), over what the environment and config files say.
+    - ``gpu``: the GPU loader's knobs (``nvckpt.GpuLoadOptions``).
+    - ``map_location``: torch.load's, instead of ``device``: a device, a string, a dict whose values all
+      name one device, or a callable ``fn(storage, "cpu") -> storage`` called once per storage.
+    - ``weights_only``: accepted and changes nothing: nvckpt never unpickles, so loading never runs code
+      (what torch.load(weights_only=True) protects against) and only tensors and plain data come back.
+    - ``mmap``: False or None only: chunks are compressed and checksummed; ``open`` reads lazily instead.
 
     Raises ``NvckptError`` naming the file (``UnsupportedFeatureError`` for a device this machine lacks)."""
     return Checkpoint(target, options_from(LoadOptions, "open", options))
