@@ -155,3 +155,12 @@ def test_every_public_name_in_the_reference_has_a_docstring():
     shown = {name for _, name, _ in rendered}
     for public in nvckpt.__all__:
         assert public == "__version__" or f"nvckpt.{public}" in shown, f"nvckpt.{public} is not in the API reference"
+
+
+def test_changelog_leads_with_this_version():
+    import nvckpt
+
+    with open(os.path.join(ROOT, "CHANGELOG.md"), encoding="utf-8") as f:
+        releases = re.findall(r"^## \[([^\]]+)\] - (\d{4}-\d{2}-\d{2})$", f.read(), re.M)
+    assert releases and releases[0][0] == nvckpt.__version__, (releases[:1], nvckpt.__version__)
+    assert [d for _, d in releases] == sorted((d for _, d in releases), reverse=True)
