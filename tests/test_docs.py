@@ -118,6 +118,9 @@ def reference_members() -> list[tuple[str, str, object]]:
                 continue
             names = ([n.strip() for n in listed.group(1).split(",")] if listed
                      else [n for n in vars(obj) if not n.startswith("_")] if inspect.isclass(obj) else [])
+            if inspect.ismodule(obj):  # a module's page shows every name it exports
+                for exported in sorted(set(getattr(obj, "__all__", ())) - set(names)):
+                    out.append((page, f"{path}.{exported} (in __all__, not shown)", None))
             for member in names:
                 out.append((page, f"{path}.{member}", inspect.getattr_static(obj, member)))
     return out
@@ -137,6 +140,8 @@ def _resolve(path: str) -> object:
 
 
 def _documented(obj: object) -> bool:
+    if obj is None:
+        return False
     if isinstance(obj, (staticmethod, classmethod)):
         obj = obj.__func__
     if isinstance(obj, property):
