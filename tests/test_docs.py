@@ -68,6 +68,7 @@ def _run(args: list[str], cwd: str, stdin: str | None = None, timeout: float = 9
     return subprocess.run(args, cwd=cwd, input=stdin, capture_output=True, text=True, timeout=timeout, env=env)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page", [p for p in pages() if any(how == "run" for _, how, _ in blocks(p))])
 def test_python_blocks_run(page, tmp_path):
     code = [(line, src) for line, how, src in blocks(page) if how == "run"]
@@ -90,6 +91,7 @@ def test_torchrun_scripts_resume_at_another_world_size(page, tmp_path):
         assert "step 20:" in done.stdout, done.stdout  # the second run resumed where the first stopped
 
 
+@pytest.mark.slow
 def test_site_builds_strict(tmp_path):
     pytest.importorskip("mkdocs")
     pytest.importorskip("mkdocstrings")
@@ -151,6 +153,7 @@ def _documented(obj: object) -> bool:
     return True  # a constant: documented by a #: comment or the module's docstring
 
 
+@pytest.mark.slow
 def test_every_public_name_in_the_reference_has_a_docstring():
     rendered = reference_members()
     missing = [f"{page}: {name}" for page, name, obj in rendered if not _documented(obj)]
