@@ -38,7 +38,7 @@ import re
 import shutil
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..codecs.presets import PRESETS
 from ..errors import FormatError, NvckptError, UnsupportedFeatureError, UnsupportedObjectError
@@ -58,6 +58,9 @@ from ._util import (
     overwrites_source,
     sniff_format,
 )
+
+if TYPE_CHECKING:  # torch is imported only once a conversion runs (a usage error answers without it)
+    import torch
 
 FORMATS = ("nvckpt", "safetensors", "torch", "dcp", "dcp-filesystem")
 EXTENSIONS = {".nvckpt": "nvckpt", ".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch",
@@ -384,8 +387,6 @@ def flatten(tree: Any) -> tuple[dict[str, torch.Tensor], Any, list[str], list[st
 def unshared(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
     """Contiguous CPU tensors of which no two share memory (safetensors refuses shared tensors);
     and how many had to be copied for that."""
-    import torch
-
     out: dict[str, torch.Tensor] = {}
     storages: set[int] = set()
     copies = 0
