@@ -14,6 +14,7 @@ from typing import Any, Iterator
 
 import torch
 
+from ..._fork import importing
 from ...codecs.presets import chooser
 from ...io.target import SinkOptions
 from ...options import SaveOptions, default_memory_budget
