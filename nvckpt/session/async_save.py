@@ -291,7 +291,11 @@ def _start_async(obj: Any, target: Any, options: SaveOptions, fences: list[Any],
     running = register(target, options, future._stop, future)  # before the thread starts: an exit now waits for it
     launched = time.perf_counter()
     try:
-        threading.Thread(target=work, name="nvckpt-async-save", daemon=False).start()
+        # A daemon thread: at exit, lifecycle's atexit handler waits for it (and says so; Ctrl-C there cancels
+        # it), which it could not do for a thread that the interpreter's thread shutdown joins before.
+        thread = threading.Thread(target=work, name="nvckpt-async-save", daemon=True)
+        lifecycle.started(thread)
+        thread.start()
     except BaseException:
         lifecycle.end(running)  # no thread: its turn at the path must not hold up later saves
         raise

@@ -1,10 +1,14 @@
 """What happens to saves in progress when the process ends: no checkpoint is lost silently.
 
 - Interpreter exit (end of script, ``sys.exit``, an uncaught exception): a
-  pending ``async_save`` is finished before the interpreter shuts its thread
-  pools down (a hook registered with ``threading._register_atexit``, which runs
-  before concurrent.futures refuses new work).  If one fails, its path and
-  reason are printed in one line and the process exits with status 1.
+  pending ``async_save`` is finished in an ``atexit`` handler that runs before
+  the program's own.  Its thread is a daemon thread (the interpreter's thread
+  shutdown, which joins the others before any atexit handler runs, leaves it
+  be, so that the wait happens in code of nvckpt's that can say what it waits
+  for and be interrupted), and its engine's worker threads are nvckpt's own
+  (``nvckpt._threads.WorkerPool``: concurrent.futures' pools take no new work
+  from the start of the thread shutdown on).  If one fails, its path and reason
+  are printed in one line and the process exits with status 1.
 - SIGTERM (SLURM, Kubernetes preemption): while any save runs, nvckpt's handler
   (installed only where SIGTERM still has its default action, from the main
   thread) gives the saves up to ``SaveOptions.preemption_grace`` seconds to
@@ -27,12 +31,14 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,10 +46,11 @@ from .._signals import leave_to_main_thread
 
 _lock = threading.Lock()
 _active: dict[int, "Running"] = {}
-_installed = {"exit": False, "sigterm": False}
+_installed: dict[str, Any] = {"exit": None, "sigterm": False}  # exit: the process that registered its handler
 _terminating = threading.Event()
 _force = threading.Event()  # the grace is over: take the default action whatever still runs
 _job = threading.Event()  # saves_are_the_job(): saves finished within the grace leave the process running
+_save_threads: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()  # async saves' threads (threading holds the live ones)
 
 
 @dataclass
@@ -65,6 +72,12 @@ def prepare(async_save: bool) -> None:
     _install(async_save)
 
 
+def started(thread: threading.Thread) -> None:
+    """An async_save's own (daemon) thread: the exit waits until it has ended."""
+    with _lock:
+        _save_threads.add(thread)
+
+
 def begin(path: str, cancel: threading.Event, grace: float, future: Any = None, turn: Any = None) -> Running:
     run = Running(path, cancel, grace, future, turn=turn)
     with _lock:
@@ -82,15 +95,11 @@ def end(run: Running) -> None:
 
 def _install(async_save: bool) -> None:
     with _lock:
-        if async_save and not _installed["exit"]:
-            register = getattr(threading, "_register_atexit", None)
-            if register is not None:
-                register(_finish_at_exit)
-            else:  # pragma: no cover - every CPython >= 3.9 has it
-                import atexit
-
-                atexit.register(_finish_at_exit)
-            _installed["exit"] = True
+        if async_save and _installed["exit"] != os.getpid():  # once per process (a forked child has no thread)
+            atexit.unregister(_finish_at_exit)  # a forked child inherits the registration: once, not twice
+            atexit.register(_finish_at_exit)
+            threading.Thread(target=_first_at_exit, name="nvckpt-exit", daemon=False).start()
+            _installed["exit"] = os.getpid()
         if not _installed["sigterm"] and threading.current_thread() is threading.main_thread():
             try:
                 if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
@@ -135,8 +144,23 @@ def pending_async() -> list[Running]:
         return [r for r in _active.values() if r.future is not None]
 
 
+def _first_at_exit() -> None:
+    """Wait for the interpreter's exit, then make ``_finish_at_exit`` the last registered atexit handler, which
+    the interpreter runs first: the program's own handlers (one may upload the checkpoint) run once the saves
+    are done, and an exit that ends the process itself (``_exit_now``) runs each of them exactly once.
+
+    The main thread counts as ended once the interpreter's thread shutdown begins; that shutdown then waits
+    for this thread (it is no daemon), and only after it runs the atexit handlers."""
+    leave_to_main_thread()
+    threading.main_thread().join()
+    atexit.unregister(_finish_at_exit)
+    atexit.register(_finish_at_exit)
+
+
 def _finish_at_exit() -> None:
     waiting = pending_async()
+    with _lock:
+        threads = list(_save_threads)  # also those whose save is done: one still ending is waited for below
     saving = [r for r in waiting if not r.future.cancelled()]  # cancelled ones only remove their temporary file
     if saving and not _terminating.is_set():
         paths = ", ".join(r.path for r in saving)
@@ -144,10 +168,14 @@ def _finish_at_exit() -> None:
     try:
         for run in waiting:
             run.done.wait()
+        for thread in threads:
+            # A daemon thread that runs on as the interpreter finalizes is ended at its next take of the GIL,
+            # by an unwinding that aborts the process if it passes through C++ (torch's) frames.
+            thread.join()
     except KeyboardInterrupt:  # Ctrl-C while the exit waits: the saves not finished are cancelled, and said so
         _cancel_at_exit([r for r in waiting if not r.done.is_set()])
-        # Raising it here would end threading's shutdown midway (the thread pools' own exit hook skipped):
-        # the interpreter then printed "Exception ignored" and aborted (SIGABRT) or exited 0.
+        # Raised from here, the interpreter would print "Exception ignored in atexit callback" and exit 0 while
+        # the save's thread still wrote (cut off mid-write as the interpreter ends, its temporary file left).
         _exit_now(signum=signal.SIGINT)
     with _lock:  # failed now, or before the exit and nobody asked: lost either way
         failed = [(f.path, f.line) for f in _failed if not f.seen]
@@ -174,17 +202,17 @@ def _cancel_at_exit(late: list[Running]) -> None:
 
 def _exit_now(status: int = 1, signum: int | None = None) -> None:
     """End the process although the script's main code has ended (its status is decided by then): what the
-    interpreter would still do -- the program's atexit handlers (this runs before them, in threading's
-    shutdown), flushing files it left open -- then exit with ``status``, or as killed by ``signum`` (SIGINT:
-    as the interpreter ends on an uncaught KeyboardInterrupt, 130 in a shell)."""
-    import atexit
+    interpreter would still do -- the program's atexit handlers (this runs in the first of them,
+    ``_finish_at_exit``), flushing files it left open -- then exit with ``status``, or as killed by ``signum``
+    (SIGINT: as the interpreter ends on an uncaught KeyboardInterrupt, 130 in a shell)."""
     import gc
     import io
 
     if signum is not None:
         signal.signal(signum, signal.SIG_IGN)  # a further Ctrl-C while the handlers run does not cut them short
+    atexit.unregister(_finish_at_exit)  # running now: the run below must not start it again
     try:
-        atexit._run_exitfuncs()  # each handler once, in their order (the interpreter then finds none left)
+        atexit._run_exitfuncs()  # each other handler once, in their order (the interpreter then finds none left)
     except BaseException:  # noqa: BLE001 - the interpreter prints a handler's error and goes on
         pass
     files = (io.BufferedWriter, io.BufferedRandom, io.TextIOWrapper)
@@ -269,6 +297,7 @@ def _after_fork_in_child() -> None:
     global _lock
     _lock = threading.Lock()  # another thread may have held it at the fork: it would stay locked here
     _active.clear()
+    _save_threads.clear()
     _failed.clear()
     _terminating.clear()
     _force.clear()

@@ -30,14 +30,14 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
-from ..._signals import leave_to_main_thread
+from ..._threads import WorkerPool
 from ...codecs.base import DecodeRejected, DeviceOp
 from ...errors import ChecksumError, FormatError, LimitError, NvckptError
 from ...format.entry import Chunk, TensorEntry
@@ -153,7 +153,7 @@ class _Verifier:
         self.dev = dev
         self.path = path
         self.piece_bytes = piece_bytes
-        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="nvckpt-verify", initializer=leave_to_main_thread)
+        self.pool = WorkerPool(workers, "nvckpt-verify")
         self.futures: list[Future] = []
         self._local = threading.local()
 
@@ -257,8 +257,7 @@ def _decode(file: ChunkReader, targets: list[_Target], dev: Backend, options: Gp
     reads = file.source.range_reads(options.direct_io)
     pool = SlotPool(min(options.read_buffers, len(spans)), buf_size, cached_allocator(dev.host_buffer), lazy=True)
     arena = dev.alloc(arena_bytes)
-    readers = ThreadPoolExecutor(options.read_threads, thread_name_prefix="nvckpt-read",
-                                 initializer=leave_to_main_thread)
+    readers = WorkerPool(options.read_threads, "nvckpt-read")
     inflight: deque = deque()
     staged: dict[Any, list[tuple[_Item, torch.Tensor]]] = {}
     arena_used = 0

@@ -49,7 +49,6 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict, deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -57,6 +56,7 @@ import torch
 
 from ..._fork import Lock
 from ..._signals import leave_to_main_thread
+from ..._threads import WorkerPool
 from ...codecs.base import Pipeline
 from ...codecs.registry import RAW
 from ...format.structs import xxh3
@@ -248,7 +248,7 @@ class _Digests:
     per hash worker): a task per chunk cost a future, a queue hand-off and a wake-up each, thousands per save,
     each taking the GIL from the training loop's thread while the save's writer runs."""
 
-    def __init__(self, pool: ThreadPoolExecutor, work: list[tuple[Callable[[memoryview], int], memoryview]],
+    def __init__(self, pool: WorkerPool, work: list[tuple[Callable[[memoryview], int], memoryview]],
                  parts: int) -> None:
         total = sum(p.nbytes for _, p in work) or 1
         cuts, acc, start = [], 0, 0
@@ -454,8 +454,7 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
 
     checks = (TensorChecksums(dev, order, ready, options.piece_bytes, options.checksum_workers)
               if tensor_checksums and order else None)
-    hasher = ThreadPoolExecutor(options.hash_workers, thread_name_prefix="nvckpt-chunk-xxh3",
-                                initializer=leave_to_main_thread)
+    hasher = WorkerPool(options.hash_workers, "nvckpt-chunk-xxh3")  # nvckpt's own: an async save may run at exit
     pool: SlotPool | None = None
     announced: set[int] = set()
     sources: dict[int, torch.Tensor] = {}
