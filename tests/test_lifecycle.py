@@ -385,6 +385,54 @@ def test_ctrl_c_while_the_exit_waits_for_an_async_save_is_an_interrupted_exit(tm
     assert not glob.glob(str(tmp_path / ".*nvckpt-tmp"))
 
 
+@pytest.mark.slow
+def test_the_programs_atexit_handlers_run_after_the_pending_async_save_is_done(tmp_path):
+    """A handler registered after the async_save call (one that uploads the checkpoint, say) still runs once the
+    file is complete, as do handlers registered before it."""
+    path = str(tmp_path / "u.nvckpt")
+    done = child(f"""
+        import atexit, torch, nvckpt
+        def upload(when):
+            print(when, nvckpt.load({path!r})["w"].numel(), flush=True)
+        atexit.register(upload, "before")
+        {SLOW_SAVE.format(fn='async_save', path=path, extra='')}
+        atexit.register(upload, "after")
+    """)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["after", str(1 << 24), "before", str(1 << 24)], done.stdout
+
+
+@pytest.mark.slow
+def test_a_failed_async_save_at_exit_runs_each_atexit_handler_once(tmp_path):
+    done = child(f"""
+        import atexit, torch, nvckpt
+        atexit.register(print, "registered before", flush=True)
+        {FULL_DISK}
+        nvckpt.async_save({{"w": torch.ones(2)}}, {str(tmp_path / "c.nvckpt")!r})
+        atexit.register(print, "registered after", flush=True)
+    """)
+    assert done.returncode == 1, done.stderr
+    assert done.stdout.splitlines() == ["registered after", "registered before"], done.stdout
+
+
+@pytest.mark.slow
+def test_an_async_save_started_after_the_main_thread_ended_is_finished_at_exit(tmp_path):
+    """The training loop in a thread of its own, the main thread's script over: the interpreter's thread
+    shutdown has begun (concurrent.futures' pools take no new work) when the save starts, and it completes."""
+    path = str(tmp_path / "t.nvckpt")
+    done = child(f"""
+        import threading, time, torch, nvckpt
+        def train():
+            time.sleep(1)  # the main thread has ended by now; the interpreter waits for this thread
+            {SLOW_SAVE.format(fn='async_save', path=path, extra='')}
+        threading.Thread(target=train).start()
+    """)
+    assert done.returncode == 0, done.stderr
+    assert "finishing 1 async save(s) before exit" in done.stderr
+    assert torch.equal(nvckpt.load(path)["w"], torch.arange(1 << 24, dtype=torch.float32))
+    assert not glob.glob(str(tmp_path / ".*nvckpt-tmp"))
+
+
 def test_async_save_copies_its_metadata_and_tree_at_the_call(tmp_path):
     meta = {"run": "a", "nested": {"lr": [1e-3]}}
     tree = {"w": torch.ones(3), "cfg": {"layers": [1, 2]}}

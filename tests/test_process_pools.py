@@ -182,3 +182,85 @@ def test_a_child_forked_while_a_save_held_the_buffer_pools_saves(tmp_path):
             except BaseException:
                 os._exit(4)
     assert forked_exit_code(pid, 30, "the forked child hung on a pool's lock") == 0
+
+
+def test_a_worker_pool_is_an_executor_of_plain_futures():
+    from concurrent.futures import Future, as_completed, wait
+
+    from nvckpt._threads import WorkerPool
+
+    gate = threading.Event()
+    with WorkerPool(2, "pool-test") as pool:
+        held = [pool.submit(gate.wait, 30) for _ in range(2)]
+        queued = pool.submit(lambda a, b=0: a + b, 40, b=2)
+        time.sleep(0.05)
+        assert not queued.done()  # two threads at most, both busy
+        gate.set()
+        assert queued.result(10) == 42 and all(f.result(10) for f in held)
+        failing = pool.submit(int, "x")
+        assert isinstance(failing.exception(10), ValueError) and isinstance(failing, Future)
+        assert len(wait([pool.submit(abs, -k) for k in range(20)], 10).done) == 20
+        assert sorted(f.result() for f in as_completed([pool.submit(abs, -k) for k in range(5)])) == [0, 1, 2, 3, 4]
+        assert list(pool.map(abs, [-1, -2, -3])) == [1, 2, 3]
+        names = {t.name for t in threading.enumerate() if t.name.startswith("pool-test")}
+        assert names == {"pool-test_0", "pool-test_1"}
+    assert not any(t.name.startswith("pool-test") for t in threading.enumerate())  # shut down and joined
+    with pytest.raises(RuntimeError, match="shut down"):
+        pool.submit(abs, 1)
+    with pytest.raises(ValueError, match="at least 1 thread"):
+        WorkerPool(0, "pool-test")
+
+
+def test_a_worker_pools_shutdown_cancels_queued_work_when_asked():
+    from nvckpt._threads import WorkerPool
+
+    pool = WorkerPool(1, "pool-cancel")
+    gate = threading.Event()
+    running = pool.submit(gate.wait, 30)
+    queued = [pool.submit(abs, -k) for k in range(3)]
+    threading.Timer(0.1, gate.set).start()
+    pool.shutdown(wait=True, cancel_futures=True)
+    assert running.result() is True and all(f.cancelled() for f in queued)
+
+
+def test_an_unreferenced_worker_pools_threads_end():
+    import gc
+
+    from nvckpt._threads import WorkerPool
+
+    pool = WorkerPool(2, "pool-dropped")
+    assert pool.submit(abs, -3).result(10) == 3
+    threads = [t for t in threading.enumerate() if t.name.startswith("pool-dropped")]
+    del pool
+    gc.collect()
+    for t in threads:
+        t.join(10)
+    assert threads and not any(t.is_alive() for t in threads)
+
+
+def test_a_worker_pool_takes_work_at_exit_where_concurrent_futures_refuses_it():
+    """Why nvckpt has its own pool: a pending async save is finished in an atexit handler, after the
+    interpreter's thread shutdown, from which on concurrent.futures' pools take no new work."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import atexit
+        from concurrent.futures import ThreadPoolExecutor
+        from nvckpt._threads import WorkerPool
+        executor, pool = ThreadPoolExecutor(2), WorkerPool(2, "pool-exit")
+        assert executor.submit(abs, -1).result() == pool.submit(abs, -1).result() == 1
+        def at_exit():
+            try:
+                executor.submit(abs, -2)
+            except RuntimeError as exc:  # "... after shutdown" or "... after interpreter shutdown"
+                print("concurrent.futures:", str(exc).startswith("cannot schedule new futures after"))
+            print("WorkerPool:", pool.submit(abs, -2).result(10))
+        atexit.register(at_exit)
+    """)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["concurrent.futures: True", "WorkerPool: 2"], done.stdout

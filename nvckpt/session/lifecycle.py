@@ -50,7 +50,7 @@ _installed: dict[str, Any] = {"exit": None, "sigterm": False}  # exit: the proce
 _terminating = threading.Event()
 _force = threading.Event()  # the grace is over: take the default action whatever still runs
 _job = threading.Event()  # saves_are_the_job(): saves finished within the grace leave the process running
-_save_threads: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()  # async saves' threads (threading holds the live ones)
+_save_threads: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()  # async saves' (threading holds the live)
 
 
 @dataclass
@@ -158,14 +158,14 @@ def _first_at_exit() -> None:
 
 
 def _finish_at_exit() -> None:
-    waiting = pending_async()
-    with _lock:
-        threads = list(_save_threads)  # also those whose save is done: one still ending is waited for below
-    saving = [r for r in waiting if not r.future.cancelled()]  # cancelled ones only remove their temporary file
-    if saving and not _terminating.is_set():
-        paths = ", ".join(r.path for r in saving)
-        print(f"nvckpt: finishing {len(saving)} async save(s) before exit: {paths}", file=sys.stderr, flush=True)
-    try:
+    try:  # from its first line: a Ctrl-C may come as soon as the message below is out, before print returns
+        waiting = pending_async()
+        with _lock:
+            threads = list(_save_threads)  # also those whose save is done: one still ending is waited for below
+        saving = [r for r in waiting if not r.future.cancelled()]  # cancelled ones only remove their temporary file
+        if saving and not _terminating.is_set():
+            paths = ", ".join(r.path for r in saving)
+            print(f"nvckpt: finishing {len(saving)} async save(s) before exit: {paths}", file=sys.stderr, flush=True)
         for run in waiting:
             run.done.wait()
         for thread in threads:
@@ -173,7 +173,7 @@ def _finish_at_exit() -> None:
             # by an unwinding that aborts the process if it passes through C++ (torch's) frames.
             thread.join()
     except KeyboardInterrupt:  # Ctrl-C while the exit waits: the saves not finished are cancelled, and said so
-        _cancel_at_exit([r for r in waiting if not r.done.is_set()])
+        _cancel_at_exit(pending_async())
         # Raised from here, the interpreter would print "Exception ignored in atexit callback" and exit 0 while
         # the save's thread still wrote (cut off mid-write as the interpreter ends, its temporary file left).
         _exit_now(signum=signal.SIGINT)
