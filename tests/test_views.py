@@ -293,3 +293,28 @@ def test_a_views_base_takes_a_name_no_tensor_of_the_state_has():
     out.seek(0)
     with nvckpt.open(out) as f:
         assert "w@base2" in {e.name for e in f._file.index.tensors}
+
+
+@pytest.mark.parametrize("make", [
+    lambda x: x.expand(4096, -1),  # a row broadcast: stride 0
+    lambda x: x.reshape(64, 1, 64).expand(-1, 64, -1),  # stride 0 inside
+    lambda x: x.as_strided((4000, 64), (1, 1)),  # overlapping windows of one tensor
+], ids=["expand", "expand-middle", "windows"])
+def test_a_tensor_that_repeats_elements_is_stored_as_a_view_of_them(make):
+    """An ``expand()``ed tensor (SPEC 14.3) takes the bytes of the elements it addresses, not of its shape, and
+    loads as torch.load gives it: a view with the same strides, bit-exact."""
+    small = torch.randn(1, 4096)
+    t = make(small)
+    assert file_size({"t": t}) < small.nbytes + 1024 < t.nbytes // 16
+    back, stream = round_trip({"t": t, "other": torch.ones(3)})
+    assert_tensor_equal(back["t"], t)
+    assert back["t"].stride() == t.stride() and back["t"].untyped_storage().nbytes() <= small.nbytes
+    by_name, keys = entries(stream)
+    assert keys == ["t", "other"] and by_name["t"].view is not None and by_name["t@base"].internal
+
+
+def test_a_tied_expanded_tensor_is_one_view():
+    t = torch.randn(3).expand(1000, 3)
+    back, stream = round_trip({"a": t, "b": t})
+    assert back["a"] is back["b"] and back["a"].stride() == (0, 1)
+    assert file_size({"a": t, "b": t}) < 1024

@@ -558,7 +558,10 @@ def _dedupe(leaves: list[tuple[str, torch.Tensor, tuple[str, int]]]) -> tuple[li
     for members in groups.values():
         if len(members) == 1:  # the common case: a tensor that shares its storage with no other leaf
             path, t, facts = leaves[members[0]]
-            leaf_ids[members[0]] = add(base_entry(path, t, facts), t, members[0])
+            if _repeats_elements(t):  # expand(): a view of the few elements it addresses (SPEC 14.3)
+                add_base(members, {_view_key(t): members})
+            else:
+                leaf_ids[members[0]] = add(base_entry(path, t, facts), t, members[0])
             continue
         views: dict[tuple, list[int]] = {}
         for i in members:
@@ -569,7 +572,9 @@ def _dedupe(leaves: list[tuple[str, torch.Tensor, tuple[str, int]]]) -> tuple[li
         for key, same in views.items():
             by_dtype.setdefault(key[0], {})[key] = same
         for of_dtype in by_dtype.values():
-            if len(of_dtype) == 1:  # one distinct view: a tied tensor
+            if len(of_dtype) == 1 and _repeats_elements(leaves[next(iter(of_dtype.values()))[0]][1]):
+                add_base(sorted(next(iter(of_dtype.values()))), of_dtype)  # a tied expand()
+            elif len(of_dtype) == 1:  # one distinct view: a tied tensor
                 (same,) = of_dtype.values()
                 path, t, facts = leaves[same[0]]
                 tid = add(base_entry(path, t, facts), t, same[0])
@@ -579,6 +584,13 @@ def _dedupe(leaves: list[tuple[str, torch.Tensor, tuple[str, int]]]) -> tuple[li
                 add_base(sorted(i for same in of_dtype.values() for i in same), of_dtype)
         _check_alias_names(leaves, members, names_seen, leaf_ids)
     return tensors, leaf_ids, sources
+
+
+def _repeats_elements(t: torch.Tensor) -> bool:
+    """Whether ``t`` addresses fewer elements of its storage than it has (a stride 0 of ``expand()``, or
+    overlapping windows): stored densely it would take more than the elements it reads."""
+    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return t.numel() > 1 and min(t.stride(), default=1) >= 0 and span < t.numel()
 
 
 def _base_name(first: str, paths: set[str], taken: dict[str, int]) -> str:
