@@ -206,6 +206,107 @@ class TensorEntry:
         return out
 
 
+class EntryTable(Sequence[TensorEntry]):
+    """The index's tensor entries, by tensor id.  Plain data entries of one chunk (what a state of many small
+    tensors is made of, ``plain_entries``) are kept as columns, and their TensorEntry is made each time one is
+    read: a million of them take ~30 bytes each here, not the ~250 of a TensorEntry, its ChunkTable and
+    its checksum int.  Any other entry is kept as it was parsed."""
+
+    __slots__ = ("store", "_objs", "_names", "_dtype", "_shape", "_sum", "_has_sum", "_first", "_shapes",
+                 "_shape_ids")
+
+    _DTYPES = list(dtypes.DTYPES.values())
+    _DTYPE_IDS = {d.name: i for i, d in enumerate(_DTYPES)}
+
+    def __init__(self, store: ChunkStore) -> None:
+        self.store = store
+        self._objs: list[TensorEntry | None] = []  # None: a plain entry, in the columns
+        self._names: list[str] = []
+        self._dtype, self._shape, self._has_sum = array("B"), array("I"), bytearray()
+        self._sum, self._first = array("Q"), array("Q")
+        self._shapes: list[tuple[int, ...]] = []  # one tuple per distinct shape, shared by the entries
+        self._shape_ids: dict[tuple[int, ...], int] = {}
+
+    def append(self, entry: TensorEntry) -> None:
+        self._objs.append(entry)
+        self._names.append(entry.name)
+        self._dtype.append(0)
+        self._shape.append(0)
+        self._sum.append(0)
+        self._has_sum.append(0)
+        self._first.append(0)
+
+    def extend_plain(self, names: list[str], types: list[str], shapes: list[list[int]],
+                     checksums: list[int | None], first_chunk: int) -> None:
+        """Plain entries of one chunk each, whose chunks are the store's from ``first_chunk`` on, in order."""
+        n = len(names)
+        ids, distinct = self._shape_ids, self._shapes
+
+        def shape_id(dims: list[int]) -> int:
+            t = tuple(dims)
+            i = ids.get(t)
+            if i is None:
+                i = ids[t] = len(distinct)
+                distinct.append(t)
+            return i
+
+        self._objs.extend([None] * n)
+        self._names.extend(names)
+        self._dtype.extend(map(self._DTYPE_IDS.__getitem__, types))
+        self._shape.extend(map(shape_id, shapes))
+        self._has_sum.extend([c is not None for c in checksums])
+        self._sum.extend([c or 0 for c in checksums])
+        self._first.extend(range(first_chunk, first_chunk + n))
+
+    def __len__(self) -> int:
+        return len(self._objs)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        e = self._objs[i]
+        if e is not None:
+            return e
+        if i < 0:
+            i += len(self._objs)
+        return TensorEntry(i, self._names[i], self._DTYPES[self._dtype[i]], self._shapes[self._shape[i]],
+                           ChunkTable(self.store, self._first[i], 1), None, None,
+                           self._sum[i] if self._has_sum[i] else None, False, 1, None)
+
+    def __iter__(self) -> Iterator[TensorEntry]:
+        return map(self.__getitem__, range(len(self)))
+
+    def names(self, lo: int, hi: int) -> list[str]:
+        """The names of entries ``lo .. hi-1``."""
+        return self._names[lo:hi]
+
+    def objects(self) -> Iterator[TensorEntry]:
+        """The entries that are not plain ones of one chunk (views, derived tensors, ...)."""
+        return (e for e in self._objs if e is not None)
+
+    def name(self, i: int) -> str:
+        """Entry ``i``'s name (no TensorEntry made)."""
+        return self._names[i]
+
+    def set_name(self, i: int, name: str) -> None:
+        """Entry ``i``'s name becomes ``name`` (an equal str: one object for a path and an entry's name)."""
+        self._names[i] = name
+        e = self._objs[i]
+        if e is not None:
+            e.name = name
+
+    def not_internal(self) -> list[int]:
+        """The ids of the entries not marked internal (no TensorEntry made for a plain one)."""
+        return [i for i, e in enumerate(self._objs) if e is None or not e.internal]
+
+
+def not_internal(tensors: Sequence[TensorEntry]) -> list[int]:
+    """The ids of ``tensors`` (an index's entries) that are not marked internal."""
+    if isinstance(tensors, EntryTable):
+        return tensors.not_internal()
+    return [e.tensor_id for e in tensors if not e.internal]
+
+
 def check_int(value: Any, what: str, lo: int = 0, hi: int = U64_MAX) -> int:
     if type(value) is not int or not lo <= value <= hi:
         raise FormatError(f"{what} must be an integer in {lo}..{hi}, got {shown(value)}")
@@ -360,16 +461,14 @@ def _quick_entry(tid: int, raw: dict, ncodecs: int, index_offset: int, store: Ch
 _PLAIN_KEYS = ({"name", "dtype", "shape", "chunks"}, {"name", "dtype", "shape", "chunks", "checksum"})
 
 
-def plain_entries(first_tid: int, batch: list, start: int, ncodecs: int, index_offset: int, store: ChunkStore,
-                  shapes: dict[tuple[int, ...], tuple[int, ...]]) -> list[TensorEntry]:
-    """The entries of the longest run of ``batch[start:]`` (decoded index entries; ``batch[start]`` is tensor
-    ``first_tid``) that are plain data entries of one chunk, {name, dtype, shape, chunks[, checksum]} with every
+def plain_entries(batch: list, start: int, ncodecs: int, index_offset: int, table: EntryTable) -> int:
+    """Adds to ``table`` the entries of the longest run of ``batch[start:]`` (decoded index entries; the next
+    tensors of ``table``) that are plain data entries of one chunk, {name, dtype, shape, chunks[, checksum]} with every
     value of its plain type and no dimension 0: what a state of many small tensors is made of.  Checked as
     ``parse_entry`` checks them (SPEC 8.3, 8.4), but a column of the run at a time, and their chunks added to
-    ``store`` at once: a million of them in about a second instead of 5-10 (one Python step per check and
-    entry).  Any check that fails sends the whole run back (an empty list), so that parse_entry says which
-    entry is wrong and how.  ``shapes``: one tuple per distinct shape, shared by the entries (a million
-    ``(1,)`` tuples are 56 MB)."""
+    its store at once, with no Python step per check and entry.  Returns how many; any check that fails sends
+    the whole run back (0), so that parse_entry says which entry is wrong and how."""
+    store = table.store
     count = 0
     if (start == 0 and set(map(type, batch)) == {dict}
             and all(len(set(keys)) == len(keys) and set(keys) in _PLAIN_KEYS for keys in set(map(tuple, batch)))):
@@ -386,7 +485,7 @@ def plain_entries(first_tid: int, batch: list, start: int, ncodecs: int, index_o
                 break
             count += 1
     if not count:
-        return []
+        return 0
     rows = batch if start == 0 and count == len(batch) else batch[start: start + count]
     names = [e["name"] for e in rows]
     dts = [e["dtype"] for e in rows]
@@ -396,7 +495,7 @@ def plain_entries(first_tid: int, batch: list, start: int, ncodecs: int, index_o
     if (set(map(type, names)) != {str} or max(map(len, names)) > MAX_NAME_BYTES // 4
             or set(map(type, dts)) != {str} or set(map(type, dims_of)) != {list}
             or max(map(len, dims_of)) > MAX_RANK or set(map(type, chunks)) != {list} or set(map(len, chunks)) != {5}):
-        return []
+        return 0
     types = [dtypes.DTYPES.get(d) for d in dts]
     dims = list(chain.from_iterable(dims_of))
     flat = list(chain.from_iterable(chunks))
@@ -404,26 +503,24 @@ def plain_entries(first_tid: int, batch: list, start: int, ncodecs: int, index_o
     if (not all(types) or not set(map(type, dims)) <= {int} or min(dims, default=1) < 1
             or set(map(type, flat)) != {int} or not set(map(type, given)) <= {int}
             or min(given, default=0) < 0 or max(given, default=0) > U64_MAX):
-        return []
+        return 0
     try:
         columns = array("Q", flat)
     except OverflowError:  # a negative value or one of 2^64 or more
-        return []
+        return 0
     off, stored, raw, codec, check = (columns[i::5] for i in range(5))
     if (min(off) < PREAMBLE_SIZE + FRAME_HEADER_SIZE or min(stored) < 1 or max(stored) > MAX_CHUNK_LENGTH
             or min(raw) < 1 or max(raw) > MAX_CHUNK_LENGTH or max(codec) >= ncodecs
             or max(map(add, off, stored)) > index_offset
             or list(map(mul, map(math.prod, dims_of), (t.itemsize for t in types))) != raw.tolist()):
-        return []  # (raw equal to the tensor's bytes, so within MAX_TENSOR_BYTES and a multiple of the item size)
+        return 0  # (raw equal to the tensor's bytes, so within MAX_TENSOR_BYTES and a multiple of the item size)
     lo = len(store)
     for column, values in zip((store.offset, store.stored, store.raw, store.codec, store.checksum),
                               (off, stored, raw, array("H", codec), check)):
         column.extend(values)
     store.start.frombytes(bytes(8 * count))
-    shared = shapes.setdefault
-    return [TensorEntry(first_tid + i, name, dtype, shared(shape := tuple(d), shape), ChunkTable(store, lo + i, 1),
-                        None, None, checksum, False, 1, None)
-            for i, (name, dtype, d, checksum) in enumerate(zip(names, types, dims_of, sums))]
+    table.extend_plain(names, dts, dims_of, sums, lo)
+    return count
 
 
 def _parse_chunks(where: str, chunk_list: list, dtype: dtypes.DType, nbytes: int, known: bool,
@@ -585,5 +682,5 @@ def reference_problem(entry: TensorEntry, lookup: Any) -> str | None:
     return None
 
 
-__all__ = ["Chunk", "ChunkStore", "ChunkTable", "check_overlaps", "TensorEntry", "parse_entry", "plain_entries",
+__all__ = ["Chunk", "ChunkStore", "ChunkTable", "check_overlaps", "EntryTable", "TensorEntry", "not_internal", "parse_entry", "plain_entries",
            "reference_problem", "check_int", "check_map", "check_list"]

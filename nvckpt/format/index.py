@@ -10,8 +10,8 @@ from typing import Any
 from ..errors import FormatError, LimitError, brief
 from .constants import EXT_TENSOR, EXT_TUPLE, FEATURE_TYPED_TREE, MAX_CODECS, MAX_TENSORS, MAX_TREE_DEPTH, VERSION_MAJOR
 from .bulk import LazyEntries, decode_index
-from .entry import (ChunkStore, TensorEntry, check_list, check_map, check_overlaps, parse_entry, plain_entries,
-                    reference_problem)
+from .entry import (ChunkStore, EntryTable, TensorEntry, check_list, check_map, check_overlaps, parse_entry,
+                    plain_entries, reference_problem)
 from .tree import Ext, TensorRef, check_depth, check_tree, leaf_paths, memory_budget, msgpack_errors
 
 
@@ -20,7 +20,7 @@ from .tree import Ext, TensorRef, check_depth, check_tree, leaf_paths, memory_bu
 class Index:
     writer: dict[str, Any]
     codecs: list[list[dict[str, Any]]]  # the codec table as stored: one pipeline (list of steps) per codec id
-    tensors: list[TensorEntry]
+    tensors: EntryTable  # a Sequence[TensorEntry]
     tree: Any
     metadata: dict[str, Any]
     version: tuple[int, int]
@@ -63,11 +63,10 @@ def parse_index(data: dict[str, Any], index_offset: int, required_features: int 
         check_list(raw_tensors, "index 'tensors'")
     if len(raw_tensors) > MAX_TENSORS:
         raise LimitError(f"{len(raw_tensors)} tensors exceed the limit of {MAX_TENSORS}")
-    tensors: list[TensorEntry] = []
-    names: dict[str, int] = {}  # entry name -> tensor id
     store = ChunkStore()
+    tensors = EntryTable(store)
+    names: dict[str, int] = {}  # entry name -> tensor id
     firsts = array("Q")  # index in the store of each tensor's first chunk
-    shapes: dict[tuple[int, ...], tuple[int, ...]] = {}
     lazy = isinstance(raw_tensors, LazyEntries)
     for lo in range(0, len(raw_tensors), _BATCH):
         hi = min(lo + _BATCH, len(raw_tensors))
@@ -76,16 +75,15 @@ def parse_index(data: dict[str, Any], index_offset: int, required_features: int 
         while tid < hi:
             # Runs of plain one-chunk entries a column at a time; any other entry (or a run that fails a
             # check) one by one, which says what is wrong.
-            run = plain_entries(tid, batch, tid - lo, len(codecs), index_offset, store, shapes) if batch else []
+            start = len(store)
+            run = plain_entries(batch, tid - lo, len(codecs), index_offset, tensors) if batch else 0
             if run:
-                start = len(store) - len(run)
-                firsts.extend(range(start, start + len(run)))
-                run_names = [e.name for e in run]
+                firsts.extend(range(start, start + run))
+                run_names = tensors.names(tid, tid + run)
                 if not names.keys().isdisjoint(run_names) or len(set(run_names)) != len(run_names):
                     _duplicate_name(run_names, names)
-                names.update(zip(run_names, range(tid, tid + len(run))))
-                tensors.extend(run)
-                tid += len(run)
+                names.update(zip(run_names, range(tid, tid + run)))
+                tid += run
                 continue
             firsts.append(len(store))
             entry = parse_entry(tid, raw_tensors[tid], ncodecs=len(codecs), index_offset=index_offset, store=store)
@@ -99,11 +97,11 @@ def parse_index(data: dict[str, Any], index_offset: int, required_features: int 
 
     def chunk_name(i: int) -> tuple[str, int]:
         tid = bisect_right(firsts, i) - 1
-        return tensors[tid].name, i - firsts[tid]
+        return tensors.name(tid), i - firsts[tid]
 
     check_overlaps(store, chunk_name)
     lookup = (lambda tid: tensors[tid] if tid < len(tensors) else None)
-    for entry in tensors:
+    for entry in tensors.objects():  # (a plain entry is neither a view nor a derived tensor)
         problem = reference_problem(entry, lookup)
         if problem is not None:
             raise FormatError(f"tensor {entry.name!r:.200}: {problem}")
@@ -122,7 +120,7 @@ def parse_index(data: dict[str, Any], index_offset: int, required_features: int 
         if owner is not None:
             if owner != tid:
                 raise FormatError(f"the name {path!r:.200} stands for two different tensors")
-            tensors[tid].name = path  # one str object for a name that is both a path and an entry's name
+            tensors.set_name(tid, path)  # one str object for a name that is both a path and an entry's name
     del names
     return Index(writer, codecs, tensors, tree, metadata, (version[0], version[1]), paths)
 

@@ -19,7 +19,7 @@ from .._gc import paused as gc_paused
 from .._threads import TASK_BYTES, TASK_PIECES
 from ..errors import brief, ChecksumError, FormatError, LimitError, TensorNotFoundError, UnsupportedCodecError, UnsupportedFeatureError
 from ..format.constants import BF16_RNE, COPY
-from ..format.entry import TensorEntry
+from ..format.entry import TensorEntry, not_internal
 from ..format.structs import xxh3
 from ..format.paths import by_dotted_name, did_you_mean, value_paths
 from ..format.tree import DeviceName, DtypeName, TensorRef, find_path, resolve_refs, tensor_refs
@@ -112,6 +112,18 @@ def _typed(entry: TensorEntry, raw: torch.Tensor, shape: tuple[int, ...], path: 
     if raw.numel() == 0:
         return torch.empty(shape, dtype=dtype, device=raw.device)
     return raw.view(dtype).reshape(shape)
+
+
+class _Entries(dict):
+    """An index's entries by tensor id, each made once (an index keeps plain ones as columns, format.entry)."""
+
+    def __init__(self, table: Any) -> None:
+        super().__init__()
+        self.table = table
+
+    def __missing__(self, tid: int) -> TensorEntry:
+        e = self[tid] = self.table[tid]
+        return e
 
 
 def torch_device(where: Any) -> torch.device:
@@ -560,7 +572,7 @@ class Checkpoint(Mapping):
 
     def _load(self, tids: Iterable[int], progress: Callable[[int], None] | None = None) -> dict[int, torch.Tensor]:
         """Tensors by id, with views built on their (shared) base and derived tensors computed on the device."""
-        tensors = self._file.index.tensors
+        tensors = _Entries(self._file.index.tensors)
         wanted: dict[int, None] = {}
 
         def need(tid: int) -> None:
@@ -816,7 +828,7 @@ class Checkpoint(Mapping):
         index = self._file.index
         if keys is None:
             # Every entry the tree refers to (a reference to an "internal" entry is legal, SPEC 9).
-            loaded = self._load({*index.paths.values(), *(e.tensor_id for e in index.tensors if not e.internal)}, progress)
+            loaded = self._load({*index.paths.values(), *not_internal(index.tensors)}, progress)
             return resolve_refs(index.tree, loaded.__getitem__, torch_value)
         one = isinstance(keys, str)
         if not one and not isinstance(keys, Iterable):
