@@ -5,8 +5,11 @@ DCP's default stager copies every shard into CPU memory before
 whole state.  This one copies CUDA shards into new device memory (the
 device snapshot of ``nvckpt.async_save``: grouped device-to-device copies at
 HBM speed), so the background save compresses them on the GPU with
-``nvckpt.dcp.Writer``.  A device without room for the copy (its free and
-cached memory, less the engine's ``GpuSaveOptions.memory_budget``, or more
+``nvckpt.dcp.Writer``.  The copy takes its memory from the budget every
+nvckpt save on the device shares (``GpuSaveOptions.memory_budget``: copies of
+states at most half of it, the engines the rest; see
+nvckpt.engines.gpu.memory) and gives it back when DCP drops the staged state;
+a state that does not fit (or is larger than the device's free memory, or
 than the ``device_limit`` given) is staged to host memory instead.  CPU
 tensors are cloned.
 DTensors keep their mesh and placements, so DCP plans the staged state as
@@ -21,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ..engines.gpu.memory import DEVICE_MEMORY, release_with
 from ..engines.gpu.snapshot import snapshot
 from ..options import GpuSaveOptions, default_memory_budget
 from ..plan.walk import PlannedTensor, SavePlan
@@ -67,6 +71,7 @@ class Stager:
         self.device_limit = device_limit
         self.last_seconds = 0.0
         self.last_strategies: dict[str, str] = {}
+        self._held: dict[torch.device, Any] = {}
 
     @property
     def should_synchronize_after_execute(self) -> bool:
@@ -95,11 +100,22 @@ class Stager:
 
         skeleton = _map_leaves(state_dict, leaf)
         moved: set[int] = set()
-        strategies = self._to_host_where_no_room(planned, moved)
-        on_device = [t for t in planned if t.tensor_id not in moved]  # (and CPU tensors, which it clones)
-        snap = snapshot(SavePlan(None, on_device, {}))
-        for ev in snap.events.values():
-            ev.synchronize()  # the writer's streams read the copies: they must be complete
+        self._held = {}
+        try:
+            strategies = self._to_host_where_no_room(planned, moved)
+            on_device = [t for t in planned if t.tensor_id not in moved]  # (and CPU tensors, which it clones)
+            snap = snapshot(SavePlan(None, on_device, {}))
+            for ev in snap.events.values():
+                ev.synchronize()  # the writer's streams read the copies: they must be complete
+        except BaseException:
+            for held in self._held.values():
+                held.release()
+            raise
+        # Each device's copies give their memory back to the account when DCP drops them (its save ended,
+        # or failed): the staged state is DCP's from here on.
+        for device, held in self._held.items():
+            release_with([t.data for t in on_device if t.data.device == device], held)
+        self._held = {}
         strategies.update(snap.strategies)
 
         def fill(node: Any) -> Any:
@@ -118,7 +134,12 @@ class Stager:
 
     def _to_host_where_no_room(self, planned: list[PlannedTensor], moved: set[int]) -> dict[str, str]:
         """Copy to host memory the tensors of each CUDA device that has no room for them (their ids into
-        ``moved``); returns {device: "host"}."""
+        ``moved``); returns {device: "host"}, and the device memory the rest takes from the process's
+        account (DEVICE_MEMORY) in ``self._held``.
+
+        Room is what async_save's snapshot gets: at most half the budget for copies of states (with every
+        other save's copies), within the budget with every engine's memory, and within the memory the device
+        has free -- never the allocator's cached blocks, which are the training step's working set."""
         need: dict[torch.device, int] = {}
         for t in planned:
             if t.data.device.type == "cuda":
@@ -126,16 +147,19 @@ class Stager:
         out = {}
         for device, nbytes in need.items():
             free, total = torch.cuda.mem_get_info(device)
-            cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
             budget = self.gpu.memory_budget or default_memory_budget(total)
-            limit = free + max(0, cached) - budget if self.device_limit is None else self.device_limit
-            if nbytes > limit:
-                with torch.no_grad():
-                    for t in planned:
-                        if t.data.device == device:
-                            t.data = t.data.to("cpu", memory_format=torch.contiguous_format)
-                            moved.add(t.tensor_id)
-                out[str(device)] = "host"
+            held = None
+            if nbytes <= free and (self.device_limit is None or nbytes <= self.device_limit):
+                held = DEVICE_MEMORY.take_copy(device, nbytes, budget)
+            if held is not None:
+                self._held[device] = held
+                continue
+            with torch.no_grad():
+                for t in planned:
+                    if t.data.device == device:
+                        t.data = t.data.to("cpu", memory_format=torch.contiguous_format)
+                        moved.add(t.tensor_id)
+            out[str(device)] = "host"
         return out
 
     def synchronize_staging(self) -> None:

@@ -35,6 +35,13 @@ class Prepared:
     tensors_read: threading.Event | None = None  # set once the engine reads the caller's tensors no more
     caller_decides: bool = False  # the caller's thread verifies the derived-tensor candidates meanwhile
     snapshot: dict[str, str] = field(default_factory=dict)  # per device: "host", "device" or "read-ahead"
+    held: Any = None  # the device memory a snapshot holds (a DEVICE_MEMORY grant), given back when the save ends
+
+    def release(self) -> None:
+        """Give back the device memory the snapshot holds (the save ended, or failed)."""
+        held, self.held = self.held, None
+        if held is not None:
+            held.release()
 
 
 class Engine(Protocol):

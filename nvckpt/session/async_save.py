@@ -283,12 +283,19 @@ def _start_async(obj: Any, target: Any, options: SaveOptions, fences: list[Any],
         else:
             future._finish(result)
         finally:
+            if fences and copied is not None:
+                copied.release()  # a save that failed before taking its small copies gives their memory back
             lifecycle.end(running)
             if future._read is not None:
                 future._read.set()  # also when it failed before reading: whoever waits sees the outcome
             future._ended.set()
 
-    running = register(target, options, future._stop, future)  # before the thread starts: an exit now waits for it
+    try:
+        running = register(target, options, future._stop, future)  # before the thread starts: an exit now waits for it
+    except BaseException:
+        if not fences:
+            prepared.release()  # no save: its snapshot's device memory goes back
+        raise
     launched = time.perf_counter()
     try:
         # A daemon thread: at exit, lifecycle's atexit handler waits for it (and says so; Ctrl-C there cancels
@@ -298,6 +305,8 @@ def _start_async(obj: Any, target: Any, options: SaveOptions, fences: list[Any],
         thread.start()
     except BaseException:
         lifecycle.end(running)  # no thread: its turn at the path must not hold up later saves
+        if not fences:
+            prepared.release()
         raise
     if not fences and prepared.prepared.caller_decides:
         try:  # verify the derived-tensor candidates here while the save's thread reads every other tensor

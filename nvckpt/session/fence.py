@@ -16,6 +16,8 @@ from typing import Any, Callable
 
 import torch
 
+from ..engines.gpu.memory import DEVICE_MEMORY
+
 #: A lazy save copies at the call the small tensors its fences do not own, storage by storage: BatchNorm
 #: statistics and other buffers a forward updates in place (the step pre-hook does not hold the forward
 #: back).  A larger one (a weight matrix: frozen, or a bf16 copy the step rewrites) is read lazily, as the
@@ -109,6 +111,7 @@ class SmallCopies:
         self.total = 0
         self.storages_copied = 0
         self._parts: list[tuple[Any, torch.Tensor, list[tuple[int, int, int]]]] = []  # (event, buffer, [(ptr, at, n)])
+        self._held: list[Any] = []  # DEVICE_MEMORY grants of the gathers, given back once their copies are done
 
     def add(self, ptr: int, t: torch.Tensor) -> bool:
         """Copy the storage of ``t`` (unless a view of it is copied already); False when it is too large."""
@@ -138,7 +141,10 @@ class SmallCopies:
                 continue
             host = torch.empty(at, dtype=torch.uint8, pin_memory=True)
             gathered = None
-            if at <= self._gpu_budget(device):
+            # The gather's device memory comes from the process's account (other saves may hold the budget).
+            held = DEVICE_MEMORY.take_copy(device, at, self._gpu_budget(device))
+            if held is not None:
+                self._held.append(held)
                 try:
                     gathered = torch.cat(views)
                 except torch.cuda.OutOfMemoryError:
@@ -163,7 +169,16 @@ class SmallCopies:
             for ptr, a, n in places:
                 out[ptr] = host[a: a + n].clone()  # a storage each: the walk tells views of one storage apart
         self._parts.clear()
+        self.release()
         return out
+
+    def release(self) -> None:
+        """Give the gathers' device memory back to the account (their copies are done, or the save failed)."""
+        for event, _, _ in self._parts:
+            if event is not None:
+                event.synchronize()  # the gather's block is free once the copy that reads it is done
+        while self._held:
+            self._held.pop().release()
 
     def finish(self, skeleton: Any) -> Any:
         """The skeleton with every pending tensor made over its storage's copy."""

@@ -170,7 +170,15 @@ class SaveSession:
             lifecycle.cancelled_by_sigterm(running)
             raise
         finally:
+            self.release()
             lifecycle.end(running)
+
+    def release(self) -> None:
+        """Let go of the snapshot (the device memory it holds goes back to the account): the save is over."""
+        if self.prepared.held is not None:
+            for t in self.plan.tensors:
+                t.data = None  # the copies: freed now, not when the session object goes
+            self.prepared.release()
 
     def _run(self, cancel: threading.Event, turn: Any = None) -> SaveResult:
         begun = time.perf_counter()

@@ -4,6 +4,8 @@ engines' logic.  ``GpuEngine(backend=HostBackend())`` is a whole GPU engine on t
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import Any, Callable, Hashable
 
 import numpy as np
@@ -18,15 +20,34 @@ from ..tensors import flat_bytes
 class HostBackend:
     """The same engines with the host codecs in host memory: runs their scheduling in CI without a GPU.
 
-    "Device" and "pinned" memory are plain host memory; work is done when issued."""
+    "Device" and "pinned" memory are plain host memory; work is done when issued.  ``memory_total``: the
+    simulated device's capacity (its default memory budget follows from it, as a GPU's does); ``live`` and
+    ``peak`` are the bytes of "device" buffers the engine holds (batch outputs, scratch), now and at most."""
 
-    def __init__(self, *, gpu_zstd: bool = False, timing: bool = False) -> None:
+    def __init__(self, *, gpu_zstd: bool = False, timing: bool = False, memory_total: int | None = None) -> None:
         self.device = torch.device("cpu")
         self.gpu_zstd = gpu_zstd
+        self._total = memory_total
+        self._lock = threading.Lock()
+        self.live = 0
+        self.peak = 0
+
+    def _device_buffer(self, nbytes: int, zero: bool = False) -> torch.Tensor:
+        """A buffer of the simulated device: counted while alive."""
+        buf = (torch.zeros if zero else torch.empty)(nbytes, dtype=torch.uint8)
+        with self._lock:
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+        weakref.finalize(buf, self._freed, nbytes)
+        return buf
+
+    def _freed(self, nbytes: int) -> None:
+        with self._lock:
+            self.live -= nbytes
 
     # -- both directions --
     def memory_total(self) -> int | None:
-        return None
+        return self._total
 
     def host_buffer(self, size: int) -> torch.Tensor:
         return aligned_host_buffer(size, pin=False)
@@ -78,7 +99,7 @@ class HostBackend:
 
     def encode(self, batch: Batch, sources: dict[int, torch.Tensor]) -> Encoded:
         cap = batch.capacity
-        out = torch.zeros(cap * len(batch.jobs), dtype=torch.uint8)
+        out = self._device_buffer(cap * len(batch.jobs), zero=True)
         parts = _batch_parts(batch, sources, self.device, lambda x: not x.is_contiguous())  # as CudaBackend._parts
         sizes = []
         view = out.numpy()
@@ -106,7 +127,7 @@ class HostBackend:
         return pipeline
 
     def alloc(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8)
+        return self._device_buffer(nbytes)
 
     dest = alloc
 

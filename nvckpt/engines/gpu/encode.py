@@ -66,6 +66,7 @@ from ..items import EncodedChunk, TensorReady
 from .backend import GATHER_BUFFERS, STAGE_ALIGN, Backend, Encoded
 from .batching import Batch, ChunkJob, SlotPool, SlotRun, copy_groups, first_use_order, plan_batches
 from .hashing import device_digest
+from .memory import DEVICE_MEMORY
 from .pinned import PINNED, cached_allocator
 
 
@@ -317,10 +318,17 @@ def batch_bytes_for(options: GpuSaveOptions, dev: Backend, *, scratch: bool = Tr
     return batch_bytes, budget
 
 
-def _batch_plan(options: GpuSaveOptions, dev: Backend, scratch: bool, staged: int) -> tuple[int, int, bool, int]:
+def save_budget(options: GpuSaveOptions, dev: Backend) -> int:
+    """The device memory nvckpt may hold on ``dev``: GpuSaveOptions.memory_budget, else the default share."""
+    return options.memory_budget or default_memory_budget(dev.memory_total())
+
+
+def _batch_plan(options: GpuSaveOptions, dev: Backend, scratch: bool, staged: int,
+                budget: int | None = None) -> tuple[int, int, bool, int]:
     """batch_bytes_for's (batch_bytes, budget), and what it decided: scratch per batch, and the staged bytes set
-    aside as a whole (0 where none are, or where they are too many and every batch reserves scratch instead)."""
-    budget = options.memory_budget or default_memory_budget(dev.memory_total())
+    aside as a whole (0 where none are, or where they are too many and every batch reserves scratch instead).
+    ``budget``: the memory this engine was granted (DEVICE_MEMORY), when less than the save's budget."""
+    budget = budget or save_budget(options, dev)
     room = budget - gather_bytes(options, budget)
     if not scratch and staged:
         if staged * _STAGED_SHARE <= room:
@@ -386,15 +394,38 @@ def _cached_plan(key: tuple, make: Callable[[], tuple[list[Batch], dict[int, int
 def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, options: GpuSaveOptions,
               tensor_checksums: bool, ready: Any, stats: dict[str, Any],
               read_ahead: threading.Event | None) -> Iterator[TensorReady | EncodedChunk]:
-    started = time.perf_counter()
-    inflight, slot_bytes = options.inflight, options.slot_bytes
     stored = [t for t in plan.tensors if t.data is not None and t.chunks]
     # Scratch per batch for byte planes; chunks staged from another device or a non-contiguous tensor take
     # what they need (set aside as a whole where that is small, else scratch per batch too).
     scratch = any((op := choose(dtype).device_op()) is not None and op.planes
                   for dtype in {t.entry["dtype"] for t in stored})
     staged = 0 if scratch else staged_bytes(stored, dev)
-    batch_bytes, budget, scratch, staged = _batch_plan(options, dev, scratch, staged)
+    # The engine's memory comes from the process's account, which other saves (and this save's own snapshot)
+    # draw from too: it may get less than the budget (its batches shrink), or wait for others to give some back.
+    grant = None
+    if stored:
+        full = save_budget(options, dev)
+        lengths = {(t.entry["dtype"], n) for t in stored for _, n in t.chunks}
+        biggest = max(dev.capacity(choose(d), n) for d, n in lengths)
+        need = _halves(scratch) * (options.inflight + 1) * biggest // 2 + gather_bytes(options, full) + staged
+        if need > full or biggest > options.slot_bytes:
+            need = 0  # no room for one chunk even alone: planning says what to change
+        grant = DEVICE_MEMORY.take_work(dev.device, full, need, full, owner=plan)
+    try:
+        yield from _granted(plan, choose, dev, options, tensor_checksums, ready, stats, read_ahead,
+                            scratch, staged, grant)
+    finally:
+        if grant is not None:
+            grant.release()  # every batch of this save is done with (on success, failure or close)
+
+
+def _granted(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, options: GpuSaveOptions,
+             tensor_checksums: bool, ready: Any, stats: dict[str, Any], read_ahead: threading.Event | None,
+             scratch: bool, staged: int, grant: Any) -> Iterator[TensorReady | EncodedChunk]:
+    started = time.perf_counter()
+    inflight, slot_bytes = options.inflight, options.slot_bytes
+    batch_bytes, budget, scratch, staged = _batch_plan(options, dev, scratch, staged,
+                                                       grant.nbytes if grant is not None else None)
     gather = gather_bytes(options, budget) > 0
     stats.update(engine=type(dev).__name__, memory_budget=budget, batch_bytes=batch_bytes, gather=gather,
                  staged_bytes=staged)
@@ -587,6 +618,13 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
                     stats["tensors_read_seconds"] = time.perf_counter() - started
                     waits["copy_out"] += time.perf_counter() - t0
                     read_ahead.set()
+                    # Nothing is left on the device once the copies out are done: its memory goes back to
+                    # the account then, not once the disk has the file (the next save may want it meanwhile).
+                    for g in copied:
+                        g.detach(dev)
+                    dev.finish()
+                    if grant is not None:
+                        grant.release()
             if later:  # the writer gets a chunk: every tensor's storage must be known by then
                 yield from chunkless(settle())
             group = copied.popleft()

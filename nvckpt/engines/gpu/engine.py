@@ -23,6 +23,7 @@ from ...plan.walk import SavePlan
 from ..base import Prepared
 from ..items import EncodedChunk, TensorReady
 from .backend import Backend
+from .memory import DEVICE_MEMORY
 
 
 class GpuEngine:
@@ -67,10 +68,17 @@ class GpuEngine:
         from .snapshot import clone_host_tensors, snapshot
 
         on_device = sum(t.nbytes for t in plan.tensors if t.data is not None and t.data.device.type == self.device.type)
-        if not lazy and on_device <= self.memory_budget(options) // 2:
-            plan.decide()
-            snap = snapshot(plan)
-            return Prepared(ready=snap.events.get(self.device), snapshot=snap.strategies)
+        # The copy draws from the process's device-memory account: beside other saves' copies and engines
+        # (a lazy save still reading, a DCP stage) there may be no room for it, and the state is read ahead.
+        held = None if lazy else DEVICE_MEMORY.take_copy(self.device, on_device, self.memory_budget(options), plan)
+        if held is not None:
+            try:
+                plan.decide()
+                snap = snapshot(plan)
+            except BaseException:
+                held.release()
+                raise
+            return Prepared(ready=snap.events.get(self.device), snapshot=snap.strategies, held=held)
         clone_host_tensors(plan)
         ready = self.backend(options).caller_mark()  # the caller's work so far, on the caller's stream
         # The caller's thread verifies the candidates while the engine reads (not in a lazy save: its caller
