@@ -20,7 +20,7 @@ from conftest import TinyTransformer, assert_tree_equal, tensors_of  # noqa: E40
 from nvckpt.format.dtypes import DTYPES  # noqa: E402
 from nvckpt.tensors.dtypes import TORCH_DTYPES  # noqa: E402
 from nvckpt.errors import ChecksumError, UnsupportedCodecError  # noqa: E402
-from nvckpt.options import GpuLoadOptions, GpuSaveOptions  # noqa: E402
+from nvckpt.options import GpuLoadOptions, GpuSaveOptions, default_memory_budget  # noqa: E402
 from nvckpt.codecs.nvcomp import device as nb  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -549,3 +549,100 @@ def test_ans_through_the_c_api_writes_the_python_apis_streams(data_type):
         codec.decode(payloads, views)
     stream.synchronize()
     assert torch.equal(out, torch.cat([src[s: s + n] for s, n in ranges]))
+
+
+def _leave_free(nbytes: int) -> torch.Tensor:
+    """Take the device's memory but ``nbytes`` (a training job's model, optimizer and working set)."""
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info(DEV)
+    return torch.empty(max(0, free - nbytes), dtype=torch.uint8, device=DEV)
+
+
+class _LowestFree:
+    """The lowest free device memory seen while it runs (sampled every millisecond)."""
+
+    def __enter__(self):
+        import threading
+
+        self.lowest = torch.cuda.mem_get_info(DEV)[0]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self):
+        while not self._stop.wait(0.001):
+            self.lowest = min(self.lowest, torch.cuda.mem_get_info(DEV)[0])
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+@pytest.mark.parametrize("orders", [("lazy", "plain"), ("plain", "lazy")])
+def test_saves_of_both_modes_at_3_gb_free_stay_within_one_budget(tmp_path, orders):
+    from nvckpt.engines.gpu.memory import DEVICE_MEMORY
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(8)]).to(DEV)  # 0.5 GB, 1.5 GB with Adam
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(8, 4096, device=DEV)).sum().backward()
+    opt.step()
+    filler = _leave_free(3 << 30)
+    budget = default_memory_budget(
+        torch.cuda.get_device_properties(DEV).total_memory)
+    before = torch.cuda.mem_get_info(DEV)[0]
+    DEVICE_MEMORY.reset_peak(DEV)
+    with _LowestFree() as seen:
+        for i in range(2):  # back to back, and each save overlapping the next one's call
+            futures = [nvckpt.async_save({"model": model.state_dict(), "optim": opt.state_dict()},
+                                         tmp_path / f"{i}-{mode}.nvckpt", **({"fence": opt} if mode == "lazy" else {}))
+                       for mode in orders]
+            opt.step()
+            for f in futures:
+                f.result(timeout=300)
+    assert DEVICE_MEMORY.peak(DEV) <= budget and DEVICE_MEMORY.held(DEV) == 0
+    # Everything nvckpt held at once (copies, batches, nvCOMP's scratch, the allocator's cache of them):
+    # within the budget and the allocator's rounding.
+    assert before - seen.lowest <= budget + (64 << 20), (before - seen.lowest, budget)
+    del filler
+
+
+def test_dcp_stager_at_3_gb_free_stages_within_the_budget_and_gives_it_back(tmp_path):
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    import nvckpt.dcp
+    from nvckpt.engines.gpu.memory import DEVICE_MEMORY
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(8)]).to(DEV)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(8, 4096, device=DEV)).sum().backward()
+    opt.step()
+    filler = _leave_free(3 << 30)
+    budget = default_memory_budget(torch.cuda.get_device_properties(DEV).total_memory)
+    before = torch.cuda.mem_get_info(DEV)[0]
+    stager = nvckpt.dcp.Stager()
+    with warnings.catch_warnings(), _LowestFree() as seen:
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        for i in range(2):
+            state = {"model": model.state_dict(), "optim": opt.state_dict()}
+            f = dcp.async_save(state, storage_writer=nvckpt.dcp.Writer(tmp_path / str(i)), async_stager=stager,
+                               no_dist=True)
+            assert stager.last_strategies[str(DEV)] == "host"  # 1.5 GB: more than half the budget
+            del state
+            model(torch.randn(8, 4096, device=DEV)).sum().backward()  # the training step still has its room
+            opt.step()
+            f.result(timeout=300)
+        small = {"w": torch.randn(1024, 1024, device=DEV)}  # 4 MiB: staged on the device, within the budget
+        dcp.async_save(small, storage_writer=nvckpt.dcp.Writer(tmp_path / "s"), async_stager=stager,
+                       no_dist=True).result(timeout=300)
+        assert stager.last_strategies[str(DEV)] == "device"
+    import gc
+
+    gc.collect()
+    assert DEVICE_MEMORY.held(DEV) == 0  # the staged copies' memory went back when DCP dropped them
+    assert before - seen.lowest <= budget + (64 << 20), (before - seen.lowest, budget)
+    del filler
