@@ -22,8 +22,10 @@ FIRST_OPTIONAL_FRAME = 128
 
 # Feature bits (SPEC 3).  Unknown required bits are fatal.
 FEATURE_TYPED_TREE = 1 << 1  # the tree holds ext types 3..8 (SPEC 9.2, version 1.1)
-KNOWN_REQUIRED_FEATURES = FEATURE_TYPED_TREE
+FEATURE_ARRAYS_PATHS = 1 << 2  # the tree holds ext types 9..10: NumPy arrays, paths (SPEC 9.3, version 1.2)
+KNOWN_REQUIRED_FEATURES = FEATURE_TYPED_TREE | FEATURE_ARRAYS_PATHS
 TYPED_TREE_MINOR = 1  # the version_minor a file with FEATURE_TYPED_TREE declares
+ARRAYS_PATHS_MINOR = 2  # the version_minor a file with FEATURE_ARRAYS_PATHS declares
 
 # Limits (SPEC.md, "Limits").
 MAX_CHUNK_LENGTH = 16 << 20
@@ -51,6 +53,14 @@ EXT_COMPLEX = 5
 EXT_BIGINT = 6
 EXT_SET = 7
 EXT_FROZENSET = 8
+# SPEC 9.3: only in files that set FEATURE_ARRAYS_PATHS.
+EXT_NDARRAY = 9  # a tensor reference loaded as a NumPy array
+EXT_PATH = 10  # a pathlib path: one flavour byte, then its str in UTF-8
+PATH_FLAVOURS = ("PurePosixPath", "PureWindowsPath", "PosixPath", "WindowsPath")  # ext 10's first byte
+# SPEC 10's dtypes that NumPy has no dtype for: an ext 9 never refers to an entry of one (an unknown dtype name
+# is unsupported where it is read, as for any tensor).
+NON_NUMPY_DTYPES = frozenset({"bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
+                              "float8_e8m0fnu", "float4_e2m1fn_x2", "complex32"})
 MAX_BIGINT_BYTES = 1024
 MAX_TYPE_NAME_BYTES = 64
 

@@ -35,6 +35,8 @@ from .constants import (
     MAX_CODECS,
     MAX_INDEX_LENGTH,
     MAX_META_FRAME_LENGTH,
+    ARRAYS_PATHS_MINOR,
+    FEATURE_ARRAYS_PATHS,
     FEATURE_TYPED_TREE,
     KNOWN_REQUIRED_FEATURES,
     PREAMBLE_SIZE,
@@ -87,7 +89,8 @@ class FrameWriter:
         if required_features & ~KNOWN_REQUIRED_FEATURES:
             raise RuntimeError(f"unknown required features 0x{required_features:x}")
         # The lowest version that describes the file (SPEC 19): 1.1 only when it uses a 1.1 feature.
-        self.version = (VERSION_MAJOR, TYPED_TREE_MINOR if required_features & FEATURE_TYPED_TREE else VERSION_MINOR)
+        self.version = (VERSION_MAJOR, ARRAYS_PATHS_MINOR if required_features & FEATURE_ARRAYS_PATHS
+                        else TYPED_TREE_MINOR if required_features & FEATURE_TYPED_TREE else VERSION_MINOR)
         self.required_features = required_features
         self._packer = msgpack.Packer(default=stored_ext)  # one per writer (not thread-safe): a TENSOR frame per tensor, thousands per save
         self._write(Preamble(self.version[0], self.version[1], required_features).pack())

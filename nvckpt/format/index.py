@@ -8,11 +8,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import FormatError, LimitError, brief
-from .constants import EXT_TENSOR, EXT_TUPLE, FEATURE_TYPED_TREE, MAX_CODECS, MAX_TENSORS, MAX_TREE_DEPTH, VERSION_MAJOR
+from .constants import EXT_TENSOR, EXT_TUPLE, KNOWN_REQUIRED_FEATURES, MAX_CODECS, MAX_TENSORS, MAX_TREE_DEPTH, VERSION_MAJOR
 from .bulk import LazyEntries, decode_index
 from .entry import (ChunkStore, EntryTable, TensorEntry, check_list, check_map, check_overlaps, parse_entry,
                     plain_entries, reference_problem)
-from .tree import Ext, TensorRef, check_depth, check_tree, leaf_paths, memory_budget, msgpack_errors
+from .tree import ArrayRef, Ext, TensorRef, check_depth, check_tree, leaf_paths, memory_budget, msgpack_errors
 
 
 
@@ -25,6 +25,7 @@ class Index:
     metadata: dict[str, Any]
     version: tuple[int, int]
     paths: dict[str, int]  # every tree path to a tensor (aliases too) -> tensor id
+    arrays: frozenset[str] = frozenset()  # the paths of ``paths`` that load as NumPy arrays (ext 9, SPEC 9.3)
 
 
 def unpack_index(payload: bytes, max_memory: int | None = None) -> dict[str, Any]:
@@ -36,7 +37,7 @@ def unpack_index(payload: bytes, max_memory: int | None = None) -> dict[str, Any
     return check_map(data, "index")
 
 
-def parse_index(data: dict[str, Any], index_offset: int, required_features: int = FEATURE_TYPED_TREE) -> Index:
+def parse_index(data: dict[str, Any], index_offset: int, required_features: int = KNOWN_REQUIRED_FEATURES) -> Index:
     """Validate a decoded index.  Chunk payloads must lie in [preamble end, index_offset).
     ``required_features``: the preamble's (the tree's typed extensions need FEATURE_TYPED_TREE)."""
     if data.get("format") != "nvckpt":
@@ -109,9 +110,12 @@ def parse_index(data: dict[str, Any], index_offset: int, required_features: int 
     if "tree" not in data:
         raise FormatError("index has no 'tree'")
     tree = data["tree"]
-    check_tree(tree, len(tensors), required_features)
+    check_tree(tree, len(tensors), required_features, lambda tid: tensors[tid].dtype.name)
     paths: dict[str, int] = {}
+    arrays: set[str] = set()
     for path, ref in leaf_paths(tree):
+        if path not in paths and type(ref) is ArrayRef:  # a name is its first path's (SPEC 14.1)
+            arrays.add(path)
         if paths.setdefault(path, ref.tensor_id) != ref.tensor_id:
             raise FormatError(f"the name {path!r:.200} stands for two different tensors")
     for path, tid in paths.items():
@@ -122,7 +126,7 @@ def parse_index(data: dict[str, Any], index_offset: int, required_features: int 
                 raise FormatError(f"the name {path!r:.200} stands for two different tensors")
             tensors.set_name(tid, path)  # one str object for a name that is both a path and an entry's name
     del names
-    return Index(writer, codecs, tensors, tree, metadata, (version[0], version[1]), paths)
+    return Index(writer, codecs, tensors, tree, metadata, (version[0], version[1]), paths, frozenset(arrays))
 
 
 _BATCH = 4096  # index entries decoded and checked together (nvckpt.format.entry.plain_entries)

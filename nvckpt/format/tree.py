@@ -4,7 +4,8 @@ Containers and Python scalars are stored as themselves; a tensor is stored as
 an ext-type reference to its index entry, a tuple as an ext type holding an
 array, and the typed extensions of SPEC 9.2 (torch.dtype, torch.device,
 complex, ints beyond 64 bits, set, frozenset) as ext types 3..8 with fixed
-byte layouts.  No pickle: nothing in a file can run code when it is loaded.
+byte layouts; those of SPEC 9.3 (a NumPy array: a tensor reference loaded as an
+array; a pathlib path) as ext types 9 and 10.  No pickle: nothing in a file can run code when it is loaded.
 """
 
 from __future__ import annotations
@@ -28,11 +29,17 @@ from .constants import (
     EXT_DEVICE,
     EXT_DTYPE,
     EXT_FROZENSET,
+    EXT_NDARRAY,
+    EXT_PATH,
     EXT_SET,
     EXT_TENSOR,
     EXT_TUPLE,
+    FEATURE_ARRAYS_PATHS,
     FEATURE_TYPED_TREE,
+    KNOWN_REQUIRED_FEATURES,
     MAX_BIGINT_BYTES,
+    NON_NUMPY_DTYPES,
+    PATH_FLAVOURS,
     MAX_PAYLOAD_DEPTH,
     MAX_TREE_DEPTH,
     MAX_TYPE_NAME_BYTES,
@@ -46,6 +53,20 @@ class TensorRef:
     """A leaf of the tree that stands for index entry ``tensor_id``."""
 
     tensor_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class ArrayRef(TensorRef):
+    """A tensor reference that loads as a NumPy array (ext 9, SPEC 9.3): a TensorRef everywhere else (names,
+    loading, checks), so an array is stored, compressed and read like any tensor."""
+
+
+@dataclass(frozen=True, slots=True)
+class PathValue:
+    """A pathlib path in the tree (ext 10, SPEC 9.3): its class (an index into PATH_FLAVOURS) and ``str(path)``."""
+
+    flavour: int
+    text: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,10 +172,16 @@ def set_item_problem(item: Any) -> str | None:
         return None
     if isinstance(item, (tuple, frozenset)):
         return next((p for p in map(set_item_problem, item) if p is not None), None)
-    return f"a set cannot hold {'a tensor' if isinstance(item, TensorRef) else type(item).__name__}"
+    if isinstance(item, TensorRef):
+        return f"a set cannot hold {'a NumPy array' if isinstance(item, ArrayRef) else 'a tensor'}"
+    return f"a set cannot hold {'a path' if isinstance(item, PathValue) else type(item).__name__}"
 
 
 def _pack_hook(obj: Any) -> msgpack.ExtType:
+    if isinstance(obj, ArrayRef):
+        return msgpack.ExtType(EXT_NDARRAY, struct.pack("<I", obj.tensor_id))
+    if isinstance(obj, PathValue):
+        return msgpack.ExtType(EXT_PATH, bytes([obj.flavour]) + obj.text.encode("utf-8"))
     if isinstance(obj, TensorRef):
         return msgpack.ExtType(EXT_TENSOR, struct.pack("<I", obj.tensor_id))
     if isinstance(obj, tuple):
@@ -250,6 +277,12 @@ def _ext_value(code: int, data: bytes) -> tuple[Any, int]:
         return TensorRef(struct.unpack("<I", data)[0]), 0
     if code == EXT_TUPLE:
         return tuple(_nested_array(data, "tuple")), 0
+    if code == EXT_NDARRAY:
+        if len(data) != 4:
+            raise FormatError(f"NumPy array reference (ext 9) has {len(data)} bytes, expected 4")
+        return ArrayRef(struct.unpack("<I", data)[0]), 0
+    if code == EXT_PATH:
+        return path_value(data), len(data) + 64
     if code in (EXT_DTYPE, EXT_DEVICE):
         name = _type_name(data, *((_DTYPE_NAME, "dtype") if code == EXT_DTYPE else (_DEVICE_SPEC, "device")))
         return (DtypeName if code == EXT_DTYPE else DeviceName)(name), getsizeof(name)
@@ -270,6 +303,19 @@ def _ext_value(code: int, data: bytes) -> tuple[Any, int]:
         # The set of keys that checked the items for duplicates was as large as the set: charged too.
         return (set if code == EXT_SET else frozenset)(items), getsizeof(seen)
     raise FormatError(f"unknown ext type {code} in the tree")
+
+
+def path_value(data: bytes) -> PathValue:
+    """Ext 10's data (SPEC 9.3): a flavour byte 0..3, then the path's str, strict UTF-8, at least one byte."""
+    if len(data) < 2 or data[0] >= len(PATH_FLAVOURS):
+        raise FormatError(f"path ext (10) data {data[:40].hex()} is not a flavour byte 0..3 and a non-empty str (SPEC 9.3)")
+    try:
+        text = data[1:].decode("utf-8")
+    except UnicodeDecodeError:
+        raise FormatError("path ext (10) holds a str that is not valid UTF-8 (SPEC 9.3)") from None
+    if "\0" in text:
+        raise FormatError("path ext (10) holds a NUL character, which no file system path holds (SPEC 9.3)")
+    return PathValue(data[0], text)
 
 
 def _plain_ext_hook(code: int, data: bytes) -> Any:
@@ -465,10 +511,14 @@ def unpack_tree(data: bytes) -> Any:
         raise FormatError(f"tree is not valid msgpack: {str(exc)[:200]}") from None
 
 
-def check_tree(node: Any, num_tensors: int, required_features: int = FEATURE_TYPED_TREE) -> None:
+def check_tree(node: Any, num_tensors: int, required_features: int = KNOWN_REQUIRED_FEATURES,
+               dtypes: Callable[[int], str] | None = None) -> None:
     """Validate types, depth and tensor references of a decoded tree.  The typed extensions (SPEC 9.2)
-    are allowed only when ``required_features`` (the preamble's) has FEATURE_TYPED_TREE."""
+    are allowed only when ``required_features`` (the preamble's) has FEATURE_TYPED_TREE, arrays and paths
+    (9.3) only when it has FEATURE_ARRAYS_PATHS; ``dtypes(tensor_id)``: the entry's dtype name, which an
+    array's must have a NumPy dtype for."""
     typed_ok = bool(required_features & FEATURE_TYPED_TREE)
+    arrays_ok = bool(required_features & FEATURE_ARRAYS_PATHS)
     stack = [(node, 1)]
     while stack:
         item, depth = stack.pop()
@@ -482,6 +532,17 @@ def check_tree(node: Any, num_tensors: int, required_features: int = FEATURE_TYP
         elif isinstance(item, TensorRef):
             if item.tensor_id >= num_tensors:
                 raise FormatError(f"tree refers to tensor {item.tensor_id}, but the index has {num_tensors}")
+            if isinstance(item, ArrayRef):
+                if not arrays_ok:
+                    raise FormatError("the tree holds a NumPy array reference (ext 9, SPEC 9.3) but the preamble does "
+                                      "not set required_features bit 2")
+                if dtypes is not None and dtypes(item.tensor_id) in NON_NUMPY_DTYPES:
+                    raise FormatError(f"the tree holds a NumPy array reference to tensor {item.tensor_id} of dtype "
+                                      f"{dtypes(item.tensor_id)}, which NumPy has no dtype for (SPEC 9.3)")
+        elif isinstance(item, PathValue):
+            if not arrays_ok:
+                raise FormatError("the tree holds a path (ext 10, SPEC 9.3) but the preamble does not set "
+                                  "required_features bit 2")
         elif isinstance(item, (list, tuple)):
             if _only_refs(item, num_tensors):
                 continue
@@ -497,7 +558,7 @@ def check_tree(node: Any, num_tensors: int, required_features: int = FEATURE_TYP
                 stack.append((v, depth + 1))
         elif isinstance(item, Ext):
             raise FormatError(f"unknown ext type {item.code} in the tree")
-        elif not isinstance(item, (str, bytes, int, float, bool, type(None), *TYPED_LEAVES)):
+        elif not isinstance(item, (str, bytes, int, float, bool, type(None), PathValue, *TYPED_LEAVES)):
             raise FormatError(f"unexpected {type(item).__name__} in the tree")
 
 
@@ -519,34 +580,41 @@ def is_typed(item: Any) -> bool:
 
 
 def tree_features(node: Any) -> int:
-    """The required_features bits a file with this tree must set (FEATURE_TYPED_TREE, or 0)."""
+    """The required_features bits a file with this tree must set (FEATURE_TYPED_TREE, FEATURE_ARRAYS_PATHS)."""
     stack = [node]
+    bits = 0
     while stack:
         item = stack.pop()
         if is_typed(item):
-            return FEATURE_TYPED_TREE
+            bits |= FEATURE_TYPED_TREE
+        elif isinstance(item, (ArrayRef, PathValue)):
+            bits |= FEATURE_ARRAYS_PATHS
         if isinstance(item, dict):
             stack.extend(item.values())
         elif isinstance(item, (list, tuple)):
             stack.extend(item)
-    return 0
+    return bits
 
 
-def resolve_refs(node: Any, get: Callable[[int], Any], typed: Callable[[Any], Any] | None = None) -> Any:
-    """The tree with every TensorRef replaced by ``get(tensor_id)``, and (with ``typed``) every DtypeName
-    and DeviceName by ``typed(value)`` (the loader makes torch objects of them)."""
+def resolve_refs(node: Any, get: Callable[[int], Any], typed: Callable[[Any], Any] | None = None,
+                 array: Callable[[Any], Any] | None = None) -> Any:
+    """The tree with every TensorRef replaced by ``get(tensor_id)`` (an ArrayRef by ``array(get(tensor_id))``
+    when ``array`` is given), and (with ``typed``) every DtypeName, DeviceName and PathValue by
+    ``typed(value)`` (the loader makes torch and pathlib objects of them)."""
     if isinstance(node, TensorRef):
+        if array is not None and isinstance(node, ArrayRef):
+            return array(get(node.tensor_id))
         return get(node.tensor_id)
-    if typed is not None and isinstance(node, (DtypeName, DeviceName)):
+    if typed is not None and isinstance(node, (DtypeName, DeviceName, PathValue)):
         return typed(node)
     if isinstance(node, dict):
-        return {k: resolve_refs(v, get, typed) for k, v in node.items()}
+        return {k: resolve_refs(v, get, typed, array) for k, v in node.items()}
     if isinstance(node, tuple):
-        return tuple(resolve_refs(v, get, typed) for v in node)
+        return tuple(resolve_refs(v, get, typed, array) for v in node)
     if isinstance(node, list):
-        return [resolve_refs(v, get, typed) for v in node]
+        return [resolve_refs(v, get, typed, array) for v in node]
     if typed is not None and isinstance(node, (set, frozenset)):
-        return type(node)(resolve_refs(v, get, typed) for v in node)
+        return type(node)(resolve_refs(v, get, typed, array) for v in node)
     return node
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import math
+import pathlib
+import warnings
 import threading
 import time
 from dataclasses import dataclass, field
@@ -17,9 +19,9 @@ import numpy as np
 import torch
 
 from ..errors import LimitError, UnsupportedObjectError
-from ..format.constants import FEATURE_TYPED_TREE, MAX_BIGINT_BYTES, MAX_NAME_BYTES, MAX_RANK, MAX_TENSOR_BYTES, MAX_TENSORS, MAX_TREE_DEPTH
+from ..format.constants import FEATURE_ARRAYS_PATHS, FEATURE_TYPED_TREE, PATH_FLAVOURS, MAX_BIGINT_BYTES, MAX_NAME_BYTES, MAX_RANK, MAX_TENSOR_BYTES, MAX_TENSORS, MAX_TREE_DEPTH
 from ..format.dtypes import DTYPES
-from ..format.tree import (BigInt, DeviceName, DtypeName, TensorRef, bigint_bytes, escape, is_typed, same_value,
+from ..format.tree import (ArrayRef, BigInt, DeviceName, DtypeName, PathValue, TensorRef, bigint_bytes, escape, is_typed, same_value,
                            set_item_problem)
 from . import layout as layout_of
 from .chunking import CPU_CHUNK_SIZE, chunk_policy
@@ -57,7 +59,7 @@ class SavePlan:
     tree: Any
     tensors: list[PlannedTensor]
     metadata: dict[str, Any]
-    required_features: int = 0  # SPEC 3: FEATURE_TYPED_TREE when the tree holds a typed extension (SPEC 9.2)
+    required_features: int = 0  # SPEC 3: FEATURE_TYPED_TREE (a typed extension, 9.2), FEATURE_ARRAYS_PATHS (9.3)
     seconds: dict[str, float] = field(default_factory=dict)  # what planning took: walk, derived tensors
     _search: Any = field(default=None, repr=False)  # a DerivedSearch not yet verified (plan_save(defer=True))
     _decided: threading.Event = field(default_factory=threading.Event, repr=False)
@@ -131,6 +133,42 @@ def typed_leaf(node: Any, path: str) -> Any:
     return None
 
 
+_PATH_CLASSES = {getattr(pathlib, name): k for k, name in enumerate(PATH_FLAVOURS)}
+# NumPy dtypes stored as the tensor dtype of the same name (SPEC 9.3); byte order aside, no other has a torch form.
+_ARRAY_DTYPES = frozenset({"bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16",
+                           "float32", "float64", "complex64", "complex128"})
+
+
+def array_tensor(arr: np.ndarray, path: str) -> torch.Tensor:
+    """A NumPy array as the tensor that stores it (SPEC 9.3): its memory where torch can view it (so arrays
+    that share memory stay shared, as tensors do), else a C-ordered copy; non-native byte order is made
+    native (the values are kept, the byte order is not)."""
+    if arr.dtype.name not in _ARRAY_DTYPES or arr.dtype.fields is not None:
+        fix = ("store arr.tolist() (plain values) or convert it to a numeric dtype" if arr.dtype.kind in "OUSMmV"
+               else f"convert it with arr.astype(...) to one of {', '.join(sorted(_ARRAY_DTYPES))}")
+        raise UnsupportedObjectError(f"cannot store a NumPy array of dtype {arr.dtype} at {path or '<root>'}: {fix} "
+                                     "(arrays of bool, int, uint, float16/32/64 and complex64/128 are stored)")
+    if not arr.dtype.isnative:
+        arr = arr.astype(arr.dtype.newbyteorder("="))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # a read-only array: the save only reads it
+        try:
+            return torch.from_numpy(arr)
+        except (ValueError, TypeError):  # negative strides, or strides that are no multiple of the item
+            return torch.from_numpy(np.ascontiguousarray(arr))
+
+
+def path_leaf(node: pathlib.PurePath, path: str) -> PathValue:
+    """A pathlib path as the tree stores it (SPEC 9.3): its class and str(path)."""
+    text = str(node)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a POSIX name that is not UTF-8 (os.fsdecode's surrogate escapes)
+        raise UnsupportedObjectError(f"path {text[:80]!r} at {path or '<root>'} is not valid Unicode (a file name in "
+                                     "another encoding): store os.fsencode(path) (bytes) instead") from None
+    return PathValue(_PATH_CLASSES[type(node)], text)
+
+
 def fix_for(value: Any) -> str:
     """What to store instead of ``value``, a value the tree cannot hold (for the error that refuses it); ""
     where nothing better than the list of storable types can be said."""
@@ -143,10 +181,10 @@ def fix_for(value: Any) -> str:
     from collections.abc import Mapping
 
     kind = type(value)
-    if isinstance(value, np.ndarray):
-        return "store torch.from_numpy(arr) (a tensor; .numpy() after loading) or arr.tolist() (plain numbers)"
-    if isinstance(value, pathlib.PurePath):
-        return "store str(path) (pathlib.Path(s) after loading)"
+    if isinstance(value, np.ndarray):  # a subclass (matrix, masked array, memmap): its extra state is not stored
+        return f"store np.asarray(arr) (a plain ndarray; the {type(value).__name__}'s own attributes are not stored)"
+    if isinstance(value, pathlib.PurePath):  # a subclass of pathlib's classes
+        return "store pathlib.Path(path) (or str(path)); only pathlib's own path classes are stored"
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return "store dataclasses.asdict(obj) (a dict of its fields; cls(**d) after loading)"
     if callable(getattr(value, "state_dict", None)):
@@ -307,21 +345,26 @@ def plan_save(
     started = time.perf_counter()
     leaves: list[tuple[str, torch.Tensor, tuple[str, int]]] = []  # (path, tensor, (dtype name, element size)) in tree order
     typed = False  # a value only SPEC 9.2's typed extensions store (FEATURE_TYPED_TREE)
+    arrays_paths = False  # a NumPy array or a path (SPEC 9.3, FEATURE_ARRAYS_PATHS)
 
     # The tree is built as it is walked, a tensor as TensorRef(its leaf index) (renumbered below where two
     # leaves are one tensor).  A path is joined only where it is used (a tensor's name, an error): this
     # runs once per container, key and tensor of the state, thousands of times per save.
     def walk(node: Any, parts: tuple[str, ...], depth: int) -> Any:
-        nonlocal typed
-        if isinstance(node, torch.Tensor):
+        nonlocal typed, arrays_paths
+        if isinstance(node, torch.Tensor) or type(node) is np.ndarray:
             path = "/".join(parts)
+            is_array = not isinstance(node, torch.Tensor)
+            if is_array:
+                node = array_tensor(node, path)
+                arrays_paths = True
             facts = _check_tensor(node, path)
             if node.is_conj() or node.is_neg():
                 # A lazy conjugate/negative view shares bytes with its source but shows other values:
                 # store the values it shows, as a tensor of its own.
                 node = node.detach().resolve_conj().resolve_neg()
             leaves.append((path, node, facts))
-            return TensorRef(len(leaves) - 1)
+            return ArrayRef(len(leaves) - 1) if is_array else TensorRef(len(leaves) - 1)
         if isinstance(node, dict):
             if depth > MAX_TREE_DEPTH:  # SPEC 9: containers count, not leaves
                 raise LimitError(f"object nesting at {'/'.join(parts)} exceeds the limit of {MAX_TREE_DEPTH}")
@@ -348,6 +391,9 @@ def plan_save(
         path = "/".join(parts)
         if node is None or isinstance(node, (bool, int, float, str, bytes, complex)):
             value = _scalar_leaf(node, path)
+        elif type(node) in _PATH_CLASSES:
+            value = path_leaf(node, path)
+            arrays_paths = True
         elif isinstance(node, (set, frozenset)):
             value = _set_value(node, path)
             if depth + _nesting(value) - 1 > MAX_TREE_DEPTH:
@@ -391,7 +437,7 @@ def plan_save(
     if leaf_ids != list(range(len(leaves))):  # tied weights or views: leaves that are one tensor, bases
         tree = _renumber(tree, leaf_ids)
     # A copy, as the tree is: an async_save must not see the caller change its metadata afterwards.
-    plan = SavePlan(tree, plan_tensors, copy.deepcopy(metadata) if metadata else {}, FEATURE_TYPED_TREE if typed else 0)
+    plan = SavePlan(tree, plan_tensors, copy.deepcopy(metadata) if metadata else {}, (FEATURE_TYPED_TREE if typed else 0) | (FEATURE_ARRAYS_PATHS if arrays_paths else 0))
     plan.seconds.update(walk=walked - started + time.perf_counter() - derived, derived=derived - walked)
     plan._search = search
     plan._cutter = layout
@@ -406,7 +452,7 @@ def plan_save(
 def _renumber(node: Any, leaf_ids: list[int]) -> Any:
     """The tree with each TensorRef(leaf index) made TensorRef(that leaf's tensor id)."""
     if isinstance(node, TensorRef):
-        return TensorRef(leaf_ids[node.tensor_id])
+        return type(node)(leaf_ids[node.tensor_id])  # an ArrayRef stays one
     if isinstance(node, dict):
         return {k: _renumber(v, leaf_ids) for k, v in node.items()}
     if isinstance(node, tuple):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import math
 import operator
+import pathlib
 import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
@@ -18,11 +19,11 @@ from .._fork import Lock
 from .._gc import paused as gc_paused
 from .._threads import TASK_BYTES, TASK_PIECES
 from ..errors import brief, ChecksumError, FormatError, LimitError, TensorNotFoundError, UnsupportedCodecError, UnsupportedFeatureError
-from ..format.constants import BF16_RNE, COPY
+from ..format.constants import BF16_RNE, COPY, PATH_FLAVOURS
 from ..format.entry import TensorEntry, not_internal
 from ..format.structs import xxh3
 from ..format.paths import by_dotted_name, did_you_mean, value_paths
-from ..format.tree import DeviceName, DtypeName, TensorRef, find_path, resolve_refs, tensor_refs
+from ..format.tree import ArrayRef, DeviceName, DtypeName, PathValue, TensorRef, find_path, resolve_refs, tensor_refs
 from ..options import LoadOptions, index_memory_limit
 from ..plan.derived import bf16_rne
 from ..tensors import flat_bytes
@@ -170,8 +171,26 @@ def target_device(options: LoadOptions) -> tuple[torch.device, Callable[[Any, st
     return device, None
 
 
-def torch_value(node: DtypeName | DeviceName) -> Any:
-    """A typed extension of the tree (SPEC 9.2) as the torch object it stands for."""
+def as_array(tensor: torch.Tensor) -> np.ndarray:
+    """A tensor that the tree references as a NumPy array (ext 9, SPEC 9.3) as that array: same dtype, shape
+    and bytes (C order), on the host whatever device the tensors were loaded onto."""
+    return tensor.detach().cpu().numpy()
+
+
+def path_object(node: PathValue) -> pathlib.PurePath:
+    """A path of the tree (ext 10, SPEC 9.3) as its pathlib class; a concrete path of the other operating
+    system's flavour (a WindowsPath read on Linux), which cannot be made here, as the pure class of its flavour."""
+    name = PATH_FLAVOURS[node.flavour]
+    try:
+        return getattr(pathlib, name)(node.text)
+    except (NotImplementedError, OSError):  # "cannot instantiate 'WindowsPath' on your system"
+        return (pathlib.PureWindowsPath if name == "WindowsPath" else pathlib.PurePosixPath)(node.text)
+
+
+def torch_value(node: DtypeName | DeviceName | PathValue) -> Any:
+    """A typed extension of the tree (SPEC 9.2, 9.3) as the torch (or pathlib) object it stands for."""
+    if isinstance(node, PathValue):
+        return path_object(node)
     if isinstance(node, DtypeName):
         dtype = getattr(torch, node.name, None)
         if not isinstance(dtype, torch.dtype):
@@ -362,7 +381,10 @@ class Checkpoint(Mapping):
 
     def __getitem__(self, name: str) -> Any:
         """``ck[name]``: the tensor named ``name``, as ``get_tensor(name)``; any other path of the saved object
-        gives its value, as ``load(keys=name)`` (``ck["step"]``, ``ck["model"]``)."""
+        gives its value, as ``load(keys=name)`` (``ck["step"]``, ``ck["model"]``); a NumPy array that was saved
+        is a NumPy array here (``get_tensor`` reads its tensor)."""
+        if isinstance(name, str) and name in self._file.index.arrays:
+            return self.load(name)
         try:
             return self.get_tensor(name)
         except TensorNotFoundError:
@@ -643,7 +665,7 @@ class Checkpoint(Mapping):
     # -- public reads ---------------------------------------------------------
     def get_tensor(self, name: str) -> torch.Tensor:
         """The tensor named ``name`` (one of ``keys()``, or its dotted name as DCP writes it), on this
-        checkpoint's device; raises TensorNotFoundError (a KeyError) for an unknown name, naming the nearest
+        checkpoint's device (a saved NumPy array as a tensor of its dtype: ``ck[name]`` gives the array); raises TensorNotFoundError (a KeyError) for an unknown name, naming the nearest
         names, or saying where ``name`` is another value of the saved object."""
         entry = self._tensor_entry(name)
         if entry.view is not None and entry.shape and self.row_readable(entry):
@@ -802,7 +824,7 @@ class Checkpoint(Mapping):
         DCP's dotted name of one of those."""
         index = self._file.index
         if key in index.paths:
-            return TensorRef(index.paths[key])
+            return (ArrayRef if key in index.arrays else TensorRef)(index.paths[key])
         path = self._path(key)
         if path is not None:
             return find_path(index.tree, path)
@@ -829,7 +851,7 @@ class Checkpoint(Mapping):
         if keys is None:
             # Every entry the tree refers to (a reference to an "internal" entry is legal, SPEC 9).
             loaded = self._load({*index.paths.values(), *not_internal(index.tensors)}, progress)
-            return resolve_refs(index.tree, loaded.__getitem__, torch_value)
+            return resolve_refs(index.tree, loaded.__getitem__, torch_value, as_array)
         one = isinstance(keys, str)
         if not one and not isinstance(keys, Iterable):
             raise TypeError(f"keys must be a str path (such as 'model' or '1') or an iterable of str, got "
@@ -840,7 +862,7 @@ class Checkpoint(Mapping):
                 raise TypeError(f"keys must be a str or an iterable of str, got an item {k!r}")
         nodes = {k: self._node(k) for k in wanted}
         loaded = self._load({r.tensor_id for n in nodes.values() for r in tensor_refs(n)}, progress)
-        values = {k: resolve_refs(n, loaded.__getitem__, torch_value) for k, n in nodes.items()}
+        values = {k: resolve_refs(n, loaded.__getitem__, torch_value, as_array) for k, n in nodes.items()}
         return values[keys] if one else values
 
 
