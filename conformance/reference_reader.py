@@ -96,6 +96,9 @@ MAX_TENSOR_BYTES = 1 << 62
 MAX_ZSTD_WINDOW = 1 << 24
 MAX_BIGINT_BYTES = 1024
 TYPED_TREE = 1 << 1  # required_features bit 1 (sections 3, 9.2)
+ARRAYS_PATHS = 1 << 2  # required_features bit 2 (sections 3, 9.3)
+NON_NUMPY_DTYPES = {"bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
+                    "float8_e8m0fnu", "float4_e2m1fn_x2", "complex32"}  # section 9.3: no ext 9 refers to one
 U64 = (1 << 64) - 1
 MAX_MATERIALIZED = 1 << 30  # bytes of one tensor this reader will build in memory
 I63 = (1 << 63) - 1
@@ -149,8 +152,8 @@ def check_preamble(data: bytes) -> tuple[int, int, int]:
         raise FormatError(f"not an nvckpt file (magic {magic.hex()})")
     if major != 1:
         raise UnsupportedFeatureError(f"version_major {major}; this reader supports 1")
-    if required & ~TYPED_TREE:
-        bits = [b for b in range(32) if (required & ~TYPED_TREE) >> b & 1]
+    if required & ~(TYPED_TREE | ARRAYS_PATHS):
+        bits = [b for b in range(32) if (required & ~(TYPED_TREE | ARRAYS_PATHS)) >> b & 1]
         raise UnsupportedFeatureError(f"unknown required_features bits {bits}")
     if reserved:
         raise FormatError(f"preamble reserved field is {reserved:#x}")
@@ -215,6 +218,18 @@ def parse_footer(data: bytes, file_length: int, positions: bool = True) -> tuple
 @dataclass(frozen=True)
 class TensorRef:
     tensor_id: int
+
+
+@dataclass(frozen=True)
+class ArrayRef(TensorRef):
+    """Ext 9 (section 9.3): a reference to a tensor entry that loads as a NumPy array."""
+
+
+@dataclass(frozen=True)
+class PathNode:
+    """Ext 10 (section 9.3): a path, by its flavour byte (0..3) and its str."""
+    flavour: int
+    text: str
 
 
 class Tuple(list):
@@ -383,9 +398,44 @@ def same_item(v: Any) -> Any:
     return key_class(v)
 
 
-def decode_typed(node: _Ext, ntensors: int, depth: int, typed: bool) -> Any:
+def decode_array_or_path(node: _Ext, ntensors: int, features: int) -> Any:
+    """Ext types 9 and 10 (section 9.3); the dtype of an array's entry is checked by array_problem."""
+    if not features & ARRAYS_PATHS:
+        raise FormatError(f"ext type {node.code} in a file without required_features bit 2")
+    data = node.data
+    if node.code == 9:
+        if len(data) != 4:
+            raise FormatError("array reference (ext 9) must have 4 bytes")
+        tid = struct.unpack("<I", data)[0]
+        if tid >= ntensors:
+            raise FormatError(f"tree refers to tensor {tid}, index has {ntensors}")
+        return ArrayRef(tid)
+    if len(data) < 2 or data[0] > 3:
+        raise FormatError("path ext (10) must be a flavour byte 0..3 and at least one byte of str")
+    try:
+        text = data[1:].decode("utf-8")  # strict (section 1)
+    except UnicodeDecodeError:
+        raise FormatError("path ext (10) holds a str that is not valid UTF-8") from None
+    if "\x00" in text:
+        raise FormatError("path ext (10) holds U+0000")
+    return PathNode(data[0], text)
+
+
+def array_problem(node: Any, dtypes: list[str]) -> str | None:
+    """Section 9.3: an array reference to an entry whose dtype NumPy has no dtype for."""
+    if isinstance(node, ArrayRef):
+        d = dtypes[node.tensor_id]
+        return f"an array reference to a {d} tensor" if d in NON_NUMPY_DTYPES else None
+    if isinstance(node, Map):
+        return next((p for _, v in node if (p := array_problem(v, dtypes))), None)
+    if isinstance(node, list) and not isinstance(node, SetNode):
+        return next((p for v in node if (p := array_problem(v, dtypes))), None)
+    return None
+
+
+def decode_typed(node: _Ext, ntensors: int, depth: int, features: int) -> Any:
     """Ext types 3..8 (section 9.2)."""
-    if not typed:
+    if not features & TYPED_TREE:
         raise FormatError(f"ext type {node.code} in a file without required_features bit 1")
     data = node.data
     if node.code in (3, 4):
@@ -410,7 +460,7 @@ def decode_typed(node: _Ext, ntensors: int, depth: int, typed: bool) -> Any:
     items = unpack_one(data)
     if not isinstance(items, list) or isinstance(items, Map):
         raise FormatError("set ext data must be one msgpack array")
-    out = [decode_tree(x, ntensors, depth + 1, typed) for x in items]
+    out = [decode_tree(x, ntensors, depth + 1, features) for x in items]
     for item in out:
         if not _set_item_ok(item):
             raise FormatError(f"a set holds a {type(item).__name__} (or a tuple holding one)")
@@ -432,10 +482,13 @@ def _set_item_ok(v: Any) -> bool:
     return v is None or isinstance(v, (bool, int, float, str, bytes, complex, Typed))
 
 
-def decode_tree(node: Any, ntensors: int, depth: int = 1, typed: bool = False) -> Any:
-    """Section 9: check types, depth (root container = 1) and ext types; decode tuples and section 9.2."""
+def decode_tree(node: Any, ntensors: int, depth: int = 1, features: int = 0) -> Any:
+    """Section 9: check types, depth (root container = 1) and ext types; decode tuples, sections 9.2 and 9.3
+    (``features``: the preamble's required_features)."""
     if isinstance(node, _Ext) and 3 <= node.code <= 8:
-        return decode_typed(node, ntensors, depth, typed)
+        return decode_typed(node, ntensors, depth, features)
+    if isinstance(node, _Ext) and node.code in (9, 10):
+        return decode_array_or_path(node, ntensors, features)
     if isinstance(node, _Ext):
         if node.code == 1:
             if len(node.data) != 4:
@@ -450,7 +503,7 @@ def decode_tree(node: Any, ntensors: int, depth: int = 1, typed: bool = False) -
             items = unpack_one(node.data)
             if not isinstance(items, list) or isinstance(items, Map):
                 raise FormatError("tuple ext data must be one msgpack array")
-            return Tuple(decode_tree(x, ntensors, depth + 1, typed) for x in items)
+            return Tuple(decode_tree(x, ntensors, depth + 1, features) for x in items)
         raise FormatError(f"ext type {node.code} is not allowed in the tree")
     if isinstance(node, Map):
         if depth > MAX_TREE_DEPTH:
@@ -459,12 +512,12 @@ def decode_tree(node: Any, ntensors: int, depth: int = 1, typed: bool = False) -
             if k is not None and not isinstance(k, (str, int, float, bool)):
                 raise FormatError(f"tree map key of type {type(k).__name__} is not allowed")
         _check_map_keys_unique(node, "tree map")
-        out = Map((k, decode_tree(v, ntensors, depth + 1, typed)) for k, v in node)
+        out = Map((k, decode_tree(v, ntensors, depth + 1, features)) for k, v in node)
         return out
     if isinstance(node, list):
         if depth > MAX_TREE_DEPTH:
             raise LimitError("tree deeper than 64")
-        return [decode_tree(x, ntensors, depth + 1, typed) for x in node]
+        return [decode_tree(x, ntensors, depth + 1, features) for x in node]
     if node is None or isinstance(node, (bool, int, float, str, bytes)):
         return node
     raise FormatError(f"unexpected {type(node).__name__} in the tree")
@@ -890,7 +943,10 @@ def parse_index(payload: bytes, preamble_version: tuple[int, int, int], index_of
         if b0 < a1:
             raise FormatError(f"stored ranges of {an!r} [{a0}, {a1}) and {bn!r} [{b0}, {b1}) overlap")
     check_references(entries)
-    tree = decode_tree(top["tree"], len(entries), typed=bool(preamble_version[2] & TYPED_TREE))
+    tree = decode_tree(top["tree"], len(entries), features=preamble_version[2])
+    problem = array_problem(tree, [e.dtype for e in entries])
+    if problem:
+        raise FormatError(f"the tree holds {problem}, which NumPy has no dtype for (section 9.3)")
     metadata = check_metadata(top.get("metadata", Map()))
     if not isinstance(metadata, Map):
         raise FormatError("metadata must be a map")
@@ -1131,8 +1187,12 @@ def _decodable(steps: list[Step]) -> bool:
 
 def node_json(node: Any, names: list[str]) -> Any:
     """Tree/metadata value -> JSON (conformance/README.md, "The decode document")."""
+    if isinstance(node, ArrayRef):
+        return {"$ndarray": names[node.tensor_id]}
     if isinstance(node, TensorRef):
         return {"$tensor": names[node.tensor_id]}
+    if isinstance(node, PathNode):
+        return {"$path": [node.flavour, node.text]}
     if isinstance(node, Tuple):
         return {"$tuple": [node_json(x, names) for x in node]}
     if isinstance(node, SetNode):

@@ -391,6 +391,10 @@ def _info(args: argparse.Namespace) -> int:
         ("as loaded", f"{human_bytes(d['loaded_bytes'])} of tensors from a {human_bytes(d['file_bytes'])} file, "
                       f"ratio {ratio_text(d['file_ratio'])}"),
     ]
+    if d["required_features"]:
+        fields.insert(2, ("features", ", ".join(d["required_features"])))
+    if d["ndarrays"] or d["paths"]:  # SPEC 9.3: values that load as NumPy arrays and pathlib paths
+        fields.append(("numpy/paths", f"{d['ndarrays']} names load as NumPy arrays, {d['paths']} pathlib paths"))
     width = max(len(name) for name, _ in fields)
     for name, value in fields:
         print(f"{name.ljust(width)}  {value}")
@@ -450,8 +454,9 @@ def _ls(args: argparse.Namespace) -> int:
     table = []
     for r in rows:
         stored = human_bytes(r["stored_bytes"]) if r["kind"] in ("data", "internal") else "-"
+        kind = r["kind"] + (" (ndarray)" if r["loads_as"] == "ndarray" else "")  # SPEC 9.3: loads as a NumPy array
         table.append([printable(r["name"]), r["dtype"], _shape(r["shape"]), human_bytes(r["nbytes"]), stored,
-                      ratio_text(r["ratio"]), printable(", ".join(r["codecs"])) if r["codecs"] else "-", r["kind"]])
+                      ratio_text(r["ratio"]), printable(", ".join(r["codecs"])) if r["codecs"] else "-", kind])
     print(render_table(["name", "dtype", "shape", "raw", "stored", "ratio", "codec", "kind"], table, right=(3, 4, 5)))
     return EXIT_OK
 

@@ -7,6 +7,7 @@ import os
 import pathlib
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -85,12 +86,12 @@ def test_trainer_saves_and_resumes_through_nvckpt(tmp_path, async_save):
 @pytest.mark.slow
 def test_what_the_tree_cannot_hold_is_refused_by_name_or_dropped(tmp_path):
     pl.seed_everything(0, verbose=False)
-    model = Net(note=pathlib.Path("/data/run"))  # a hyper-parameter torch.save would pickle
+    model = Net(note=Config())  # a hyper-parameter torch.save would pickle
     with pytest.raises(nvckpt.UnsupportedObjectError, match="hyper_parameters/note"):
         trainer(tmp_path / "a", 1, NvckptCheckpointIO()).fit(model)
 
     pl.seed_everything(0, verbose=False)
-    model = Net(note=pathlib.Path("/data/run"))
+    model = Net(note=Config())
     with pytest.warns(UserWarning, match="hyper_parameters/note"):
         trainer(tmp_path / "b", 1, NvckptCheckpointIO(unsupported="drop")).fit(model)
     with nvckpt.open(tmp_path / "b" / "ckpt" / "last.ckpt") as ck:
@@ -103,7 +104,7 @@ def test_dropped_list_elements_leave_the_others_in_place(tmp_path):
     names what is missing."""
     path = tmp_path / "d.ckpt"
     ckpt = {"state_dict": {"w": torch.ones(2)},
-            "hyper_parameters": {"layers": [pathlib.Path("/data/train"), 64, 128], "pair": (1, print), "fn": print}}
+            "hyper_parameters": {"layers": [Config(), 64, 128], "pair": (1, print), "fn": print}}
     with pytest.warns(UserWarning):
         NvckptCheckpointIO(unsupported="drop").save_checkpoint(ckpt, path)
     back = NvckptCheckpointIO().load_checkpoint(path)
@@ -214,15 +215,15 @@ def test_what_cannot_be_stored_stops_the_run_before_its_first_step(tmp_path):
     """A Path in the hyper-parameters is refused at setup, before any training step, naming the fix and the
     plugin's unsupported="drop"; with "drop" the run goes on, warned once at fit start."""
     pl.seed_everything(0, verbose=False)
-    model = Net(note=pathlib.Path("/data/run"))
+    model = Net(note=Config())
     with pytest.raises(nvckpt.UnsupportedObjectError,
-                       match=r"hyper_parameters/note: store str\(path\).*unsupported=\"drop\""):
+                       match=r"hyper_parameters/note: store dataclasses.asdict\(obj\).*unsupported=\"drop\""):
         named_trainer(tmp_path / "a", 1).fit(model)
     assert model.losses == []  # not one step ran
     assert not (tmp_path / "a" / "ckpt").exists() or not os.listdir(tmp_path / "a" / "ckpt")
 
     pl.seed_everything(0, verbose=False)
-    model = Net(note=pathlib.Path("/data/run"))
+    model = Net(note=Config())
     with pytest.warns(UserWarning, match="hyper_parameters/note") as caught:
         named_trainer(tmp_path / "b", 1, NvckptCheckpointIO(unsupported="drop")).fit(model)
     assert len([w for w in caught if "not saved" in str(w.message)]) == 1
@@ -253,3 +254,50 @@ def test_what_on_save_checkpoint_adds_is_checked_at_fit_start(tmp_path):
     with pytest.raises(nvckpt.UnsupportedObjectError, match=r"extras/config.*dataclasses.asdict.*unsupported=\"drop\""):
         trainer(tmp_path / "b", 1, NvckptCheckpointIO()).fit(model)
     assert len(model.losses) == 4  # the plugin alone learns it at the first save, after an epoch
+
+
+class NoisyNet(Net):
+    """Draws from NumPy's global generator every step (data augmentation does) and keeps its state in the
+    checkpoint, as a user's on_save_checkpoint does: np.random.get_state() holds a uint32 array."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        x = x + torch.from_numpy(np.random.standard_normal(x.shape).astype(np.float32)) * 0.01
+        return super().training_step((x, y), batch_idx)
+
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint["numpy_rng"] = np.random.get_state()
+
+    def on_load_checkpoint(self, checkpoint):
+        np.random.set_state(checkpoint["numpy_rng"])
+
+
+@pytest.mark.slow
+def test_paths_and_numpy_states_save_and_resume_through_nvckpt(tmp_path):
+    """save_hyperparameters() with a pathlib.Path and np.random.get_state() in the checkpoint: saved as what they
+    are (SPEC 9.3), loaded back as the same types, and a resumed run draws the same numbers as a straight one."""
+    data_dir = pathlib.Path("/data/run") / "shards"
+    pl.seed_everything(0, verbose=False)
+    np.random.seed(0)
+    straight = NoisyNet(note=data_dir)
+    trainer(tmp_path / "a", 4, NvckptCheckpointIO()).fit(straight)
+
+    pl.seed_everything(0, verbose=False)
+    np.random.seed(0)
+    first = NoisyNet(note=data_dir)
+    trainer(tmp_path / "b", 2, NvckptCheckpointIO()).fit(first)
+    last = tmp_path / "b" / "ckpt" / "last.ckpt"
+    with nvckpt.open(last) as ck:
+        note = ck["hyper_parameters/note"]
+        assert type(note) is type(data_dir) and note == data_dir
+        state = ck["numpy_rng"]
+        assert isinstance(state[1], np.ndarray) and state[1].dtype == np.uint32 and state[1].shape == (624,)
+        assert ck.get_tensor("numpy_rng/1").dtype == torch.uint32  # stored as a tensor entry
+    back = load_from_checkpoint(NoisyNet, last)
+    assert back.hparams.note == data_dir and type(back.hparams.note) is type(data_dir)
+
+    pl.seed_everything(0, verbose=False)
+    np.random.seed(123)  # the checkpoint's state, not this one, must drive the resumed run
+    resumed = NoisyNet(note=data_dir)
+    trainer(tmp_path / "b", 4, NvckptCheckpointIO()).fit(resumed, ckpt_path=str(last))
+    assert first.losses + resumed.losses == straight.losses  # bit for bit, the NumPy noise included

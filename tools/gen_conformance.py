@@ -28,6 +28,7 @@ import io
 import json
 import math
 import os
+import pathlib
 import shutil
 import struct
 import sys
@@ -52,6 +53,7 @@ from nvckpt.plan.derived import bf16_rne  # noqa: E402
 
 WRITER = {"name": "nvckpt-conformance", "version": "1"}
 SUITE_VERSION = 1
+PATH_CLASSES = ["PurePosixPath", "PureWindowsPath", "PosixPath", "WindowsPath"]  # SPEC 9.3: ext 10's flavour byte
 ANS_FIXTURE = os.path.join(ROOT, "conformance", "fixtures", "ans_chunk.json")
 
 ERRORS = ("format", "truncated", "checksum", "unsupported-codec", "unsupported-feature", "limit")
@@ -77,7 +79,7 @@ def raw_bytes(t: torch.Tensor) -> bytes:
 
 
 def leaves(obj: Any, parts: tuple = ()) -> list[tuple[str, torch.Tensor]]:
-    if isinstance(obj, torch.Tensor):
+    if isinstance(obj, (torch.Tensor, np.ndarray)):
         return [("/".join(parts), obj)]
     out = []
     if isinstance(obj, dict):
@@ -94,6 +96,10 @@ def torch_values(names: dict[int, str]) -> Any:
     def own(node: Any) -> Any:
         if isinstance(node, torch.Tensor):
             return {"$tensor": names[id(node)]}
+        if isinstance(node, np.ndarray):  # SPEC 9.3
+            return {"$ndarray": names[id(node)]}
+        if isinstance(node, pathlib.PurePath):
+            return {"$path": [PATH_CLASSES.index(type(node).__name__), str(node)]}
         if isinstance(node, torch.dtype):
             return {"$dtype": str(node).removeprefix("torch.")}
         if isinstance(node, torch.device):
@@ -111,7 +117,7 @@ def key_string(key: Any) -> str:
 
 def keys_of(tree: Any, parts: tuple = ()) -> list[str]:
     """The names a reader offers (keys()): every path to a tensor reference, depth first, in stored order."""
-    if isinstance(tree, dict) and "$tensor" in tree:
+    if isinstance(tree, dict) and ("$tensor" in tree or "$ndarray" in tree):
         return ["/".join(parts)]
     if isinstance(tree, dict) and "$map" in tree:
         return [k for key, v in tree["$map"] for k in keys_of(v, parts + (key_string(key),))]
@@ -149,6 +155,8 @@ def expected_decode(obj: Any, metadata: dict | None, data: bytes) -> dict:
             tensors[e["name"]] = tensor_json(e["dtype"], e["shape"], blob, True)
         else:
             t = by_name[e["name"]]
+            if isinstance(t, np.ndarray):  # SPEC 9.3: its values in C order, native (little-endian) byte order
+                t = torch.from_numpy(np.array(t, dtype=t.dtype.newbyteorder("="), order="C"))
             assert list(t.shape) == list(e["shape"]), e["name"]
             tensors[e["name"]] = tensor_json(e["dtype"], e["shape"], raw_bytes(t))
     return {"tensors": tensors, "tree": node_json(obj, torch_values(first)),
@@ -1938,6 +1946,105 @@ def gen_issue13(s: Suite) -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# SPEC.md 1.2: NumPy arrays and paths in the tree (9.3), required feature bit 2 (3)
+# --------------------------------------------------------------------------------------------
+
+def gen_arrays_paths(s: Suite) -> None:
+    rng = np.random.RandomState(7)
+    grid = np.arange(24, dtype=np.float64).reshape(4, 6)
+    obj = {
+        "w": smooth(64, 17).reshape(8, 8),
+        "numpy_random_state": rng.get_state(),  # ('MT19937', uint32[624], pos, has_gauss, cached_gaussian)
+        "generator": np.random.Generator(np.random.MT19937(5)).bit_generator.state,  # {'state': {'key': uint32[624]}}
+        "arrays": {
+            "fortran": np.asfortranarray(grid), "strided": grid[::2, 1::2], "scalar": np.array(-7, dtype=np.int16),
+            "empty": np.zeros((0, 3), dtype=np.uint64), "bool": np.array([True, False, True]),
+            "complex": np.array([1 + 2j, -0.0 - 1j], dtype=np.complex128), "half": np.array([0.5, -2.0], np.float16),
+            "big_endian": np.array([1, -2, 3], dtype=">i4"),
+        },
+        "paths": [pathlib.PurePosixPath("/data/run 1/x.bin"), pathlib.PureWindowsPath("C:\\runs\\é"),
+                  pathlib.PosixPath("ckpt/last.nvckpt")],
+        "dtype": torch.float32,
+    }
+    data = save(obj, codec="raw")
+    nv = craft.parse(data)
+    assert (nv.preamble.version_minor, nv.preamble.required_features, nv.index["version"]) == (2, 6, [1, 2])
+    exp = expected_decode(obj, None, data)
+    s.valid("valid-arrays-paths", data, exp, section="9.3", flags=["tree", "ndarray", "path", "required-feature"],
+            description="NumPy arrays (np.random.get_state(), a Generator's MT19937 state, Fortran-order, strided, "
+                        "0-d, empty, bool, complex, float16, big-endian) and pathlib paths of three classes in the tree "
+                        "(ext 9 and 10, required_features bits 1 and 2, version 1.2)")
+    only = {"a": np.arange(5, dtype=np.int64)}
+    only_data = save(only, codec="raw")
+    assert craft.parse(only_data).preamble.required_features == 4
+    s.valid("valid-array-bit-2-only", only_data, expected_decode(only, None, only_data), section="3",
+            flags=["tree", "ndarray", "required-feature"],
+            description="an int64 array and nothing of 9.2: required_features bit 2 alone, version 1.2")
+
+    def with_tree(tree: bytes, *, required: int = 4, minor: int = 2, src: bytes = data) -> bytes:
+        f = craft.parse(src)
+        f.preamble.required_features, f.preamble.version_minor = required, minor
+        f.index["version"] = [1, minor]
+        f.index_frame().payload = _index_with_raw_tree(f.index, tree)
+        return craft.build(f, fix_index=False)
+
+    def ext(code: int, body: bytes) -> bytes:
+        return craft.pack(msgpack.ExtType(code, body))
+
+    def one(value: bytes, key: str = "x") -> bytes:
+        return _pack_map([(craft.pack("w"), craft.pack(msgpack.ExtType(1, struct.pack("<I", 0)))),
+                          (craft.pack(key), value)])
+
+    def exp_one(value: Any, key: str = "x") -> dict:
+        e = copy.deepcopy(exp)
+        e["tree"] = {"$map": [["w", {"$tensor": "w"}], [key, value]]}
+        return e
+
+    ref0 = struct.pack("<I", 0)
+    s.valid("valid-array-and-tensor-one-entry", with_tree(one(ext(9, ref0))), exp_one({"$ndarray": "w"}),
+            section="9.3", flags=["tree", "ndarray"],
+            description="ext 1 and ext 9 refer to one entry (a tensor and an array sharing memory): both paths are names")
+    s.valid("valid-path-windows-concrete", with_tree(one(ext(10, b"\x03C:\\runs\\a"))), exp_one({"$path": [3, "C:\\runs\\a"]}),
+            section="9.3", flags=["tree", "path"],
+            description="a WindowsPath (flavour 3), which a reader on Linux returns as a PureWindowsPath")
+
+    bf16 = save({"w": torch.linspace(-1, 1, 8, dtype=torch.bfloat16)}, codec="raw")
+    inv = s.invalid
+    cases = [
+        ("array-without-feature-bit-2", with_tree(one(ext(9, ref0)), required=2, minor=1), "format",
+         "an array reference (ext 9) in a file whose preamble sets required_features bit 1 only",
+         "a reader that does not implement bit 2 would take the file for one it reads", "3"),
+        ("path-without-feature-bit-2", with_tree(one(ext(10, b"\x00/a")), required=0, minor=0), "format",
+         "a path ext (10) in a file whose required_features is 0", "as above", "3"),
+        ("array-ref-5-bytes", with_tree(one(ext(9, ref0 + b"\0"))), "format", "an array reference of 5 bytes",
+         "a reader that reads 4 bytes ignores the fifth: two encodings of one reference", "9.3"),
+        ("array-ref-out-of-range", with_tree(one(ext(9, struct.pack("<I", 1000)))), "format",
+         f"an array reference to tensor 1000 in an index of {len(nv.index['tensors'])} tensors", "a read past the end of the tensor table", "9.3"),
+        ("array-ref-bfloat16", with_tree(one(ext(9, ref0)), src=bf16), "format",
+         "an array reference to a bfloat16 entry (NumPy has no bfloat16)",
+         "a reader would return some other dtype, or fail while loading instead of at open", "9.3"),
+        ("path-flavour-4", with_tree(one(ext(10, b"\x04/a"))), "format", "a path ext whose flavour byte is 4",
+         "a class this version does not define", "9.3"),
+        ("path-empty", with_tree(one(ext(10, b"\x00"))), "format", "a path ext with a flavour byte and no str",
+         "str(path) is never empty ('.' for the current directory): two encodings of one path", "9.3"),
+        ("path-invalid-utf8", with_tree(one(ext(10, b"\x00/a\xff"))), "format",
+         "a path ext whose str is not UTF-8", "a lenient decoder returns another path than was stored", "9.3"),
+        ("path-nul", with_tree(one(ext(10, b"\x00/a\x00b"))), "format", "a path ext whose str holds U+0000",
+         "a path that C file APIs cut at the NUL, opening another file than the one named", "9.3"),
+        ("path-as-map-key", with_tree(_pack_map([(craft.pack("w"), craft.pack(msgpack.ExtType(1, ref0))),
+                                                 (ext(10, b"\x00/a"), craft.pack(1))])), "format",
+         "a tree map whose key is a path ext", "typed values are never map keys", "9.3"),
+        ("set-holds-path", with_tree(one(ext(7, b"\x91" + ext(10, b"\x00/a"))), required=6), "format",
+         "a set holding a path ext", "set items are compared by value; paths are not set items", "9.3"),
+        ("set-holds-array", with_tree(one(ext(8, b"\x91" + ext(9, ref0))), required=6), "format",
+         "a frozenset holding an array reference", "an array is not hashable", "9.3"),
+    ]
+    for cid, payload, error, description, danger, section in cases:
+        inv(cid, payload, error, section=section, flags=["tree", "ndarray" if "array" in cid else "path"],
+            description=description, danger=danger)
+
+
+# --------------------------------------------------------------------------------------------
 
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
@@ -1985,8 +2092,9 @@ def main(argv: list[str] | None = None) -> int:
     bases = gen_valid(s)
     gen_invalid(s, bases)
     gen_issue13(s)
+    gen_arrays_paths(s)
     manifest = {
-        "suite": "nvckpt conformance", "suite_version": SUITE_VERSION, "format_version": [1, 1],
+        "suite": "nvckpt conformance", "suite_version": SUITE_VERSION, "format_version": [1, 2],
         "generator": {"tool": "tools/gen_conformance.py", "writer": WRITER, "zstd": ".".join(map(str, zstandard.ZSTD_VERSION))},
         "errors": list(ERRORS),
         "cases": s.cases,

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 import nvckpt  # noqa: E402
 from conformance.protocol import node_json  # noqa: E402
-from nvckpt.format.tree import DeviceName, DtypeName, TensorRef  # noqa: E402
+from nvckpt.format.tree import ArrayRef, DeviceName, DtypeName, PathValue, TensorRef  # noqa: E402
 
 # Most specific first: TruncatedError is a FormatError.
 ERROR_CLASSES = (
@@ -50,8 +50,13 @@ def error_class(exc: nvckpt.NvckptError) -> str:
 
 
 def own_values(names: list[str]) -> Any:
-    """The decode document's encoding of nvckpt's own tree values (tensor references, dtypes, devices)."""
+    """The decode document's encoding of nvckpt's own tree values (tensor and array references, dtypes,
+    devices, paths)."""
     def own(node: Any) -> Any:
+        if isinstance(node, ArrayRef):
+            return {"$ndarray": names[node.tensor_id]}
+        if isinstance(node, PathValue):
+            return {"$path": [node.flavour, node.text]}
         if isinstance(node, TensorRef):
             return {"$tensor": names[node.tensor_id]}
         if isinstance(node, DtypeName):

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 from contextlib import closing
-from typing import Any
+from typing import Any, Iterator
 
 from ..format.entry import TensorEntry
+from ..format.tree import PathValue
 from ..read.reader import ChunkReader
 from ._util import ratio
 
@@ -38,6 +39,7 @@ def tensor_rows(reader: ChunkReader) -> list[dict[str, Any]]:
             "chunks": len(entry.chunks or ()),
             "codecs": _codec_descriptions(reader, entry),
             "kind": entry.kind,
+            "loads_as": "ndarray" if entry.name in reader.index.arrays else "tensor",  # SPEC 9.3
         })
     for path, tid in reader.index.paths.items():
         entry = reader.index.tensors[tid]
@@ -46,6 +48,7 @@ def tensor_rows(reader: ChunkReader) -> list[dict[str, Any]]:
                 "name": path, "tensor_id": tid, "dtype": entry.dtype.name, "shape": list(entry.shape),
                 "nbytes": entry.nbytes, "raw_bytes": 0, "stored_bytes": 0, "ratio": None, "chunks": 0,
                 "codecs": [f"alias of {entry.name}"], "kind": "alias",
+                "loads_as": "ndarray" if path in reader.index.arrays else "tensor",
             })
     return rows
 
@@ -91,6 +94,10 @@ def describe_reader(reader: ChunkReader) -> dict[str, Any]:
         "entries": len(index.tensors),
         "kinds": kinds,
         "keys": len(index.paths),
+        "ndarrays": len(index.arrays),  # names that load as NumPy arrays (SPEC 9.3)
+        "paths": sum(1 for _ in path_values(index.tree)),  # pathlib paths in the saved object (SPEC 9.3)
+        "required_features": [FEATURE_NAMES.get(b, f"bit {b}") for b in range(32)
+                              if reader.preamble.required_features >> b & 1],
         "chunks": chunk_total,
         "raw_bytes": raw_total,
         "stored_bytes": stored_total,
@@ -103,6 +110,22 @@ def describe_reader(reader: ChunkReader) -> dict[str, Any]:
         "codecs": codecs,
         "metadata": index.metadata,
     }
+
+
+FEATURE_NAMES = {1: "typed tree (9.2)", 2: "arrays and paths (9.3)"}  # required_features bits (SPEC 3)
+
+
+def path_values(node: Any) -> Iterator[PathValue]:
+    """Every pathlib path (ext 10) of a tree."""
+    stack = [node]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, PathValue):
+            yield item
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
 
 
 def _informative(value: Any) -> Any:
