@@ -146,8 +146,9 @@ def array_tensor(arr: np.ndarray, path: str) -> torch.Tensor:
     if arr.dtype.name not in _ARRAY_DTYPES or arr.dtype.fields is not None:
         fix = ("store arr.tolist() (plain values) or convert it to a numeric dtype" if arr.dtype.kind in "OUSMmV"
                else f"convert it with arr.astype(...) to one of {', '.join(sorted(_ARRAY_DTYPES))}")
-        raise UnsupportedObjectError(f"cannot store a NumPy array of dtype {arr.dtype} at {path or '<root>'}: {fix} "
-                                     "(arrays of bool, int, uint, float16/32/64 and complex64/128 are stored)")
+        raise UnsupportedObjectError(f"cannot store a NumPy array of dtype {arr.dtype} at {path or '<root>'}: {fix}; "
+                                     "nvckpt stores NumPy arrays of bool, int8-64, uint8-64, float16/32/64 and "
+                                     "complex64/128 (no pickle)")
     if not arr.dtype.isnative:
         arr = arr.astype(arr.dtype.newbyteorder("="))
     with warnings.catch_warnings():
@@ -155,7 +156,7 @@ def array_tensor(arr: np.ndarray, path: str) -> torch.Tensor:
         try:
             return torch.from_numpy(arr)
         except (ValueError, TypeError):  # negative strides, or strides that are no multiple of the item
-            return torch.from_numpy(np.ascontiguousarray(arr))
+            return torch.from_numpy(np.array(arr, order="C", copy=True))  # a fresh array: positive strides
 
 
 def path_leaf(node: pathlib.PurePath, path: str) -> PathValue:
