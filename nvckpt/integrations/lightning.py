@@ -240,6 +240,10 @@ def load_from_checkpoint(cls: Any, checkpoint_path: Any, map_location: Any = Non
     buffer = io.BytesIO()
     torch.save(load(path, map_location=map_location), buffer)
     buffer.seek(0)
+    # The pickle was made just now from what an nvckpt file holds (tensors, containers, numbers, dtypes, devices,
+    # NumPy arrays, pathlib paths: no code), so reading it back in full is safe; torch.load's weights_only
+    # refuses the arrays and paths (SPEC 9.3) that a checkpoint's hyper-parameters and RNG states hold.
+    kwargs.setdefault("weights_only", False)
     return cls.load_from_checkpoint(buffer, map_location=map_location, **kwargs)
 
 
