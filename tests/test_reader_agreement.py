@@ -217,10 +217,11 @@ def test_ignored_exts_in_an_index_decoded_in_pieces(tmp_path, monkeypatch):
     (lambda nv: nv.index["tensors"][0].__setitem__("name", msgpack.ExtType(9, b"")), "'name' must be a string, got an ext type 9"),
     (lambda nv: nv.index["tensors"][0].__setitem__("checksum", EXT6), "'checksum' must be an integer"),
     (lambda nv: nv.index.__setitem__("metadata", {"k": msgpack.ExtType(2, craft.pack([1]))}), "metadata holds a tuple"),
-    (lambda nv: nv.index["tree"].__setitem__("x", msgpack.ExtType(9, b"")), "unknown ext type 9 in the tree"),
+    (lambda nv: nv.index["tree"].__setitem__("x", msgpack.ExtType(11, b"")), "unknown ext type 11 in the tree"),
+    (lambda nv: nv.index["tree"].__setitem__("x", msgpack.ExtType(9, b"")), "NumPy array reference \\(ext 9\\) has 0 bytes"),
     (lambda nv: nv.index["tree"].__setitem__("x", msgpack.ExtType(1, b"\x00")), "tensor reference has 1 bytes"),
     (lambda nv: nv.index["tree"].__setitem__("x", msgpack.ExtType(2, b"\x01")), "tuple ext payload is not an array"),
-], ids=["shape", "name", "checksum", "metadata-tuple", "tree-ext9", "tree-ext1", "tree-ext2"])
+], ids=["shape", "name", "checksum", "metadata-tuple", "tree-ext11", "tree-ext9", "tree-ext1", "tree-ext2"])
 def test_known_keys_and_the_tree_still_refuse_exts(tmp_path, fn, words):
     with pytest.raises(nvckpt.FormatError, match=words):
         nvckpt.open(write(tmp_path, edited(_with_view(), fn)))
