@@ -162,3 +162,17 @@ def test_cli_info_and_ls_show_arrays_and_paths(tmp_path):
     assert "1 names load as NumPy arrays, 1 pathlib paths" in info
     ls = run("ls")
     assert any(line.startswith("rng/1") and line.endswith("data (ndarray)") for line in ls.splitlines()), ls
+
+
+def test_recover_keeps_arrays_and_paths(tmp_path):
+    """nvckpt recover of an intact file keeps the tree: an array stays an array, a path a path (bit 2 kept)."""
+    from nvckpt.tools.recover import recover
+
+    src, out = tmp_path / "s.nvckpt", tmp_path / "r.nvckpt"
+    state = {"rng": np.random.RandomState(5).get_state(), "dir": pathlib.PurePosixPath("/d"), "w": torch.ones(2)}
+    nvckpt.save(state, src)
+    assert recover(str(src), str(out)).tree_kept
+    back = nvckpt.load(out)
+    same_array(back["rng"][1], state["rng"][1])
+    assert type(back["dir"]) is pathlib.PurePosixPath and back["dir"] == state["dir"]
+    assert out.read_bytes()[12] == FEATURE_ARRAYS_PATHS

@@ -42,7 +42,7 @@ from ..format.entry import TensorEntry, parse_entry, reference_problem
 from ..format.frames import FrameWriter, check_index_floor, iter_frames, read_meta_frame
 from ..format.index import Index, parse_index, unpack_index, writer_info
 from ..format.structs import Footer, FrameHeader, Preamble, xxh3
-from ..format.tree import TensorRef, escape, resolve_refs, tree_features
+from ..format.tree import ArrayRef, TensorRef, escape, resolve_refs, tree_features
 from ..io.atomic import atomic_output
 from ..io.source import ByteSource, open_source
 from ..read.reader import ChunkReader
@@ -407,7 +407,8 @@ def recover(src: str | os.PathLike, dst: str | os.PathLike, *, progress: Progres
         index = walk.index
         if index is not None and not why and len(kept) == len(index.tensors) and all(
                 t.tensor_id == e.tensor_id and t.name == e.name for t, e in zip(kept, index.tensors)):
-            tree = resolve_refs(index.tree, lambda tid: TensorRef(new_id[tid]))
+            # An array reference stays one (SPEC 9.3); paths and the other typed values are kept as they are.
+            tree = resolve_refs(index.tree, lambda tid: TensorRef(new_id[tid]), array=lambda ref: ArrayRef(ref.tensor_id))
             report.tree_kept = True
         else:
             tree = nest_by_name([(t.name, TensorRef(new_id[t.tensor_id])) for t in named])
