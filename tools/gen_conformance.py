@@ -1836,6 +1836,25 @@ def _index_with_raw_tree(index: dict, tree: bytes) -> bytes:
 # SPEC.md 1.1: the typed extensions of the tree (9.2), required feature bit 1 (3)
 # --------------------------------------------------------------------------------------------
 
+def _with_raw_tree(src: bytes, tree: bytes, required: int, minor: int) -> bytes:
+    """``src`` with its tree replaced by ``tree`` (msgpack bytes), its required_features and minor version set."""
+    f = craft.parse(src)
+    f.preamble.required_features, f.preamble.version_minor = required, minor
+    f.index["version"] = [1, minor]
+    f.index_frame().payload = _index_with_raw_tree(f.index, tree)
+    return craft.build(f, fix_index=False)
+
+
+def _ext(code: int, body: bytes) -> bytes:
+    return craft.pack(msgpack.ExtType(code, body))
+
+
+def _w_and_x(value: bytes) -> bytes:
+    """A tree {"w": tensor 0, "x": value} with ``value`` given as msgpack bytes."""
+    return _pack_map([(craft.pack("w"), craft.pack(msgpack.ExtType(1, struct.pack("<I", 0)))),
+                      (craft.pack("x"), value)])
+
+
 def gen_issue13(s: Suite) -> None:
     obj = {"w": smooth(64, 13).reshape(8, 8), "config": {
         "dtype": torch.bfloat16, "dtypes": [torch.float8_e4m3fn, torch.complex64, torch.uint16],
@@ -1853,18 +1872,9 @@ def gen_issue13(s: Suite) -> None:
                         "(ext types 3-8; required_features bit 1, version 1.1)")
 
     def with_tree(tree: bytes, *, required: int = 2, minor: int = 1) -> bytes:
-        f = craft.parse(data)
-        f.preamble.required_features, f.preamble.version_minor = required, minor
-        f.index["version"] = [1, minor]
-        f.index_frame().payload = _index_with_raw_tree(f.index, tree)
-        return craft.build(f, fix_index=False)
+        return _with_raw_tree(data, tree, required, minor)
 
-    def ext(code: int, body: bytes) -> bytes:
-        return craft.pack(msgpack.ExtType(code, body))
-
-    def one(value: bytes) -> bytes:
-        return _pack_map([(craft.pack("w"), craft.pack(msgpack.ExtType(1, struct.pack("<I", 0)))),
-                          (craft.pack("x"), value)])
+    ext, one = _ext, _w_and_x
 
     w_exp = {"$tensor": "w"}
 
@@ -1982,22 +1992,13 @@ def gen_arrays_paths(s: Suite) -> None:
             description="an int64 array and nothing of 9.2: required_features bit 2 alone, version 1.2")
 
     def with_tree(tree: bytes, *, required: int = 4, minor: int = 2, src: bytes = data) -> bytes:
-        f = craft.parse(src)
-        f.preamble.required_features, f.preamble.version_minor = required, minor
-        f.index["version"] = [1, minor]
-        f.index_frame().payload = _index_with_raw_tree(f.index, tree)
-        return craft.build(f, fix_index=False)
+        return _with_raw_tree(src, tree, required, minor)
 
-    def ext(code: int, body: bytes) -> bytes:
-        return craft.pack(msgpack.ExtType(code, body))
+    ext, one = _ext, _w_and_x
 
-    def one(value: bytes, key: str = "x") -> bytes:
-        return _pack_map([(craft.pack("w"), craft.pack(msgpack.ExtType(1, struct.pack("<I", 0)))),
-                          (craft.pack(key), value)])
-
-    def exp_one(value: Any, key: str = "x") -> dict:
+    def exp_one(value: Any) -> dict:
         e = copy.deepcopy(exp)
-        e["tree"] = {"$map": [["w", {"$tensor": "w"}], [key, value]]}
+        e["tree"] = {"$map": [["w", {"$tensor": "w"}], ["x", value]]}
         return e
 
     ref0 = struct.pack("<I", 0)
