@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 import zstandard
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import nvckpt
@@ -217,6 +217,8 @@ def _frames_of(draw_bytes: bytes, window_log: int, single: bool, checksum: bool)
 @given(parts=st.lists(st.tuples(st.binary(max_size=3000), st.integers(10, 26), st.booleans(), st.booleans(),
                                 st.booleans()), min_size=0, max_size=3),
        cut=st.integers(0, 40), flip=st.one_of(st.none(), st.tuples(st.integers(0, 10**6), st.integers(1, 255))))
+@example(parts=[(b"\0\0\0", 16, False, False, True), (b"", 10, False, False, False), (b"", 10, False, False, False)],
+         cut=0, flip=(16, 128))  # a window log above 31: libzstd's error too
 def test_the_kernels_frame_walk_agrees_with_libzstd_on_any_chunk(parts, cut, flip):
     """Frames of any window (single-segment or not, with checksums, skippable ones between), cut short or with
     a byte changed: the kernel's walk and libzstd's give decode_frames one outcome (the Python fallback decodes

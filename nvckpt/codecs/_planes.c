@@ -232,6 +232,8 @@ static PyObject *zstd_frames(PyObject *self, PyObject *args)
             window = (unsigned long long)(fcs_len == 2 ? fcs + 256 : fcs);
         } else {
             uint8_t wd = f[5];
+            /* a window log above 31 is a header libzstd rejects (ZSTD_WINDOWLOG_MAX on 64-bit): an error, as there */
+            if (10 + (wd >> 3) > 31) { why = "a frame header whose window log is above 31"; break; }
             unsigned long long base = 1ULL << (10 + (wd >> 3));
             window = base + (base / 8) * (wd & 7);
         }

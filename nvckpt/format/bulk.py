@@ -31,6 +31,7 @@ import msgpack
 
 from ..errors import NvckptError
 from . import tree
+from .constants import MAX_NAME_BYTES
 
 # Index payloads from this size on are decoded in pieces.  Below it one msgpack call decodes the whole
 # index faster than the pieces' Python steps (opening a 255-tensor training state's file: 2.7 against
@@ -108,9 +109,15 @@ class LazyEntries:
             return None
         import numpy as np
 
-        starts = np.frombuffer(self._bounds, dtype=np.uint64)[lo:hi].astype(np.intp)
+        bounds = np.frombuffer(self._bounds, dtype=np.uint64)[lo:hi + 1].astype(np.intp)
+        starts = bounds[:-1]
         heads = np.frombuffer(self._data, dtype=np.uint8)[starts]
         if ((heads & 0xF0) != 0x80).any():
+            return None
+        # A plain entry (one chunk, one name, a shape) is at most a few KiB; a larger one (a long chunk list)
+        # is read alone, through the chunk-list columns, not decoded here into a list per chunk (1M chunks:
+        # +200 MB).
+        if int(np.diff(bounds).max()) > _PLAIN_ENTRY_BYTES:
             return None
         body = self._data[self._bounds[lo]: self._bounds[hi]]
         try:
@@ -122,6 +129,9 @@ class LazyEntries:
         if list(map(len, entries)) != (heads & 0x0F).tolist():
             return None
         return entries
+
+
+_PLAIN_ENTRY_BYTES = MAX_NAME_BYTES + 1024  # name, dtype, shape (<= MAX_RANK ints), one chunk, checksum
 
 
 def _array_header(n: int) -> bytes:

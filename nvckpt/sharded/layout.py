@@ -271,12 +271,18 @@ def typed_path(path: list[Any], int_keys: Any = (), key_types: Any = ()) -> tupl
     """DCP's path with its dict keys' own types back, and the positions that are dict keys (not list indices)."""
     path = list(path)
     marked = set()
+
+    def position(i: Any) -> bool:  # a key's place in the path (a crafted manifest may name any value)
+        if type(i) is not int or i < 0:
+            raise ValueError(f"key position {i!r} is not a non-negative int")
+        return i < len(path)
+
     for i in int_keys or ():
-        if i < len(path):
+        if position(i):
             path[i] = int(path[i])
             marked.add(i)
     for i, tag in key_types or ():
-        if i < len(path) and tag in KEY_TYPES:
+        if position(i) and tag in KEY_TYPES:
             path[i] = KEY_TYPES[tag](str(path[i]))
             marked.add(i)
     return path, marked

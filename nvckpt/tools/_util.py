@@ -16,7 +16,10 @@ _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
 def human_bytes(n: int | float) -> str:
     """1536 -> '1.5 KiB' (binary units, as ls -h)."""
-    value = float(n)
+    try:
+        value = float(n)
+    except OverflowError:  # a size no file has (a crafted manifest's shape): said in full
+        return f"{n:,} B"
     for unit in _UNITS:
         if abs(value) < 1024 or unit == _UNITS[-1]:
             return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
