@@ -765,13 +765,22 @@ def gen_invalid(s: Suite, bases: dict) -> None:
     inv("index-frame-raw-length-differs", edit(frame_set(idx, raw_length=5)), "format", section="4.1",
         flags=["frame", "lengths"], description="the INDEX frame's raw_length differs from its stored_length",
         danger="a non-CHUNK frame is not coded; a mismatch means a damaged header")
+    def footer_set(**fields: Any) -> Callable:
+        def fn(nv: craft.NvFile) -> dict:
+            craft_data = craft.build(nv)  # lay out, then damage the footer only
+            nv.__dict__.update(craft.parse(craft_data).__dict__)
+            for k, v in fields.items():
+                setattr(nv.footer, k, v(nv.footer) if callable(v) else v)
+            return {"fix_footer": False}
+        return fn
+
     def footer_at_codec_frame(nv: craft.NvFile) -> dict:
         """The footer describes the first CODEC frame (its offset, stored_length and payload checksum)."""
-        nv.__dict__.update(craft.parse(craft.build(nv)).__dict__)  # lay out, then damage the footer only
+        laid_out = footer_set()(nv)
         codec = next(f for f in nv.frames if f.frame_type == craft.CODEC)
         nv.footer.index_offset, nv.footer.index_length = codec.offset, len(codec.payload)
         nv.footer.index_checksum, nv.footer.footer_checksum = craft.xxh3(codec.payload), None
-        return {"fix_footer": False}
+        return laid_out
 
     inv("index-frame-wrong-type", edit(footer_at_codec_frame), "format", section="5", flags=["frame", "footer"],
         description="the footer's index_offset, index_length and index_checksum describe the first CODEC frame "
@@ -831,15 +840,6 @@ def gen_invalid(s: Suite, bases: dict) -> None:
         "checksum", section="15.2", flags=["checksum", "codec-frame"], readers=STREAMING,
         description="one bit of a CODEC frame's payload flipped",
         danger="a streaming reader would decode chunks with the wrong codec")
-
-    def footer_set(**fields: Any) -> Callable:
-        def fn(nv: craft.NvFile) -> dict:
-            craft_data = craft.build(nv)  # lay out, then damage the footer only
-            nv.__dict__.update(craft.parse(craft_data).__dict__)
-            for k, v in fields.items():
-                setattr(nv.footer, k, v(nv.footer) if callable(v) else v)
-            return {"fix_footer": False}
-        return fn
 
     inv("checksum-footer", edit(footer_set(footer_checksum=0xDEADBEEF)), "checksum", section="5",
         flags=["checksum", "footer"], description="the footer_checksum is wrong",
