@@ -139,7 +139,7 @@ def markdown(doc: dict) -> str:
                      f"{r['open_fetch']:,} ({100 * r['open_fetch'] / r['file']:.1f} %) | {r['zstd1']:,} | "
                      f"{r['zstd3']:,} ({r['index'] / r['zstd3']:.1f}x) | {r['zstd19']:,} | "
                      f"{r['zstd3_decompress_ms']:.2f} ms | {r['open_ms']:.1f} ms |")
-    lines += ["", "Why the format keeps its index uncompressed: [docs/format.md](../../docs/format.md).", ""]
+    lines += ["", "Why the format keeps its index uncompressed: docs/format.md (The format).", ""]
     return "\n".join(lines)
 
 if __name__ == "__main__":
