@@ -82,9 +82,50 @@ def test_boxes_into_targets_of_any_layout(stored):
     boxes = [("w", (0, 0), (256, 64)), ("w", (40, 0), (16, 64)), ("w", (0, 0), (256, 64)), ("w", (100, 9), (50, 3)),
              ("b", (0, 0), (256, 64)), ("w", (9, 0), (0, 64))]
     with nvckpt.open(path) as ck:
-        assert ck.read_boxes_into([(*b, t) for b, t in zip(boxes, targets)]) == [4]  # derived (bf16 of w): left
+        assert ck.read_boxes_into([(*b, t) for b, t in zip(boxes, targets)]) == []
         for (name, o, n), t in zip(boxes[:4], targets):
             assert torch.equal(t, w[o[0]: o[0] + n[0], o[1]: o[1] + n[1]])
+        assert torch.equal(targets[4], w.to(torch.bfloat16))  # derived (bf16 of w): computed from w's target
+        view = torch.empty(32, 4)
+        assert ck.read_boxes_into([("v", (0, 0), (32, 4), view), ("w", (0, 0), (256, 64), torch.empty(1))]) == [0, 1]
+
+
+def test_derived_boxes_hold_no_copy_of_their_source(stored):
+    """A derived tensor's box (bf16 weights of fp32 master weights) is computed from the source's box where that
+    is decoded into a target of its own (the source's chunks read once), else from the source's rows a band at
+    a time: the chunks holding the box's rows, read once."""
+    path, w = stored
+    b = w.to(torch.bfloat16)
+    with nvckpt.open(path) as ck:
+        source = _chunks_read(ck, lambda: ck.read_boxes_into([("w", (0, 0), (256, 64), torch.empty(256, 64))]))
+        both = [torch.empty(256, 64), torch.empty(256, 64, dtype=torch.bfloat16)]
+        assert _chunks_read(ck, lambda: ck.read_boxes_into([("w", (0, 0), (256, 64), both[0]),
+                                                             ("b", (0, 0), (256, 64), both[1])])) == source
+        assert torch.equal(both[0], w) and torch.equal(both[1], b)
+        alone = torch.empty(256, 64, dtype=torch.bfloat16)
+        rows = _chunks_read(ck, lambda: ck.read_box("w", (0, 0), (256, 64)))  # its chunks, each once
+        assert _chunks_read(ck, lambda: ck.read_boxes_into([("b", (0, 0), (256, 64), alone)])) == rows
+        assert torch.equal(alone, b)
+        rows = _chunks_read(ck, lambda: ck.read_box("w", (40, 0), (16, 64)))
+        strips = [torch.empty(16, 32, dtype=torch.bfloat16).t().t() for _ in range(2)]
+        assert _chunks_read(ck, lambda: ck.read_boxes_into([("b", (40, 32 * k), (16, 32), t)
+                                                             for k, t in enumerate(strips)])) == rows
+        assert torch.equal(torch.cat(strips, 1), b[40:56])
+        scalar = torch.empty((), dtype=torch.float32)
+        assert ck.read_boxes_into([("s", (), (), scalar)]) == [] and scalar.item() == 3.5
+
+
+def test_a_derived_box_checks_its_whole_source(tmp_path):
+    """A derived tensor read whole from its source's bands checks the source's tensor checksum (the bands are
+    hashed in order), as a load of the source would."""
+    path = tmp_path / "d.nvckpt"
+    w = torch.randn(64, 32)
+    nvckpt.save({"w": w, "b": w.to(torch.bfloat16)}, str(path), chunk_size=1024, derive_bf16=True)
+    with nvckpt.open(str(path)) as ck:
+        assert ck.file.entry("b").derived is not None
+        ck.file.entry("w").checksum ^= 1  # as if the decoder had given other bytes than were saved
+        with pytest.raises(nvckpt.ChecksumError, match="tensor checksum"):
+            ck.read_boxes_into([("b", (0, 0), (64, 32), torch.empty(64, 32, dtype=torch.bfloat16))])
 
 
 def test_column_strips_of_one_tensor_read_each_chunk_once(stored):
@@ -124,11 +165,16 @@ def box_files(tmp_path_factory):
                "i64": torch.randint(-9, 9, (50, 3), generator=g), "u8": torch.randint(0, 255, (9, 300), generator=g,
                                                                                        dtype=torch.uint8),
                "bool": torch.rand(13, 7, generator=g) > 0.5, "vec": torch.randn(41, generator=g)}
+    # derived tensors (SPEC 14.2): a bf16 rounding of an fp32 one and an exact copy, with their own boxes
+    tensors["f32_bf16"] = tensors["f32"].to(torch.bfloat16)
+    tensors["i64_copy"] = tensors["i64"].clone()
     paths = []
     for codec in ("raw", "portable"):
         for chunk_size in (64, 200, 4096):
             p = str(root / f"{codec}-{chunk_size}.nvckpt")
             nvckpt.save(tensors, p, codec=codec, chunk_size=chunk_size)
+            with nvckpt.open(p) as ck:
+                assert all(ck.file.entry(n).derived is not None for n in ("f32_bf16", "i64_copy"))
             paths.append(p)
     return paths, tensors
 

@@ -88,6 +88,17 @@ def bf16_rne(source: torch.Tensor) -> torch.Tensor:
     return out.view(torch.bfloat16).reshape(source.shape)
 
 
+def bf16_rne_into(source: torch.Tensor, out: torch.Tensor) -> None:
+    """``bf16_rne(source)`` written into ``out`` (bfloat16, the source's shape, any strides): a contiguous host
+    pair in one pass of the compiled kernel, with no tensor of its own in between."""
+    if (_kernel is not None and source.dtype == torch.float32 and source.device.type == "cpu"
+            and out.device.type == "cpu" and source.is_contiguous() and out.is_contiguous()
+            and not source.requires_grad and not out.requires_grad):
+        _kernel.rne(source.numpy(), out.view(torch.int16).numpy())
+        return
+    out.copy_(bf16_rne(source))
+
+
 def _any_block(n: int, block: int, device: torch.device, flag: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
     """A 0-d bool tensor: ``flag(start, stop)`` of any block of ``n`` elements (False for none)."""
     flags = [flag(i, i + block) for i in range(0, n, block)]
@@ -627,4 +638,4 @@ _GROUP_PAIR = 1 << 20  # pairs up to this size (elements for roundings, bytes fo
 _GROUP_ELEMENTS = 1 << 23  # ... up to this much per group (bounds the temporaries to ~80 MB)
 
 
-__all__ = ["bf16_rne", "is_bf16_rne_of", "DerivedSearch"]
+__all__ = ["bf16_rne", "bf16_rne_into", "is_bf16_rne_of", "DerivedSearch"]

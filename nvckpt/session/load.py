@@ -25,7 +25,7 @@ from ..format.structs import xxh3
 from ..format.paths import by_dotted_name, did_you_mean, value_paths
 from ..format.tree import ArrayRef, DeviceName, DtypeName, PathValue, TensorRef, find_path, resolve_refs, tensor_refs
 from ..options import LoadOptions, index_memory_limit
-from ..plan.derived import bf16_rne
+from ..plan.derived import bf16_rne, bf16_rne_into
 from ..tensors import flat_bytes
 from ..tensors.dtypes import to_torch
 from ..read.reader import ChunkReader, _groups, check_supported
@@ -104,6 +104,16 @@ def _derive(entry: TensorEntry, source: torch.Tensor, nbytes: int, path: str) ->
         return source.clone() if entry.derived["function"] == COPY else bf16_rne(source)
     except (RuntimeError, MemoryError) as exc:
         raise allocation_error(exc, nbytes, entry, path) from None
+
+
+def _derive_into(entry: TensorEntry, source: torch.Tensor, out: torch.Tensor) -> None:
+    """A derived tensor's elements (SPEC 14.2) computed from ``source``, the same box of its source, into ``out``
+    (any strides): a copy moved as bits (a NaN's payload kept), a rounding through bf16_rne_into."""
+    if entry.derived["function"] == COPY:
+        ints = _TORCH_INTS[out.element_size()]
+        out.view(ints).copy_(source.view(ints))
+    else:
+        bf16_rne_into(source, out)
 
 
 def _typed(entry: TensorEntry, raw: torch.Tensor, shape: tuple[int, ...], path: str) -> torch.Tensor:
@@ -703,26 +713,33 @@ class Checkpoint(Mapping):
         return rows
 
     def read_boxes_into(self, boxes: Sequence[tuple[str, Sequence[int], Sequence[int], torch.Tensor]]) -> list[int]:
-        """Each box ``(name, offsets, lengths, out)`` of a stored tensor (``read_box``'s) decoded into ``out``, a
-        CPU tensor of the box's shape and the tensor's dtype (any strides), with no tensor of the box's own in
-        between; returns the positions of the boxes it left to the caller (a view, a derived tensor, another
-        dtype or device: read those with ``read_box`` and copy).
+        """Each box ``(name, offsets, lengths, out)`` of a stored or derived tensor (``read_box``'s) decoded into
+        ``out``, a CPU tensor of the box's shape and the tensor's dtype (any strides), with no tensor of the box's
+        own in between; returns the positions of the boxes it left to the caller (a view, another dtype or
+        device: read those with ``read_box`` and copy).
 
         All boxes' chunks are decoded in one run on the decode threads, each chunk once: a box spanning the
         tensor's later dims whole (a row box: FSDP's Shard(0)) is decoded straight into ``out`` where it is
         contiguous, a whole tensor with its tensor checksum checked as it is decoded; a narrower box (a
         column strip: Shard(1), a 2-D mesh) is decoded a band of whole rows at a time into a thread's scratch
-        and each box that band holds keeps its columns, so several boxes of one tensor decode its rows once."""
+        and each box that band holds keeps its columns, so several boxes of one tensor decode its rows once.
+        A derived tensor's box (bf16 weights of fp32 master weights, SPEC 14.2) is computed into ``out`` from
+        the same box of its source where another box decodes that into its own target, else from its source's
+        rows decoded a band at a time (a whole source's tensor checksum hashed as its bands go by): no copy
+        of the source is held beyond a band."""
         f = self._file
         left: list[int] = []
         whole: dict[int, torch.Tensor] = {}
         tasks: list[tuple[Any, ...]] = []
         strips: dict[int, tuple[TensorEntry, list[tuple[tuple[int, ...], tuple[int, ...], np.ndarray]]]] = {}
         bools: list[tuple[TensorEntry, torch.Tensor]] = []
+        targets: dict[tuple[int, tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}  # boxes decoded into an out
+        derived: list[tuple[TensorEntry, TensorEntry, tuple[int, ...], tuple[int, ...], torch.Tensor]] = []
         for k, (name, offsets, lengths, out) in enumerate(boxes):
             entry = f.entry(name)
             offsets, lengths = _check_box(entry, offsets, lengths, self.path)
-            if not self._box_direct(entry, lengths, out):
+            source = self._derived_source(entry, lengths, out)
+            if source is None and not self._box_direct(entry, lengths, out):
                 left.append(k)
                 continue
             check_supported(entry, self.path)
@@ -731,11 +748,15 @@ class Checkpoint(Mapping):
                 bools.append((entry, out))
             if out.numel() == 0:
                 continue
-            if tuple(lengths[1:]) == tuple(entry.shape[1:]) and out.is_contiguous():
+            if source is not None:
+                derived.append((entry, source, offsets, lengths, out))
+                continue
+            targets.setdefault((entry.tensor_id, offsets, lengths), out)
+            if not entry.shape or (tuple(lengths[1:]) == tuple(entry.shape[1:]) and out.is_contiguous()):
                 # its elements are one run of memory (a dim of one element may have any stride): that run, flat
                 flat = out.new_empty(0).set_(out.untyped_storage(), out.storage_offset(), (out.numel(),), (1,))
                 flat = flat.view(torch.uint8)
-                if lengths[0] == entry.shape[0] and entry.tensor_id not in whole:
+                if (not entry.shape or lengths[0] == entry.shape[0]) and entry.tensor_id not in whole:
                     whole[entry.tensor_id] = flat
                     continue
                 row = entry.nbytes // entry.shape[0]
@@ -745,42 +766,106 @@ class Checkpoint(Mapping):
             strips.setdefault(entry.tensor_id, (entry, []))[1].append((offsets, lengths, _same_size_ints(out)))
         for entry, held in strips.values():
             tasks += [("band", entry, lo, hi, held) for lo, hi in _bands(entry, held)]
+        after: list[tuple[TensorEntry, torch.Tensor, torch.Tensor]] = []  # (derived entry, source box, out)
+        from_rows: dict[int, tuple[TensorEntry, list[tuple[tuple[int, ...], tuple[int, ...], Any]]]] = {}
+        for entry, source, offsets, lengths, out in derived:
+            decoded = targets.get((source.tensor_id, offsets, lengths))
+            if decoded is not None:
+                after.append((entry, decoded, out))
+            elif tuple(lengths) == tuple(source.shape):
+                tasks.append(("derive", source, [(entry, out)]))  # a whole source: its bands in order, hashed
+            else:
+                from_rows.setdefault(source.tensor_id, (source, []))[1].append((offsets, lengths, (entry, out)))
+        for source, held in from_rows.values():
+            tasks += [("derive rows", source, lo, hi, held) for lo, hi in _bands(source, held)]
         if whole:
             tensors = f.index.tensors
             self._host_tensors([tensors[tid] for tid in whole], None, into=whole)
         f.map(self._box_task, tasks)
+        if after:  # their sources are decoded (and verified) into their own targets now
+            f.map(lambda task: _derive_into(*task), after)
         for entry, out in bools:  # SPEC 10, as _check_bools
             if out.numel() and bool((_same_size_ints(out) > 1).any()):
                 raise FormatError("bool tensor holds a byte other than 0 and 1", path=self.path, tensor=entry.name)
         return left
 
     def _box_direct(self, entry: TensorEntry, lengths: tuple[int, ...], out: torch.Tensor) -> bool:
-        """Can ``read_boxes_into`` decode this box straight into ``out``?"""
+        """Can ``read_boxes_into`` decode this box of a stored tensor straight into ``out``?"""
+        return entry.chunks is not None and self._box_fits(entry, lengths, out)
+
+    def _box_fits(self, entry: TensorEntry, lengths: tuple[int, ...], out: Any) -> bool:
+        """Is ``out`` a host tensor that ``read_boxes_into`` can write this box of ``entry`` into, as bits?"""
         return (self.device.type == "cpu" and self._gpu is None and self._relocate is None
-                and entry.chunks is not None and bool(entry.shape) and isinstance(out, torch.Tensor)
-                and out.device.type == "cpu" and tuple(out.shape) == lengths
+                and isinstance(out, torch.Tensor) and out.device.type == "cpu" and tuple(out.shape) == lengths
                 and entry.unsupported is None and out.dtype == to_torch(entry.dtype.name)
                 and out.element_size() in _INTS and not out.is_conj() and not out.is_neg())
+
+    def _derived_source(self, entry: TensorEntry, lengths: tuple[int, ...], out: Any) -> TensorEntry | None:
+        """The stored source of a derived tensor whose box ``read_boxes_into`` computes into ``out`` from the
+        same box of the source, else None.  A derived entry with a checksum of its own is left to the caller
+        (nvckpt writes none), which checks its elements against it."""
+        d = entry.derived
+        if d is None or entry.checksum is not None or d.get("function") not in (BF16_RNE, COPY):
+            return None
+        source = self._file.index.tensors[d["source"]]
+        if source.chunks is None or source.unsupported is not None or tuple(source.shape) != tuple(entry.shape):
+            return None
+        if (source.dtype.name, entry.dtype.name) != (("float32", "bfloat16") if d["function"] == BF16_RNE
+                                                      else (entry.dtype.name, entry.dtype.name)):
+            return None
+        return source if self._box_fits(entry, lengths, out) else None
+
+    def _source_rows(self, source: TensorEntry, lo: int, hi: int) -> tuple[torch.Tensor, np.ndarray]:
+        """Raw bytes [lo, hi) of a stored tensor decoded into this thread's scratch, as a tensor of its dtype
+        (1-D; the caller shapes it) and as the bytes."""
+        scratch = _band_scratch(hi - lo)
+        f = self._file
+        for t in f.fill_tasks(source, lo, hi, memoryview(scratch)):
+            f.fill_task(*t)
+        return torch.from_numpy(scratch).view(to_torch(source.dtype.name)), scratch
 
     def _box_task(self, task: tuple[Any, ...]) -> None:
         if task[0] == "rows":
             self._file.fill_task(*task[1:])
             return
+        if task[0] == "derive":  # a derived tensor whole, from its source's bands in order
+            _, source, users = task
+            shape = tuple(source.shape)
+            row = source.nbytes // shape[0] if shape and shape[0] else source.nbytes
+            bands = _bands(source, [((0,), (shape[0],), None)]) if shape and shape[0] else [(0, 1)]
+            digest = xxhash.xxh3_64() if source.checksum is not None else None
+            for lo, hi in bands:
+                rows, raw = self._source_rows(source, lo * row, hi * row)
+                if digest is not None:
+                    digest.update(raw)
+                rows = rows.reshape((hi - lo,) + shape[1:]) if shape else rows.reshape(())
+                for entry, out in users:
+                    _derive_into(entry, rows, out[lo:hi] if shape else out)
+            if digest is not None and digest.intdigest() != source.checksum:
+                raise ChecksumError("tensor checksum does not match its decoded bytes", path=self.path,
+                                    tensor=source.name)
+            return
         _, entry, lo, hi, held = task
         shape = tuple(entry.shape)
         row = entry.nbytes // shape[0]
-        scratch = _band_scratch((hi - lo) * row)
-        f = self._file
-        for t in f.fill_tasks(entry, lo * row, hi * row, memoryview(scratch)):
-            f.fill_task(*t)
-        itemsize = entry.dtype.itemsize
-        rows = scratch.view(_INTS[itemsize]).reshape((hi - lo,) + shape[1:])
+        if task[0] == "derive rows":
+            rows = self._source_rows(entry, lo * row, hi * row)[0].reshape((hi - lo,) + shape[1:])
+        else:
+            scratch = _band_scratch((hi - lo) * row)
+            f = self._file
+            for t in f.fill_tasks(entry, lo * row, hi * row, memoryview(scratch)):
+                f.fill_task(*t)
+            rows = scratch.view(_INTS[entry.dtype.itemsize]).reshape((hi - lo,) + shape[1:])
         for offsets, lengths, out in held:
             a, b = max(lo, offsets[0]), min(hi, offsets[0] + lengths[0])
             if a >= b:
                 continue
             index = (slice(a - lo, b - lo),) + tuple(slice(o, o + n) for o, n in zip(offsets[1:], lengths[1:]))
-            out[a - offsets[0]: b - offsets[0]] = rows[index]
+            if task[0] == "derive rows":
+                entry_d, target = out
+                _derive_into(entry_d, rows[index], target[a - offsets[0]: b - offsets[0]])
+            else:
+                out[a - offsets[0]: b - offsets[0]] = rows[index]
 
     def get_slice(self, name: str) -> "TensorSlice":
         """A lazy handle on tensor ``name``: ``get_slice(name)[a:b]`` reads only the chunks holding rows a..b-1;
