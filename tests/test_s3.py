@@ -321,6 +321,65 @@ def test_dcp_directory_published_by_its_commit_object(s3, capsys):
 
 
 @pytest.mark.slow  # a real S3 server: seconds on 2 shared cores
+@_SINGLE_PROCESS
+def test_dcp_load_requests(s3, fault_proxy):
+    """dcp.load through nvckpt.dcp.Reader reads the plan in two requests (the commit object, .metadata), opens
+    a rank file in at most two (its tail with the index, its preamble) and reads one tensor's chunks with one;
+    a whole load opens each rank file once; a row box (a resharded load's) reads only its rows' chunks."""
+    import torch.distributed.checkpoint as dcp
+
+    import nvckpt.dcp
+    from nvckpt.io.directory import open_directory
+
+    server, prefix = s3
+    url = f"{prefix}/step7"
+    g = torch.Generator().manual_seed(7)
+    master = {f"layer{i}": torch.randn(256, 1024, generator=g) for i in range(8)}  # 1 MiB each
+    state = {"master": master, "model": {k: v.to(torch.bfloat16) for k, v in master.items()},  # derived (SPEC 14.2)
+             "big": torch.randn(1024, 1024, generator=g), "step": 7}  # 4 MiB: beyond the tail open reads
+    dcp.save(state, storage_writer=nvckpt.dcp.Writer(url, chunk_size=1 << 18))
+    options = {"endpoint_url": fault_proxy.endpoint_url}
+
+    def requests(load) -> list:
+        start = len(fault_proxy.requests)
+        load()
+        return [(r.method, r.target.rsplit("/", 1)[-1]) for r in fault_proxy.requests[start:]]
+
+    one = {"big": torch.zeros(1024, 1024)}
+    got = requests(lambda: dcp.load(one, storage_reader=nvckpt.dcp.Reader(url, storage_options=options)))
+    assert torch.equal(one["big"], state["big"])
+    assert all(method == "GET" for method, _ in got), got
+    names = [name for _, name in got]
+    assert names[:2] == [".nvckpt-published", ".metadata"], got  # the plan: no manifest, no HEAD
+    assert names[2:] == ["__0.nvckpt"] * 3, got  # open: the tail and the preamble; the tensor: one ranged GET
+
+    bf16 = {"model": {"layer3": torch.zeros(256, 1024, dtype=torch.bfloat16)}}
+    got = requests(lambda: dcp.load(bf16, storage_reader=nvckpt.dcp.Reader(url, storage_options=options)))
+    assert torch.equal(bf16["model"]["layer3"], state["model"]["layer3"])  # computed from its master's chunks
+    assert len(got) == 5, got
+
+    whole = {"master": {k: torch.zeros_like(v) for k, v in master.items()},
+             "model": {k: torch.zeros_like(v) for k, v in state["model"].items()}, "big": torch.zeros(1024, 1024),
+             "step": 0}
+    reader = nvckpt.dcp.Reader(url, storage_options=options)
+    got = requests(lambda: dcp.load(whole, storage_reader=reader))
+    assert_tree_equal(whole, state)
+    stored = open_directory(url).size("__0.nvckpt")
+    assert reader.bytes_read <= stored  # each stored byte read at most once (the bf16 weights from their master's)
+    assert all(method == "GET" for method, _ in got) and len(got) <= 2 + 2 + 9 + 1, got  # a stored tensor: a GET at most
+
+    with nvckpt.open(open_directory(url, options).open_source("__0.nvckpt")) as ck:
+        chunks = ck.file.entry("big").chunks
+        rows = torch.zeros(256, 1024)
+        start = len(fault_proxy.requests)
+        assert ck.read_boxes_into([("big", (512, 0), (256, 1024), rows)]) == []
+        assert torch.equal(rows, state["big"][512:768])
+        read = fault_proxy.requests[start:]
+        assert len(read) == 1 and read[0].response_bytes <= sum(
+            c.stored_length + 64 for c in chunks if 2 << 20 <= c.raw_start < 3 << 20), read
+
+
+@pytest.mark.slow  # a real S3 server: seconds on 2 shared cores
 def test_cli_on_s3_files(s3, tmp_path, capsys):
     from nvckpt.cli import main
 

@@ -28,8 +28,8 @@ from ..io.directory import location, open_directory
 from ..options import LoadOptions, options_from
 from ..session.load import Checkpoint
 from .._gc import paused as gc_paused
-from ..sharded.layout import (METADATA, foreign_rank_file, metadata_bytes, metadata_damaged, read_manifest,
-                                   save_of)
+from ..sharded.layout import (METADATA, check_directory, foreign_rank_file, metadata_bytes, metadata_damaged,
+                              read_manifest, save_of)
 
 
 class Reader(StorageReader):
@@ -66,10 +66,10 @@ class Reader(StorageReader):
         return isinstance(checkpoint_id, (str, os.PathLike)) and is_dcp_directory(checkpoint_id)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        manifest = read_manifest(self.store)  # a clear error for a missing, foreign or unfinished directory
-        missing = [f for f in manifest.files if self.store.size(f) is None]
-        if missing:
-            raise FormatError(f"rank file{'s' if len(missing) > 1 else ''} {', '.join(missing)} missing", path=self.path)
+        check_directory(self.store)  # a clear error for a missing, foreign or unfinished directory
+        # Entries that one publish wrote (an object store's commit object names them) are of one save: the
+        # manifest, which says so for a folder whose files may have been copied in one by one, is not read.
+        manifest = None if self.store.one_save() else read_manifest(self.store)
         data = metadata_bytes(self.store)
         try:
             with gc_paused():  # tens of thousands of objects, none cyclic: no full collection while they are made
@@ -80,7 +80,13 @@ class Reader(StorageReader):
             raise FormatError(f"{METADATA} holds a {type(metadata).__qualname__}, not DCP Metadata", path=self.path)
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
-        save_of(manifest, getattr(metadata.storage_meta, "save_id", None))  # the manifest's save is the plan's
+        located = metadata.storage_data if isinstance(metadata.storage_data, dict) else {}
+        files = manifest.files if manifest is not None else {getattr(loc, "file", "") for loc in located.values()}
+        missing = sorted(f for f in files if isinstance(f, str) and f and self.store.size(f) is None)
+        if missing:
+            raise FormatError(f"rank file{'s' if len(missing) > 1 else ''} {', '.join(missing)} missing", path=self.path)
+        if manifest is not None:
+            save_of(manifest, getattr(metadata.storage_meta, "save_id", None))  # the manifest's save is the plan's
         return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:

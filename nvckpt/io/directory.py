@@ -82,6 +82,12 @@ class Directory(Protocol):
         """The size of entry ``name``, or None if there is no such file."""
         ...
 
+    def one_save(self) -> bool:
+        """Every entry this object reads is one that a single publish wrote (an object store's commit object
+        names them all, each pinned), so they cannot be parts of two saves; False where files may have been
+        copied in one by one (a local folder copied while a save was published over it)."""
+        ...
+
     def open_source(self, name: str) -> ByteSource:
         """A ByteSource of entry ``name`` (a rank file), for a ChunkReader."""
         ...
@@ -198,6 +204,9 @@ class LocalDirectory:
     def size(self, name: str) -> int | None:
         path = self.join(name)
         return os.path.getsize(path) if os.path.isfile(path) else None
+
+    def one_save(self) -> bool:
+        return False  # a folder's files may have been copied in one by one
 
     def open_source(self, name: str) -> ByteSource:
         return LocalFile(self.join(name))

@@ -235,6 +235,9 @@ class PrefixDirectory:
     def size(self, name: str) -> int | None:
         return self._file(name)[1]
 
+    def one_save(self) -> bool:
+        return self._published() is not None  # every entry read is of the generation the commit object names
+
     def open_source(self, name: str) -> ByteSource:
         key, size, etag = self._file(name)
         if size is None:

@@ -304,8 +304,27 @@ def _state_path(path: Any) -> list[Any]:
 
 
 def is_dcp_directory(path: Any) -> bool:
-    store = open_directory(path)
-    return store.exists() and store.size(MANIFEST) is not None
+    return open_directory(path).size(MANIFEST) is not None  # a manifest is there only in a directory
+
+
+def check_directory(store: Any) -> None:
+    """Raise what is wrong with ``store`` (a Directory) as an nvckpt DCP directory: a file given where a directory
+    belongs, nothing there, a plain folder, or a directory of torch's FileSystemWriter.  Asks for the manifest
+    first: in an object store its size comes with the commit object, so a checkpoint costs that one request."""
+    if store.size(MANIFEST) is not None:
+        return
+    path = store.name
+    if store.is_file():  # a file given where a DCP directory belongs (nvckpt merge FILE)
+        raise NotADirectoryError(20, "is a file, not a checkpoint directory (nvckpt.dcp.Writer writes a directory)", path)
+    if not store.exists():
+        raise FileNotFoundError(2, "no such checkpoint directory", path)
+    if store.size(METADATA) is None:  # no checkpoint of any kind: a folder given for a file
+        raise IsADirectoryError(21, f"Is a directory (neither an nvckpt file nor a checkpoint directory: no {MANIFEST})",
+                                path)
+    hint = (" (it holds a .metadata: a DCP directory of torch's FileSystemWriter, read with FileSystemReader, "
+            "which has no checksums to verify; `nvckpt info --allow-pickle` and `nvckpt convert --allow-pickle` "
+            "read it)")
+    raise FormatError(f"not an nvckpt DCP directory: no {MANIFEST}{hint}", path=path)
 
 
 def read_manifest(path: Any) -> Manifest:
@@ -314,18 +333,7 @@ def read_manifest(path: Any) -> Manifest:
     store = open_directory(path)
     path = store.name
     where = store.join(MANIFEST)
-    if store.is_file():  # a file given where a DCP directory belongs (nvckpt merge FILE)
-        raise NotADirectoryError(20, "is a file, not a checkpoint directory (nvckpt.dcp.Writer writes a directory)", path)
-    if not store.exists():
-        raise FileNotFoundError(2, "no such checkpoint directory", path)
-    if store.size(MANIFEST) is None:
-        if store.size(METADATA) is None:  # no checkpoint of any kind: a folder given for a file
-            raise IsADirectoryError(21, f"Is a directory (neither an nvckpt file nor a checkpoint directory: no {MANIFEST})",
-                                    path)
-        hint = (" (it holds a .metadata: a DCP directory of torch's FileSystemWriter, read with FileSystemReader, "
-                "which has no checksums to verify; `nvckpt info --allow-pickle` and `nvckpt convert --allow-pickle` "
-                "read it)")
-        raise FormatError(f"not an nvckpt DCP directory: no {MANIFEST}{hint}", path=path)
+    check_directory(store)
     try:
         doc = json.loads(store.read_bytes(MANIFEST))
         if doc.get("format") != FORMAT:
@@ -370,6 +378,7 @@ def read_manifest(path: Any) -> Manifest:
     return manifest
 
 
-__all__ = ["MANIFEST", "METADATA", "Manifest", "GlobalTensor", "Shard", "is_dcp_directory", "read_manifest",
+__all__ = ["MANIFEST", "METADATA", "Manifest", "GlobalTensor", "Shard", "is_dcp_directory", "check_directory",
+           "read_manifest",
            "rank_file", "shard_key", "KEY_TYPES", "key_tag", "typed_path", "foreign_rank_file", "save_of",
            "directory_save_id", "metadata_save_id", "metadata_bytes", "metadata_damaged"]

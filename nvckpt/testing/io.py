@@ -245,6 +245,7 @@ class DirectoryTests:
     def test_is_a_directory(self, tmp_path: Any) -> None:
         d = self.directory_at("ck", tmp_path)
         assert isinstance(d, Directory) and not d.exists() and d.entries() == []
+        assert d.one_save() is False  # nothing published: nothing to vouch for
 
     def test_published_only_whole(self, tmp_path: Any) -> None:
         d = self.directory_at("ck", tmp_path)
