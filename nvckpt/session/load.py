@@ -773,7 +773,7 @@ class Checkpoint(Mapping):
             if decoded is not None:
                 after.append((entry, decoded, out))
             elif tuple(lengths) == tuple(source.shape):
-                tasks.append(("derive", source, [(entry, out)]))  # a whole source: its bands in order, hashed
+                tasks.append(("derive", source, entry, out))  # a whole source: its bands in order, hashed
             else:
                 from_rows.setdefault(source.tensor_id, (source, []))[1].append((offsets, lengths, (entry, out)))
         for source, held in from_rows.values():
@@ -815,55 +815,51 @@ class Checkpoint(Mapping):
             return None
         return source if self._box_fits(entry, lengths, out) else None
 
-    def _source_rows(self, source: TensorEntry, lo: int, hi: int) -> tuple[torch.Tensor, np.ndarray]:
-        """Raw bytes [lo, hi) of a stored tensor decoded into this thread's scratch, as a tensor of its dtype
-        (1-D; the caller shapes it) and as the bytes."""
+    def _band(self, entry: TensorEntry, lo: int, hi: int) -> np.ndarray:
+        """Raw bytes [lo, hi) of a stored tensor, its chunks holding them read, verified and decoded into this
+        thread's band scratch."""
         scratch = _band_scratch(hi - lo)
         f = self._file
-        for t in f.fill_tasks(source, lo, hi, memoryview(scratch)):
+        for t in f.fill_tasks(entry, lo, hi, memoryview(scratch)):
             f.fill_task(*t)
-        return torch.from_numpy(scratch).view(to_torch(source.dtype.name)), scratch
+        return scratch
 
     def _box_task(self, task: tuple[Any, ...]) -> None:
         if task[0] == "rows":
             self._file.fill_task(*task[1:])
             return
         if task[0] == "derive":  # a derived tensor whole, from its source's bands in order
-            _, source, users = task
+            _, source, entry, out = task
             shape = tuple(source.shape)
-            row = source.nbytes // shape[0] if shape and shape[0] else source.nbytes
-            bands = _bands(source, [((0,), (shape[0],), None)]) if shape and shape[0] else [(0, 1)]
+            row = source.nbytes // shape[0] if shape else source.nbytes
             digest = xxhash.xxh3_64() if source.checksum is not None else None
-            for lo, hi in bands:
-                rows, raw = self._source_rows(source, lo * row, hi * row)
+            for lo, hi in _bands(source, [((0,), shape[:1], None)]) if shape else [(0, 1)]:
+                raw = self._band(source, lo * row, hi * row)
                 if digest is not None:
                     digest.update(raw)
-                rows = rows.reshape((hi - lo,) + shape[1:]) if shape else rows.reshape(())
-                for entry, out in users:
-                    _derive_into(entry, rows, out[lo:hi] if shape else out)
+                rows = torch.from_numpy(raw).view(to_torch(source.dtype.name))
+                _derive_into(entry, rows.reshape((hi - lo,) + shape[1:]) if shape else rows.reshape(()),
+                             out[lo:hi] if shape else out)
             if digest is not None and digest.intdigest() != source.checksum:
                 raise ChecksumError("tensor checksum does not match its decoded bytes", path=self.path,
                                     tensor=source.name)
             return
-        _, entry, lo, hi, held = task
+        kind, entry, lo, hi, held = task
         shape = tuple(entry.shape)
         row = entry.nbytes // shape[0]
-        if task[0] == "derive rows":
-            rows = self._source_rows(entry, lo * row, hi * row)[0].reshape((hi - lo,) + shape[1:])
-        else:
-            scratch = _band_scratch((hi - lo) * row)
-            f = self._file
-            for t in f.fill_tasks(entry, lo * row, hi * row, memoryview(scratch)):
-                f.fill_task(*t)
-            rows = scratch.view(_INTS[entry.dtype.itemsize]).reshape((hi - lo,) + shape[1:])
+        raw = self._band(entry, lo * row, hi * row)
+        if kind == "derive rows":  # the source's rows, as values: each box is derived from them
+            rows = torch.from_numpy(raw).view(to_torch(entry.dtype.name)).reshape((hi - lo,) + shape[1:])
+        else:  # a stored tensor's rows, as bits
+            rows = raw.view(_INTS[entry.dtype.itemsize]).reshape((hi - lo,) + shape[1:])
         for offsets, lengths, out in held:
             a, b = max(lo, offsets[0]), min(hi, offsets[0] + lengths[0])
             if a >= b:
                 continue
             index = (slice(a - lo, b - lo),) + tuple(slice(o, o + n) for o, n in zip(offsets[1:], lengths[1:]))
-            if task[0] == "derive rows":
-                entry_d, target = out
-                _derive_into(entry_d, rows[index], target[a - offsets[0]: b - offsets[0]])
+            if kind == "derive rows":
+                derived, target = out
+                _derive_into(derived, rows[index], target[a - offsets[0]: b - offsets[0]])
             else:
                 out[a - offsets[0]: b - offsets[0]] = rows[index]
 
