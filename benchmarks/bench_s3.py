@@ -31,8 +31,9 @@ Parts of the run (``--parts``, comma-separated):
 Every measurement runs in a process of its own (one client's imports and memory, no connection reuse
 between clients): wall time, client CPU seconds (user + system of that process, all its threads; the
 server is another process) and peak RSS above the process's RSS before the operation (the payload or
-the state already in memory).  Correctness is checked on every transfer (sha256 of the bytes, bit-exact
-tensors).  Repetitions are interleaved (every client once per repetition).  SeaweedFS's CPU shares the
+the state already in memory); a peer's modules are imported before its measurement (``Peer.imports``),
+as nvckpt is, so a row times the operation, not a first import.  Correctness is checked on every transfer
+(sha256 of the bytes, bit-exact tensors).  Repetitions are interleaved (every client once per repetition).  SeaweedFS's CPU shares the
 same cores and bounds every PUT here: compare rows with each other, not with a real S3.
 Writes bench_s3.json and bench_s3.md.
 
@@ -47,6 +48,7 @@ import asyncio
 import concurrent.futures
 import datetime
 import hashlib
+import importlib
 import io
 import json
 import os
@@ -452,6 +454,10 @@ def empty_like_tree(obj: Any) -> Any:
 class Peer:
     name = ""
     key = ""
+    # The modules a peer's operations use, imported before each measurement, as nvckpt is (load_state): a
+    # measurement is the operation, not the first import (torch.distributed.checkpoint's alone takes ~1 s of
+    # CPU on a 2-core VM, which every DCP route would otherwise pay inside its one-tensor read).
+    imports: tuple[str, ...] = ()
 
     def __init__(self, endpoint: str, env: dict[str, str]) -> None:
         self.endpoint, self.env = endpoint, env
@@ -478,6 +484,7 @@ class Peer:
 class TorchSaveBoto3(Peer):
     name = "torch.save + boto3 upload / download"
     key = "torch_boto3"
+    imports = ("boto3",)
 
     def save(self, state, bucket, prefix):
         import torch
@@ -505,6 +512,7 @@ class TorchSaveBoto3(Peer):
 class S3CheckpointPeer(Peer):
     name = "s3torchconnector S3Checkpoint (torch.save)"
     key = "s3checkpoint"
+    imports = ("s3torchconnector",)
 
     def cp(self) -> Any:
         from s3torchconnector import S3Checkpoint, S3ClientConfig
@@ -530,6 +538,7 @@ class S3CheckpointPeer(Peer):
 class DcpS3Peer(Peer):
     name = "s3torchconnector DCP S3StorageWriter / S3StorageReader"
     key = "dcp_s3torchconnector"
+    imports = ("torch.distributed.checkpoint", "s3torchconnector.dcp")
 
     def config(self) -> Any:
         from s3torchconnector import S3ClientConfig
@@ -564,6 +573,7 @@ class DcpS3Peer(Peer):
 class DcpFsspecPeer(Peer):
     name = "DCP through fsspec (s3fs)"
     key = "dcp_fsspec"
+    imports = ("torch.distributed.checkpoint", "torch.distributed.checkpoint._fsspec_filesystem")
 
     def save(self, state, bucket, prefix):
         import torch.distributed.checkpoint as dcp
@@ -596,6 +606,7 @@ class DcpFsspecPeer(Peer):
 class SafetensorsBoto3(Peer):
     name = "safetensors + boto3"
     key = "safetensors_boto3"
+    imports = ("boto3", "safetensors.torch")
 
     def save(self, state, bucket, prefix):
         from safetensors.torch import save
@@ -661,6 +672,7 @@ class NvckptPeer(Peer):
 class NvckptDcpPeer(NvckptPeer):
     name = "nvckpt.dcp.Writer / Reader (s3://)"
     key = "nvckpt_dcp"
+    imports = ("torch.distributed.checkpoint", "nvckpt.dcp.writer", "nvckpt.dcp.reader")
 
     def save(self, state, bucket, prefix):
         import torch.distributed.checkpoint as dcp
@@ -791,6 +803,8 @@ def peer_op(spec: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
     tensors, _ = flatten(state)
     raw = sum(t.numel() * t.element_size() for t in tensors.values())
     peer = PEERS[spec["peer"]](env["AWS_ENDPOINT_URL"], env)
+    for module in peer.imports:
+        importlib.import_module(module)
     bucket, prefix, op = spec["bucket"], spec["prefix"], spec["op"]
     if op == "save":
         with Meter() as m:
