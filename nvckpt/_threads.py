@@ -115,16 +115,23 @@ def _end_threads(tasks: queue.SimpleQueue, threads: list[threading.Thread]) -> N
         tasks.put(None)
 
 
-_pools: dict[int, WorkerPool] = {}
+_pools: dict[tuple[str, int], WorkerPool] = {}
 _lock = threading.Lock()
 
 
 def host_pool(workers: int) -> WorkerPool:
     """The process's pool of ``workers`` threads, started at first use."""
+    return shared_pool("nvckpt-host", workers)
+
+
+def shared_pool(name: str, workers: int) -> WorkerPool:
+    """The process's pool ``name`` of ``workers`` threads (named ``{name}{workers}_0``, ...), started at first
+    use; a forked child gets new ones.  Work that waits on other work goes to another pool (an object store's
+    requests wait on the network: ``nvckpt-s3``, not the decode threads)."""
     with _lock:
-        pool = _pools.get(workers)
+        pool = _pools.get((name, workers))
         if pool is None:
-            pool = _pools[workers] = WorkerPool(workers, f"nvckpt-host{workers}")
+            pool = _pools[(name, workers)] = WorkerPool(workers, f"{name}{workers}")
         return pool
 
 
@@ -139,4 +146,4 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-__all__ = ["WorkerPool", "host_pool", "TASK_BYTES", "TASK_PIECES"]
+__all__ = ["WorkerPool", "host_pool", "shared_pool", "TASK_BYTES", "TASK_PIECES"]

@@ -98,8 +98,9 @@ def _refuse_existing(src: str, dst: str, force: bool) -> None:
     if is_url(dst):
         if src == dst:
             raise UsageError("the destination would overwrite the source")
-        if not force and exists(dst):
-            raise UsageError(f"{dst} exists (an object): it may be a checkpoint you still need; give another name, "
+        if not force and (exists(dst) or _is_directory(dst)):
+            what = "an object" if exists(dst) else "a directory"
+            raise UsageError(f"{dst} exists ({what}): it may be a checkpoint you still need; give another name, "
                              "or --force to replace it")
         return
     if is_url(src):
@@ -578,18 +579,17 @@ def _recover(args: argparse.Namespace) -> int:
 @contextlib.contextmanager
 def _local_files(args: argparse.Namespace):
     """convert and recover work on local files: a URL SRC is fetched first, a URL DST uploaded at the end
-    (whole or not at all).  A DCP directory at a URL is read by info, ls and verify, not by these."""
+    (whole or not at all).  A DCP directory at a URL (merge's SRC, split's DST) is read or written where it
+    is, through nvckpt.dcp's storage (a directory in an object store is published by its commit object)."""
     from .tools.remote import is_url, local_files
 
-    if (getattr(args, "src_format", None) == "dcp" and is_url(args.src)
-            or getattr(args, "dst_format", None) == "dcp" and is_url(args.dst)):
-        raise UsageError(f"`nvckpt {args.command}` reads and writes DCP directories on a local filesystem; for one in "
-                         "an object store use nvckpt.dcp.Writer / Reader (info, ls and verify read it as it is)")
-    for path in (args.src, args.dst):
-        if is_url(path) and _is_directory(path):
+    src_dir = getattr(args, "src_format", None) == "dcp" and is_url(args.src)
+    dst_dir = getattr(args, "dst_format", None) == "dcp" and is_url(args.dst)
+    for path, as_directory in ((args.src, src_dir), (args.dst, dst_dir)):
+        if is_url(path) and not as_directory and _is_directory(path):
             raise UsageError(f"{path} is a directory (a prefix holding objects): `nvckpt {args.command}` converts "
-                             "single files at a URL; DCP directories there: nvckpt.dcp.Writer / Reader")
-    with local_files(args.src, args.dst) as paths:
+                             "single files at a URL; for a DCP directory there use `nvckpt merge` / `nvckpt split`")
+    with local_files(args.src, args.dst, keep_src=src_dir, keep_dst=dst_dir) as paths:
         yield paths
 
 

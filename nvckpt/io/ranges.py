@@ -31,6 +31,7 @@ class Coalescing:
     # a whole load reads a tensor's chunks in these groups too, not chunk by chunk (an object store, where
     # each read is a request)
     whole_loads: bool = False
+    load_span: int = _NO_LIMIT  # a whole load's runs of chunks cover at most this (its read-ahead's buffers)
 
     def with_(self, **changes: int) -> "Coalescing":
         return dataclasses.replace(self, **changes)

@@ -41,11 +41,12 @@ import errno
 import os
 import re
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterator
 
+from .._threads import WorkerPool, shared_pool
 from .prefix import PrefixDirectory
+from .readahead import ReadAhead
 from .ranges import Coalescing
 from .source import _Counted
 from .target import SinkOptions
@@ -184,6 +185,24 @@ def _store_config(opts: S3Options, bucket: str) -> dict[str, Any]:
 
 _STORES: dict[tuple, Any] = {}
 _STORES_LOCK = threading.Lock()
+#: What makes the requests: obstore, unless this process was forked after obstore ran (in it or in a parent),
+#: whose runtime a fork leaves without its threads: then botocore (nvckpt.io.s3_botocore).
+_ops: Any = obstore
+_obstore_ran = False
+
+
+def _after_fork_in_child() -> None:
+    global _ops, _STORES_LOCK
+    _STORES_LOCK = threading.Lock()
+    _STORES.clear()  # the parent's stores: their connections and runtime stayed behind
+    if _obstore_ran:
+        from . import s3_botocore
+
+        _ops = s3_botocore
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def store_for(bucket: str, opts: S3Options) -> Any:
@@ -191,9 +210,16 @@ def store_for(bucket: str, opts: S3Options) -> Any:
     config = _store_config(opts, bucket)
     cache_key = (bucket, opts.key(), tuple(sorted((k, repr(v)) for k, v in config.items())),
                  tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))))
+    global _obstore_ran
     with _STORES_LOCK:
         store = _STORES.get(cache_key)
+        if store is None and _ops is not obstore:
+            from .s3_botocore import BotoStore
+
+            store = _STORES[cache_key] = BotoStore(bucket, _control_client(
+                bucket, opts, connections=opts.reads_in_flight + opts.parts_in_flight + 2))
         if store is None:
+            _obstore_ran = True
             endpoint = str(config.get("endpoint") or "")
             timeout = datetime.timedelta(seconds=opts.timeout)
             client = {"allow_http": endpoint.startswith("http://") or os.environ.get("AWS_ALLOW_HTTP", "") == "true",
@@ -226,6 +252,8 @@ def s3_error(exc: BaseException, url: str, action: str, opts: S3Options | None =
     """An obstore error (or a timeout) as one OSError naming ``url``: FileNotFoundError (no such key or
     bucket), PermissionError (refused credentials), TimeoutError (no progress), ESTALE (the object was
     replaced since it was opened), else EIO; the S3 error code and HTTP status where the store gave them."""
+    if (type(exc).__module__ or "").startswith("botocore"):
+        return _boto_error(exc, url, action, opts)
     if not _is_store_error(exc):
         return exc
     text = str(exc)
@@ -314,12 +342,12 @@ class S3Bucket:
     def get(self, key: str, etag: str | None = None) -> bytes:
         with _translated(self.url(key), "GET", self.opts):
             options = {"if_match": etag} if etag else None
-            return bytes(obstore.get(self.store, key, options=options).bytes())
+            return bytes(_ops.get(self.store, key, options=options).bytes())
 
     def head(self, key: str) -> tuple[int, str | None] | None:
         try:
             with _translated(self.url(key), "HEAD", self.opts):
-                meta = obstore.head(self.store, key)
+                meta = _ops.head(self.store, key)
         except FileNotFoundError as exc:
             if "NoSuchBucket" in str(exc):
                 raise
@@ -328,12 +356,12 @@ class S3Bucket:
 
     def put(self, key: str, data: bytes) -> None:
         with _translated(self.url(key), "PUT", self.opts):
-            obstore.put(self.store, key, data, use_multipart=False)
+            _ops.put(self.store, key, data, use_multipart=False)
 
     def list(self, prefix: str) -> dict[str, tuple[int, str | None]]:
         out: dict[str, tuple[int, str | None]] = {}
         with _translated(self.url(prefix), "LIST", self.opts):
-            for batch in obstore.list(self.store, prefix=prefix or None, chunk_size=1000):
+            for batch in _ops.list(self.store, prefix=prefix or None, chunk_size=1000):
                 for meta in batch:
                     if meta["path"].startswith(prefix):  # object_store lists by path segment: "a/b" matches "a/bc"
                         out[meta["path"]] = (int(meta["size"]), meta.get("e_tag"))
@@ -342,7 +370,7 @@ class S3Bucket:
     def delete(self, keys: list[str]) -> None:
         for i in range(0, len(keys), 1000):
             with _translated(self.url(keys[i]), "DELETE", self.opts):
-                obstore.delete(self.store, keys[i: i + 1000])
+                _ops.delete(self.store, keys[i: i + 1000])
 
     def source(self, key: str, name: str, etag: str | None = None) -> "S3Source":
         return S3Source(self.url(key), self.opts, etag=etag, name=name)
@@ -354,25 +382,13 @@ class S3Bucket:
 # -- reads -----------------------------------------------------------------------------------------
 
 _TAIL = 1 * MiB  # what open fetches of the object's end: the footer and (most) indexes
-_POOL: ThreadPoolExecutor | None = None
-_POOL_LOCK = threading.Lock()
+_STREAM_CHUNK = 1 * MiB  # a streamed GET's body comes in pieces of this size (small buffers, reused)
 
 
-def _pool(workers: int) -> ThreadPoolExecutor:
-    """Threads that fetch the ranges of large reads concurrently (obstore releases the GIL while it waits)."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None or _POOL._max_workers < workers:  # noqa: SLF001 - grown for a larger reads_in_flight
-            _POOL = ThreadPoolExecutor(max_workers=max(workers, 8), thread_name_prefix="nvckpt-s3")
-        return _POOL
-
-
-if hasattr(os, "register_at_fork"):
-    def _forget_pool() -> None:
-        global _POOL
-        _POOL = None  # its threads are the parent's
-
-    os.register_at_fork(after_in_child=_forget_pool)
+def _pool(workers: int) -> WorkerPool:
+    """Threads that fetch the ranges of large reads concurrently (obstore releases the GIL while it waits):
+    the process's own, apart from the decode threads that wait for them (a forked child gets new ones)."""
+    return shared_pool("nvckpt-s3", workers)
 
 
 class S3Source(_Counted):
@@ -387,6 +403,7 @@ class S3Source(_Counted):
         super().__init__()
         self.name = name or url  # a DCP rank file: named as published, not by its generation's key
         self.opts = opts or S3Options()
+        self.coalescing = S3_COALESCING.with_(load_span=self.opts.read_size)  # a load's runs fit its buffers
         bucket, self.key = split_url(url)
         if not self.key or self.key.endswith("/"):
             raise IsADirectoryError(errno.EISDIR, "names a prefix, not an object (an nvckpt file is one object)", url)
@@ -398,12 +415,12 @@ class S3Source(_Counted):
             if etag:
                 options["if_match"] = etag
             try:
-                got = obstore.get(self.store, self.key, options=options)
+                got = _ops.get(self.store, self.key, options=options)
                 tail = bytes(got.bytes())
             except Exception as exc:  # an empty object has no suffix to give (416): its metadata instead
                 if "416" not in str(exc) and "InvalidRange" not in str(exc):
                     raise
-                got, tail = obstore.head(self.store, self.key), b""
+                got, tail = _ops.head(self.store, self.key), b""
                 if etag and got.get("e_tag") != etag:
                     raise OSError(errno.ESTALE, "GET: the object was replaced since it was listed (ETag changed): "
                                   "open it again to read the new one", url) from None
@@ -426,7 +443,7 @@ class S3Source(_Counted):
         with self._lock:
             self.requests += 1
         with _translated(self.name, f"GET bytes {start}-{end - 1}", self.opts):
-            data = obstore.get(self.store, self.key, options=options).bytes()
+            data = _ops.get(self.store, self.key, options=options).bytes()
         if len(data) != end - start:
             raise OSError(errno.EIO, f"GET bytes {start}-{end - 1}: the store returned {len(data)} bytes, not "
                           f"{end - start}", self.name)
@@ -460,6 +477,42 @@ class S3Source(_Counted):
                     errors.append(exc)
             if errors:
                 raise errors[0]
+
+    def read_ahead(self, ranges: list[tuple[int, int]]) -> ReadAhead:
+        """A whole load's ranges fetched ahead of its decoding (nvckpt.io.readahead): GETs of up to
+        ``read_size`` bytes, ``reads_in_flight`` at a time, into ``2 * reads_in_flight`` buffers of
+        ``read_size`` bytes reused for the whole load."""
+        opts = self.opts
+        for offset, length in ranges:
+            self._check_range(offset, length)
+        return ReadAhead(self._get_into, _pool(opts.reads_in_flight), ranges, piece=opts.read_size,
+                         slots=2 * opts.reads_in_flight, max_gap=self.coalescing.max_gap)
+
+    def _get_into(self, start: int, end: int, view: memoryview) -> None:
+        """Bytes [start, end) of the pinned object streamed into ``view``: one ranged GET with If-Match, its
+        body copied as it arrives (no buffer of the whole response allocated per request)."""
+        with self._reading():
+            if start >= self._tail_start:
+                view[:] = self._tail[start - self._tail_start: end - self._tail_start]
+                self.count(end - start)
+                return
+            options: dict[str, Any] = {"range": (start, end)}
+            if self.etag:
+                options["if_match"] = self.etag
+            with self._lock:
+                self.requests += 1
+            at = 0
+            with _translated(self.name, f"GET bytes {start}-{end - 1}", self.opts):
+                for piece in _ops.get(self.store, self.key, options=options).stream(min_chunk_size=_STREAM_CHUNK):
+                    n = len(piece)
+                    if at + n > view.nbytes:
+                        break
+                    view[at: at + n] = piece
+                    at += n
+            if at != end - start:
+                raise OSError(errno.EIO, f"GET bytes {start}-{end - 1}: the store returned {at} bytes or more, "
+                              f"not {end - start}", self.name)
+            self.count(end - start)
 
     def read(self, offset: int, length: int) -> bytes:
         with self._reading():
@@ -497,7 +550,7 @@ class S3Sink:
     def __init__(self, target: "S3Target") -> None:
         self.target = target
         opts = target.opts
-        self.writer = obstore.open_writer(target.store, target.key, buffer_size=opts.part_size,
+        self.writer = _ops.open_writer(target.store, target.key, buffer_size=opts.part_size,
                                           max_concurrency=opts.parts_in_flight)
         self.written = 0
 
@@ -534,7 +587,7 @@ class S3Target:
     def check(self) -> None:
         """The bucket exists and the credentials may list it (one request): a save fails at once, not at its end."""
         with _translated(self.url, "LIST (checking the bucket)", self.opts):
-            next(iter(obstore.list(self.store, prefix=self.key, chunk_size=1)), None)
+            next(iter(_ops.list(self.store, prefix=self.key, chunk_size=1)), None)
 
     def leftovers(self) -> list[str]:
         """Multipart uploads to this key left open by saves that did not finish (a killed process, a server
@@ -584,9 +637,9 @@ class _Aborted(Exception):
 
 # -- uploads a crash left open ----------------------------------------------------------------
 
-def _control_client(bucket: str, opts: S3Options) -> Any:
-    """A botocore client for what obstore cannot do (list and abort multipart uploads), configured as the
-    store is."""
+def _control_client(bucket: str, opts: S3Options, connections: int = 10) -> Any:
+    """A botocore client for what obstore cannot do (list and abort multipart uploads, every request in a
+    process forked after obstore ran), configured as the store is."""
     try:
         import boto3
         from botocore.config import Config
@@ -601,7 +654,7 @@ def _control_client(bucket: str, opts: S3Options) -> Any:
         aws_session_token=config.get("token"),
         config=Config(s3={"addressing_style": "path" if config.get("endpoint") else "auto"},
                       connect_timeout=min(opts.timeout, 10.0), read_timeout=opts.timeout,
-                      retries={"mode": "standard", "total_max_attempts": 5}))
+                      retries={"mode": "standard", "total_max_attempts": 5}, max_pool_connections=connections))
 
 
 def open_uploads(url: str, opts: S3Options | None = None, *, exact: bool = False) -> list[dict[str, Any]]:
@@ -649,16 +702,26 @@ def reap(url: str, storage_options: dict[str, Any] | None = None, *, older_than:
     return uploads
 
 
-def _boto_error(exc: BaseException, url: str, action: str) -> OSError:
-    bucket, key = split_url(url)
-    where = f" (bucket {bucket!r}, key {key!r})"
+def _boto_error(exc: BaseException, url: str, action: str, opts: S3Options | None = None) -> OSError:
+    bucket, key = split_url(url) if url.startswith("s3://") else (None, url)
+    where = f" (bucket {bucket!r}, key {key!r})" if bucket else ""
     response = getattr(exc, "response", None) or {}
     err = response.get("Error", {})
     code, message = err.get("Code"), err.get("Message", "")
-    if code in ("NoSuchBucket", "NoSuchKey"):
-        return FileNotFoundError(errno.ENOENT, f"{action}: {code}: {message}{where}", url)
-    if code in ("AccessDenied", "SignatureDoesNotMatch", "InvalidAccessKeyId"):
+    if code in ("PreconditionFailed", "412"):
+        return OSError(errno.ESTALE, f"{action}: the object was replaced since it was opened (ETag changed; "
+                       f"PreconditionFailed){where}: open it again to read the new one", url)
+    if code in ("NoSuchBucket", "NoSuchKey", "404", "NotFound"):
+        what = f"{code}: {message}" if code in ("NoSuchBucket", "NoSuchKey") else "NoSuchKey: not found"
+        if code == "NoSuchBucket":
+            what += " (a bucket is never created implicitly: create it first)"
+        return FileNotFoundError(errno.ENOENT, f"{action}: {what}{where}", url)
+    if code in ("AccessDenied", "SignatureDoesNotMatch", "InvalidAccessKeyId", "403"):
         return PermissionError(errno.EACCES, f"{action}: {code}: {message} (check the credentials){where}", url)
+    if "Timeout" in type(exc).__name__:
+        limit = f"{opts.timeout:g} s" if opts is not None else "the timeout"
+        return TimeoutError(errno.ETIMEDOUT, f"{action}: no progress for {limit} (the server is stalled or "
+                            f"unreachable; storage option timeout=){where}", url)
     return OSError(errno.EIO, f"{action}: {code + ': ' + message if code else _first_line(str(exc))}{where}", url)
 
 

@@ -321,13 +321,20 @@ class ChunkReader:
         """One of ``fill_tasks``, on the calling thread."""
         self._fill(entry, group, start, out)
 
-    def read_run(self, entry: TensorEntry, group: range, out: np.ndarray) -> None:
+    def read_run(self, entry: TensorEntry, group: range, out: np.ndarray, data: Any = None) -> None:
         """Chunks ``group`` of ``entry`` (neighbours, as ``coalesce`` grouped them) read with one read, verified
-        and decoded into ``out``, the whole tensor's raw bytes."""
-        self._fill(entry, group, 0, out)
+        and decoded into ``out``, the whole tensor's raw bytes; ``data``: their stored bytes, fetched
+        already (``run_range``'s, by a read-ahead)."""
+        self._fill(entry, group, 0, out, data)
 
-    def _fill(self, entry: TensorEntry, group: range, start: int, out: np.ndarray) -> None:
-        if len(group) == 1:
+    def run_range(self, entry: TensorEntry, group: range) -> tuple[int, int]:
+        """(offset, length) of the stored bytes that chunks ``group`` of ``entry`` span."""
+        assert entry.chunks is not None
+        offs, stored = entry.chunks.columns(group.start, group.stop)[:2]
+        return offs[0], offs[-1] + stored[-1] - offs[0]
+
+    def _fill(self, entry: TensorEntry, group: range, start: int, out: np.ndarray, data: Any = None) -> None:
+        if len(group) == 1 and data is None:
             self.fill(entry, group.start, start, out)
             return
         table = entry.chunks
@@ -335,10 +342,11 @@ class ChunkReader:
         stop = start + out.nbytes
         offs, stored, raws, codecs, checks, starts = table.columns(group.start, group.stop)
         base = offs[0]
-        try:
-            data = self.source.read(base, offs[-1] + stored[-1] - base)
-        except NvckptError as exc:
-            raise exc.located(tensor=entry.name, chunk=group.start)
+        if data is None:
+            try:
+                data = self.source.read(base, offs[-1] + stored[-1] - base)
+            except NvckptError as exc:
+                raise exc.located(tensor=entry.name, chunk=group.start)
         view = memoryview(data)
         at = [o - base for o in offs]
         self.verify_run(entry, group.start, view, at, stored, checks)

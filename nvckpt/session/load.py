@@ -482,6 +482,9 @@ class Checkpoint(Mapping):
         group: list[tuple[TensorEntry, int]] = []
         size = 0
         policy = f.source.coalescing
+        if policy.whole_loads:  # a run is read into one of the read-ahead's buffers
+            policy = policy.with_(max_span=min(policy.max_span, policy.load_span),
+                                  alone_from=min(policy.alone_from, policy.load_span + 1))
         for e in entries:
             if policy.whole_loads and e.chunks:
                 runs += [(e, run) for run in _groups(e, range(len(e.chunks)), policy)]
@@ -521,10 +524,10 @@ class Checkpoint(Mapping):
                     raise refused(exc)
                 done(e, i)
 
-        def run_chunks(task: tuple[TensorEntry, range]) -> None:
+        def run_chunks(task: tuple[TensorEntry, range], data: Any = None) -> None:
             e, chunks = task
             try:
-                f.read_run(e, chunks, arrays[e.tensor_id])
+                f.read_run(e, chunks, arrays[e.tensor_id], data)
             except UnsupportedCodecError as exc:
                 raise refused(exc)
             for i in chunks:
@@ -547,7 +550,18 @@ class Checkpoint(Mapping):
         for e in entries:  # tensors without chunks (empty ones)
             if not e.chunks and e.checksum is not None:
                 check(e)
-        if runs:
+        read_ahead = getattr(f.source, "read_ahead", None)
+        if runs and read_ahead is not None:
+            # An object store: the next runs' requests in flight while these decode (bounded memory)
+            with read_ahead([f.run_range(e, chunks) for e, chunks in runs]) as ahead:
+                def run_ahead(k: int) -> None:
+                    try:
+                        run_chunks(runs[k], ahead.take(k))
+                    finally:
+                        ahead.done(k)
+
+                f.map(run_ahead, list(range(len(runs))))
+        elif runs:
             f.map(run_chunks, runs)
         f.map(run, tasks)
         return {tid: self._to_device(t) for tid, t in dests.items()}

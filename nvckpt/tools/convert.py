@@ -30,6 +30,7 @@ and tensors) and written in the target format:
 from __future__ import annotations
 
 import base64
+import contextlib
 import errno
 import json
 import os
@@ -293,7 +294,7 @@ def read_dcp(path: str | os.PathLike, make_bar: ProgressFactory) -> Loaded:
     m = read_manifest(path)
     needs_gpu = False
     for name in m.files:
-        with Checkpoint(os.path.join(m.directory, name)) as probe:
+        with Checkpoint(m.store.open_source(name)) as probe:
             needs_gpu = needs_gpu or any(p.needs_gpu for p in probe.file.pipelines)
     device = "cuda" if needs_gpu and torch.cuda.is_available() else "cpu"
     bar = make_bar("reading", sum(t.nbytes for t in m.tensors.values()))
@@ -322,13 +323,28 @@ def write_dcp(loaded: Loaded, dst: str | os.PathLike, *, codec: str, zstd_level:
 
 
 def _size(path: str | os.PathLike) -> int:
-    """A file's size, or the total of a directory's files."""
+    """A file's size, or the total of a directory's files (at a URL too)."""
+    from .remote import is_url
+
+    if is_url(path):
+        from ..io.source import open_source
+        from ..sharded.layout import is_dcp_directory, read_manifest
+
+        if is_dcp_directory(path):
+            m = read_manifest(path)
+            return sum(m.store.size(n) or 0 for n in m.store.entries())
+        with contextlib.closing(open_source(path)) as source:
+            return source.size
     if not os.path.isdir(path):
         return os.path.getsize(path)
     return sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path))
 
 
 def _check_output_directory(path: str | os.PathLike) -> None:
+    from .remote import is_url
+
+    if is_url(path):  # a prefix in a store: nothing to make first (the Writer checks the bucket)
+        return
     final = os.path.abspath(os.fspath(path))
     if os.path.exists(final) and not os.path.isdir(final):
         raise FileExistsError(17, "exists and is not a directory", os.fspath(path))

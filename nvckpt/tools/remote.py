@@ -73,23 +73,25 @@ def upload(local: str, url: str) -> None:
 
 
 @contextlib.contextmanager
-def local_files(src: str, dst: str) -> Iterator[tuple[str, str]]:
-    """(src, dst) as local paths: a URL source fetched, a URL destination uploaded when the block succeeds."""
-    if not is_url(src) and not is_url(dst):
+def local_files(src: str, dst: str, *, keep_src: bool = False, keep_dst: bool = False) -> Iterator[tuple[str, str]]:
+    """(src, dst) as local paths: a URL source fetched, a URL destination uploaded when the block succeeds;
+    ``keep_src`` / ``keep_dst``: that one is given as it is (a DCP directory, read or written where it is)."""
+    fetched, uploaded = is_url(src) and not keep_src, is_url(dst) and not keep_dst
+    if not fetched and not uploaded:
         yield src, dst
         return
     folder = tempfile.mkdtemp(prefix="nvckpt-remote-")
     try:
         local_src, local_dst = src, dst
-        if is_url(src):
+        if fetched:
             local_src = _local_name(src, os.path.join(folder, "src"))
             os.mkdir(os.path.dirname(local_src))
             fetch(src, local_src)
-        if is_url(dst):
+        if uploaded:
             local_dst = _local_name(dst, os.path.join(folder, "dst"))
             os.mkdir(os.path.dirname(local_dst))
         yield local_src, local_dst
-        if is_url(dst):
+        if uploaded:
             upload(local_dst, dst)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
