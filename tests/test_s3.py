@@ -425,3 +425,230 @@ def test_memory_urls_through_fsspec():
         fs = fsspec.filesystem("memory")
         if fs.exists(root):
             fs.rm(root, recursive=True)
+
+
+# -- a whole load: fetched ahead of its decoding, in bounded buffers ----------------------------
+
+@pytest.mark.slow  # a real S3 server: seconds on 2 shared cores
+def test_a_whole_load_fetches_ahead_in_bounded_buffers(s3, fault_proxy, monkeypatch):
+    from nvckpt.io import readahead
+
+    server, prefix = s3
+    url = f"{prefix}/ahead.nvckpt"
+    g = torch.Generator().manual_seed(3)
+    state = {f"small{i}": torch.randn(300, generator=g) for i in range(60)}  # many tensors of 1 KiB
+    state["large"] = torch.randn(3 << 20, generator=g)  # 12 MiB in 1 MiB chunks: runs of at most read_size
+    state["one chunk"] = torch.randn(4 << 20, generator=g)  # 16 MiB: one chunk larger than read_size below
+    nvckpt.save(state, url, codec="raw", chunk_size=1 << 20, storage_options={"part_size": 5 << 20})
+    nvckpt.save({"one chunk": state["one chunk"]}, f"{prefix}/one.nvckpt", codec="raw", chunk_size=16 << 20)
+    made: list[readahead.ReadAhead] = []
+    real = readahead.ReadAhead.__init__
+
+    def recorded(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(readahead.ReadAhead, "__init__", recorded)
+    options = {"endpoint_url": fault_proxy.endpoint_url, "read_size": 4 << 20, "reads_in_flight": 2}
+    start = len(fault_proxy.requests)
+    assert_tree_equal(nvckpt.load(url, storage_options=options), state)
+    gets = [r for r in _requests_since(fault_proxy, start) if r.method == "GET"]
+    # 28 MiB of chunks in GETs of at most 4 MiB (the 60 small tensors share one): about 8, not one per tensor
+    assert len(gets) <= 12, len(gets)
+    ahead = made[-1]
+    assert ahead._made <= 4  # 2 * reads_in_flight buffers of read_size, reused for the whole load
+    # one chunk larger than read_size: its own buffer, filled by concurrent GETs of read_size
+    loaded = nvckpt.load(f"{prefix}/one.nvckpt", storage_options=options)
+    assert torch.equal(loaded["one chunk"], state["one chunk"])
+
+
+# -- a process forked after using S3 (DataLoader workers) ---------------------------------------
+
+def _in_forked_child(work, timeout: float = 120.0) -> str:
+    """``work()`` in a child forked now; what it returned (a str), or the error it raised, in one line."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never return into pytest
+        os.close(read)
+        import faulthandler
+        faulthandler.dump_traceback_later(timeout - 20, exit=True)  # a hang shows where
+        torch.set_num_threads(1)  # as a DataLoader worker does: torch's OpenMP threads did not fork
+        try:
+            out = "ok " + work()
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+            out = f"error {type(exc).__name__}: {exc}"
+        os.write(write, out.encode()[:4000])
+        os._exit(0)
+    os.close(write)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        os.close(read)
+        pytest.fail(f"the forked child did not finish within {timeout} s (hung on S3)")
+    with os.fdopen(read, "rb") as f:
+        return f.read().decode()
+
+
+@pytest.mark.slow  # a real S3 server: seconds on 2 shared cores
+@_SINGLE_PROCESS
+def test_a_process_forked_after_using_s3_saves_and_loads(s3):
+    import torch.distributed.checkpoint as dcp
+
+    import nvckpt.dcp
+
+    server, prefix = s3
+    state = _state(12)  # several 5 MiB parts
+    nvckpt.save(state, f"{prefix}/parent.nvckpt")
+    with nvckpt.open(f"{prefix}/parent.nvckpt") as ck:  # open in the parent, read in the child too
+        assert torch.equal(ck.get_tensor("rows"), state["rows"])
+
+        def child() -> str:
+            options = {"part_size": 5 << 20}
+            nvckpt.save(state, f"{prefix}/child.nvckpt", storage_options=options)
+            assert_tree_equal(nvckpt.load(f"{prefix}/child.nvckpt"), state)
+            assert_tree_equal(nvckpt.load(f"{prefix}/parent.nvckpt"), state)
+            assert torch.equal(ck.get_slice("rows")[3:7], state["rows"][3:7])
+            dcp.save({"w": state["rows"]}, storage_writer=nvckpt.dcp.Writer(f"{prefix}/child-dcp"))
+            target = {"w": torch.zeros_like(state["rows"])}
+            dcp.load(target, storage_reader=nvckpt.dcp.Reader(f"{prefix}/child-dcp"))
+            assert torch.equal(target["w"], state["rows"])
+            try:
+                nvckpt.load(f"{prefix}/nothing.nvckpt")
+            except FileNotFoundError as exc:
+                return _one_line(exc)
+            return "a missing key loaded"
+
+        out = _in_forked_child(child)
+        assert out.startswith("ok ") and "NoSuchKey" in out and "nothing.nvckpt" in out, out
+        assert torch.equal(ck.get_tensor("big"), state["big"])
+    # and the parent goes on with its own client
+    nvckpt.save(state, f"{prefix}/parent-after.nvckpt")
+    assert_tree_equal(nvckpt.load(f"{prefix}/child.nvckpt"), state)
+    bucket = prefix.split("/")[2]
+    assert server.open_uploads(bucket, prefix.split("/", 3)[3]) == []
+
+
+@pytest.mark.slow  # a real S3 server: seconds on 2 shared cores
+def test_an_upload_aborted_in_a_forked_child_leaves_nothing(s3):
+    from nvckpt.io.s3 import open_target, open_uploads
+    from nvckpt.io.target import SinkOptions
+
+    server, prefix = s3
+    nvckpt.save({"w": torch.ones(3)}, f"{prefix}/before.nvckpt")  # obstore has run in this process
+    url = f"{prefix}/aborted.nvckpt"
+
+    def child() -> str:
+        target = open_target(url, {"part_size": 5 << 20, "parts_in_flight": 2})
+        sink = target.open_sink(SinkOptions(direct=False))
+        for _ in range(3):
+            sink.write(bytes(4 << 20))  # 12 MiB: two parts sent, the third buffered
+        open_before = len(open_uploads(url, exact=True))
+        target.abort()
+        return f"{open_before} open before the abort"
+
+    out = _in_forked_child(child)
+    assert out == "ok 1 open before the abort", out
+    bucket, key = prefix.split("/")[2], url.split("/", 3)[3]
+    assert server.open_uploads(bucket, key) == [] and key not in server.keys(bucket, key)
+
+
+# -- DCP with 2 ranks over gloo, and a resharded load -------------------------------------------
+
+def _two_ranks(rank: int, world: int, store: str, url: str, env: dict) -> None:
+    import datetime
+    import warnings
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed._tensor import Shard, distribute_tensor
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import nvckpt.dcp
+
+    os.environ.update(env)
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        full = torch.arange(64 * 48, dtype=torch.float32).reshape(64, 48)
+        state = {"model": {"w": distribute_tensor(full, mesh, [Shard(0)]), "b": torch.arange(5)}, "step": 7}
+        dcp.save(state, storage_writer=nvckpt.dcp.Writer(url))
+        # resharded: saved by rows, loaded by columns
+        target = {"model": {"w": distribute_tensor(torch.zeros(64, 48), mesh, [Shard(1)]),
+                            "b": torch.zeros(5, dtype=torch.int64)}, "step": 0}
+        reader = nvckpt.dcp.Reader(url)
+        dcp.load(target, storage_reader=reader)
+        local = target["model"]["w"].to_local()
+        assert torch.equal(local, full[:, rank * 24: (rank + 1) * 24]), rank
+        assert torch.equal(target["model"]["b"], torch.arange(5)) and target["step"] == 7
+        with open(f"{store}.ok{rank}", "w") as f:
+            f.write("ok")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two processes over gloo against a real S3 server: tens of seconds on 2 shared cores
+@_SINGLE_PROCESS
+def test_dcp_two_ranks_save_and_reshard_on_s3(s3, tmp_path, capsys):
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    import torch.multiprocessing as mp
+
+    import nvckpt.dcp
+    from nvckpt.cli import main
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    server, prefix = s3
+    url = f"{prefix}/step7"
+    store = str(tmp_path / "store")
+    mp.spawn(_two_ranks, args=(2, store, url, server.env()), nprocs=2, join=True)
+    assert os.path.exists(f"{store}.ok0") and os.path.exists(f"{store}.ok1")
+    # one process reads the whole of what two wrote, and the tools read it where it is
+    full = torch.arange(64 * 48, dtype=torch.float32).reshape(64, 48)
+    target = {"model": {"w": torch.zeros(64, 48), "b": torch.zeros(5, dtype=torch.int64)}, "step": 0}
+    dcp.load(target, storage_reader=nvckpt.dcp.Reader(url))
+    assert torch.equal(target["model"]["w"], full)
+    assert main(["verify", url]) == 0
+    assert main(["merge", url, str(tmp_path / "merged.nvckpt")]) == 0
+    merged = nvckpt.load(tmp_path / "merged.nvckpt")
+    assert torch.equal(merged["model"]["w"], full) and merged["step"] == 7
+    capsys.readouterr()
+
+
+# -- nvckpt merge / split on s3:// directories ---------------------------------------------------
+
+@pytest.mark.slow  # a real S3 server: seconds on 2 shared cores
+@_SINGLE_PROCESS
+def test_merge_and_split_on_s3_directories(s3, tmp_path, capsys):
+    from nvckpt.cli import main
+
+    server, prefix = s3
+    state = {"model": {"w": torch.randn(64, 32), "b": torch.arange(4)}, "step": 5}
+    nvckpt.save(state, f"{prefix}/one.nvckpt")
+    assert main(["split", f"{prefix}/one.nvckpt", f"{prefix}/dir"]) == 0
+    assert main(["split", str(tmp_path / "absent.nvckpt"), f"{prefix}/dir2"]) != 0
+    capsys.readouterr()
+    assert main(["split", f"{prefix}/one.nvckpt", f"{prefix}/dir"]) == 2  # an existing directory: --force
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "exists (a directory)" in err and "--force" in err, err
+    assert main(["merge", f"{prefix}/dir", f"{prefix}/merged.nvckpt"]) == 0
+    assert main(["merge", f"{prefix}/dir", str(tmp_path / "merged.nvckpt")]) == 0
+    for merged in (nvckpt.load(f"{prefix}/merged.nvckpt"), nvckpt.load(tmp_path / "merged.nvckpt")):
+        assert torch.equal(merged["model"]["w"], state["model"]["w"]) and merged["step"] == 5
+    nvckpt.save({"model": {"w": state["model"]["w"] + 1}, "step": 6}, tmp_path / "local.nvckpt")
+    assert main(["split", "--force", str(tmp_path / "local.nvckpt"), f"{prefix}/dir"]) == 0
+    assert main(["merge", "--force", f"{prefix}/dir", f"{prefix}/merged.nvckpt"]) == 0
+    assert nvckpt.load(f"{prefix}/merged.nvckpt")["step"] == 6
+    capsys.readouterr()
+    assert main(["convert", f"{prefix}/dir", f"{prefix}/c.nvckpt"]) == 2  # a directory: merge, not convert
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "nvckpt merge" in err, err

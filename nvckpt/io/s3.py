@@ -191,8 +191,29 @@ _ops: Any = obstore
 _obstore_ran = False
 
 
+_forks = 0  # forks since this process began (a store made before one is the parent's)
+
+
+class _HasStore:
+    """An object of one bucket whose ``store`` is this process's own: made again after a fork."""
+
+    opts: S3Options
+    _bucket: str
+
+    def _use_bucket(self, bucket: str) -> None:
+        self._bucket = bucket
+        self._store, self._store_forks = store_for(bucket, self.opts), _forks
+
+    @property
+    def store(self) -> Any:
+        if self._store_forks != _forks:  # a source or directory opened in the parent, used in a forked child
+            self._store, self._store_forks = store_for(self._bucket, self.opts), _forks
+        return self._store
+
+
 def _after_fork_in_child() -> None:
-    global _ops, _STORES_LOCK
+    global _ops, _STORES_LOCK, _forks
+    _forks += 1
     _STORES_LOCK = threading.Lock()
     _STORES.clear()  # the parent's stores: their connections and runtime stayed behind
     if _obstore_ran:
@@ -328,13 +349,13 @@ def _translated(url: str, action: str, opts: S3Options | None) -> Iterator[None]
 
 # -- the objects of one bucket -------------------------------------------------------------------
 
-class S3Bucket:
+class S3Bucket(_HasStore):
     """The objects of one bucket (nvckpt.io.prefix's KeyStore)."""
 
     def __init__(self, bucket: str, opts: S3Options) -> None:
         self.bucket = bucket
         self.opts = opts
-        self.store = store_for(bucket, opts)
+        self._use_bucket(bucket)
 
     def url(self, key: str) -> str:
         return f"s3://{self.bucket}/{key}"
@@ -391,7 +412,7 @@ def _pool(workers: int) -> WorkerPool:
     return shared_pool("nvckpt-s3", workers)
 
 
-class S3Source(_Counted):
+class S3Source(_Counted, _HasStore):
     """One object read by position, pinned to the ETag it had when opened (see the module docstring).
     ``requests`` counts the GETs it made."""
 
@@ -407,7 +428,7 @@ class S3Source(_Counted):
         bucket, self.key = split_url(url)
         if not self.key or self.key.endswith("/"):
             raise IsADirectoryError(errno.EISDIR, "names a prefix, not an object (an nvckpt file is one object)", url)
-        self.store = store_for(bucket, self.opts)
+        self._use_bucket(bucket)
         self.requests = 0
         self._closed = False
         with _translated(url, "GET", self.opts):
@@ -565,7 +586,7 @@ class S3Sink:
         return n
 
 
-class S3Target:
+class S3Target(_HasStore):
     """A save's object (see the module docstring): atomic, completed at commit, aborted otherwise."""
 
     atomic = True
@@ -580,7 +601,7 @@ class S3Target:
         self.name = name or url  # errors name the file as the caller knows it (a DCP rank file: once published)
         self.path: str | None = url
         self.order_key: str | None = url
-        self.store = store_for(self.bucket, self.opts)
+        self._use_bucket(self.bucket)
         self._sink: S3Sink | None = None
         self._done = False
 
