@@ -65,3 +65,63 @@ def test_every_range_in_exactly_one_read_within_the_bounds(gaps_and_lengths, max
             assert r.length <= max_span and len(members) <= max_ranges
             assert all(lengths[i] < alone_from for i in members)
             assert all(offsets[j] - (offsets[i] + lengths[i]) <= max_gap for i, j in zip(members, members[1:]))
+
+
+# -- the read-ahead of a whole load over an object store (nvckpt.io.readahead) -------------------
+
+def _file(n: int) -> bytes:
+    return bytes((i * 7 + i // 251) % 256 for i in range(n))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3000), st.integers(1, 900)), min_size=1, max_size=40),
+       st.integers(64, 1024), st.integers(1, 5), st.randoms(use_true_random=False))
+def test_read_ahead_gives_each_range_its_bytes_within_its_buffers(gaps, piece, slots, rnd):
+    from nvckpt._threads import WorkerPool
+    from nvckpt.io.readahead import ReadAhead
+
+    ranges, at = [], 0
+    for gap, n in gaps:  # in file order, as a load's runs are
+        ranges.append((at + gap, n))
+        at += gap + n
+    data = _file(at)
+
+    def fetch_into(start: int, end: int, view: memoryview) -> None:
+        assert end - start <= piece and view.nbytes == end - start  # GETs of at most a piece
+        view[:] = data[start:end]
+
+    pool = WorkerPool(3, "test-ahead")
+    try:
+        with ReadAhead(fetch_into, pool, ranges, piece=piece, slots=slots, max_gap=200) as ahead:
+            order = list(range(len(ranges)))
+            if rnd.random() < 0.3:  # taken out of order now and then (two decoders)
+                rnd.shuffle(order)
+            for i in order:
+                o, n = ranges[i]
+                assert bytes(ahead.take(i)) == data[o: o + n]
+                ahead.done(i)
+            if order == sorted(order):  # buffers of `piece` bytes: at most `slots`, whatever the ranges
+                assert ahead._made <= slots
+    finally:
+        pool.shutdown()
+
+
+def test_read_ahead_raises_a_fetch_error_from_take():
+    from nvckpt._threads import WorkerPool
+    from nvckpt.io.readahead import ReadAhead
+
+    def fetch_into(start: int, end: int, view: memoryview) -> None:
+        if start >= 3000:
+            raise OSError(5, "GET failed", "s3://b/k")
+        view[:] = bytes(end - start)
+
+    pool = WorkerPool(2, "test-ahead")
+    try:
+        with ReadAhead(fetch_into, pool, [(0, 1000), (1000, 1000), (3000, 500)], piece=1000, slots=2,
+                       max_gap=0) as ahead:
+            assert bytes(ahead.take(0)) == bytes(1000)
+            ahead.done(0)
+            with pytest.raises(OSError, match="GET failed"):
+                ahead.take(2)
+    finally:
+        pool.shutdown()
