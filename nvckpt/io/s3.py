@@ -9,7 +9,8 @@ and the quickest end to a stalled server.
   index larger than the tail.  Every later GET carries ``If-Match`` with that
   ETag: an object replaced since it was opened gives a named error (ESTALE),
   never a mix of old and new bytes.  A large read is cut into ranges fetched
-  concurrently.
+  concurrently; a whole load reads ahead of its decoding (``read_ahead``,
+  nvckpt.io.readahead) into a bounded set of reused buffers.
 - Writes (``S3Target``): a multipart upload streamed from the save, parts
   (``part_size``, 32 MiB) uploaded concurrently with at most ``parts_in_flight``
   (6) of them buffered, so a save holds at most 224 MiB whatever the checkpoint
@@ -19,6 +20,9 @@ and the quickest end to a stalled server.
   reported by the next save to that key and removed by ``nvckpt reap URL``.
 - Directories (``nvckpt.dcp.Writer("s3://bucket/run/step100")``):
   nvckpt.io.prefix, published by one object written last.
+- A process forked after obstore ran (a DataLoader worker) makes the same
+  requests through botocore (nvckpt.io.s3_botocore): obstore's runtime has no
+  threads there, and every call on it would wait forever.
 
 Where the endpoint and credentials come from: ``storage_options`` first, then
 the environment as boto3 reads it (``AWS_ENDPOINT_URL``, ``AWS_ENDPOINT_URL_S3``,
