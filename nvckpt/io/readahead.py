@@ -26,6 +26,8 @@ import threading
 from concurrent.futures import Executor, Future
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
 from .ranges import Coalescing, coalesce
 
 
@@ -59,7 +61,7 @@ class ReadAhead:
             for i in r.members:
                 self._where[i] = (k, offsets[i] - r.start)
         self._lengths = lengths
-        self._free: list[bytearray] = []  # slot buffers not in use
+        self._free: list[np.ndarray] = []  # slot buffers not in use
         self._made = 0  # slot buffers allocated
         self._used = 0  # slots' worth of buffers held by spans sent and not yet done
         self._lock = threading.Lock()
@@ -80,14 +82,14 @@ class ReadAhead:
                 if span.length <= self._piece:
                     if self._free:
                         span.buffer = self._free.pop()
-                    else:
-                        span.buffer = bytearray(self._piece)
+                    else:  # not zeroed: every byte of it a span uses is fetched into it first
+                        span.buffer = np.empty(self._piece, dtype=np.uint8)
                         self._made += 1
                     span.slot = True
                     view = memoryview(span.buffer)[: span.length]
                     span.futures = [self._pool.submit(self._fetch_into, span.start, span.start + span.length, view)]
                     continue
-                span.buffer = bytearray(span.length)  # one chunk larger than a piece: concurrent GETs
+                span.buffer = np.empty(span.length, dtype=np.uint8)  # one chunk larger than a piece: concurrent GETs
                 view = memoryview(span.buffer)
                 span.futures = [self._pool.submit(self._fetch_into, span.start + a,
                                                   span.start + min(a + self._piece, span.length),
