@@ -3,7 +3,7 @@
     python3 tools/check_wheel.py contents dist/nvckpt-*.whl
     VENV/bin/python tools/check_wheel.py smoke            # in a fresh virtualenv where only the wheel is installed
 
-``contents``: the wheel holds the package with its package data (``py.typed``) and both compiled kernels, and
+``contents``: the wheel holds the package with its package data (``py.typed``) and its compiled kernels, and
 nothing of the repository beside it (tests, benchmarks, tools, conformance, docs).  ``smoke``: the installed
 package (not a checkout) saves, loads, opens a row slice, and its command line answers ``--version`` and
 ``verify``; a missing module, package-data file or entry point fails here.
@@ -17,7 +17,7 @@ import sys
 import tempfile
 import zipfile
 
-KERNELS = ("nvckpt/codecs/_planes.", "nvckpt/plan/_derived.")
+KERNELS = ("nvckpt/codecs/_planes.", "nvckpt/plan/_derived.", "nvckpt/format/_columns.")
 NOT_SHIPPED = ("tests/", "benchmarks/", "tools/", "conformance/", "docs/")
 
 
