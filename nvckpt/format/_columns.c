@@ -726,8 +726,8 @@ done:
 typedef struct {
     const uint8_t *base;
     Buf path;          /* the current path's bytes */
-    PyObject *paths;   /* str -> tensor id */
-    uint64_t max_tid;
+    PyObject *paths;   /* str -> tensor id; NULL: only check the tree */
+    uint64_t max_tid, refs;
     int plain;         /* set: leave this tree to the plain decoding */
 } Walk;
 
@@ -931,6 +931,9 @@ static int walk(Walk *w, Rd *r, int depth)
                            | (uint64_t)data[3] << 24;
             if (tid > w->max_tid)
                 w->max_tid = tid;
+            w->refs++;
+            if (!w->paths)
+                return 0;
             PyObject *path = PyUnicode_DecodeUTF8((const char *)w->path.data, (Py_ssize_t)w->path.len, "strict");
             PyObject *id = path ? PyLong_FromUnsignedLongLong(tid) : NULL;
             if (!id) {
@@ -973,25 +976,27 @@ static int walk(Walk *w, Rd *r, int depth)
     return 0;
 }
 
-/* tree_paths(data): (paths, max tensor id) of a tree made only of maps with str or int keys, arrays,
- * tuples, scalars and tensor references: every path to a tensor (SPEC 14.1, tree.leaf_paths' order,
- * escaping, first path kept) -> its tensor id; None for any other tree (or one with no reference). */
-static PyObject *tree_paths(PyObject *self, PyObject *arg)
+/* tree_paths(data, build): (paths, max tensor id) of a tree made only of maps with str or int keys,
+ * arrays, tuples, scalars and tensor references: every path to a tensor (SPEC 14.1, tree.leaf_paths'
+ * order, escaping, first path kept) -> its tensor id (without build: None, only the tree checked);
+ * None for any other tree, one with no reference, or (with build) one where a path names two tensors. */
+static PyObject *tree_paths(PyObject *self, PyObject *args)
 {
     Py_buffer view;
-    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0)
+    int build;
+    if (!PyArg_ParseTuple(args, "y*p", &view, &build))
         return NULL;
-    Walk w = {view.buf, {0}, PyDict_New(), 0, 0};
+    Walk w = {view.buf, {0}, build ? PyDict_New() : NULL, 0, 0, 0};
     PyObject *out = NULL;
-    if (!w.paths)
+    if (build && !w.paths)
         goto done;
     Rd r = {view.buf, (const uint8_t *)view.buf + view.len};
     if (walk(&w, &r, 1) < 0)
         goto done;
-    if (w.plain || r.p != r.end || PyDict_GET_SIZE(w.paths) == 0)
+    if (w.plain || r.p != r.end || w.refs == 0)
         out = Py_NewRef(Py_None);
     else
-        out = Py_BuildValue("(OK)", w.paths, (unsigned long long)w.max_tid);
+        out = Py_BuildValue("(OK)", w.paths ? w.paths : Py_None, (unsigned long long)w.max_tid);
 done:
     Py_XDECREF(w.paths);
     free(w.path.data);
@@ -1004,7 +1009,7 @@ static PyMethodDef methods[] = {
      "map_spans(data) -> [(key start, key end, value start, value end)] of a msgpack map filling data, or None"},
     {"entries", entries, METH_VARARGS,
      "entries(data, dtypes) -> dict of columns of a tensors array (its plain entries), or None"},
-    {"tree_paths", tree_paths, METH_O, "tree_paths(data) -> (paths, max tensor id) or None"},
+    {"tree_paths", tree_paths, METH_VARARGS, "tree_paths(data, build) -> (paths or None, max tensor id) or None"},
     {"first_duplicate", first_duplicate, METH_VARARGS,
      "first_duplicate(blob, ends, n) -> the first of names 0..n-1 that an earlier one has, or -1"},
     {"name_owner_mismatch", name_owner_mismatch, METH_VARARGS,

@@ -17,6 +17,13 @@ Every rule of the plain decoding holds (one object, valid msgpack, unique keys,
 the ext types, nesting, the memory budget): on anything unusual a piece is
 decoded the plain way, so the errors and their messages are the same.
 
+Where the compiled column reader (``nvckpt.format._columns``) is built, the top-level map's values are found
+by it, the plain one-chunk entries of ``"tensors"`` are read by it into columns (``LazyEntries.columns``,
+taken by ``nvckpt.format.index.parse_index`` a run at a time), and a ``"tree"`` made of containers, scalars,
+tuples and tensor references is only checked here and kept as its bytes (``LazyTree``): its paths are read
+from them, and it is decoded when something first asks for it.  Whatever it does not take (anything
+unusual) goes the Python way above, with its messages.
+
 Only the ``"tree"`` value has its ext types decoded (tuples, tensor references, SPEC 9.2's); every
 other value keeps its exts as ``tree.Ext``, their data unparsed: under a key a reader ignores they MAY be
 anything (SPEC 1, 8.1, 8.2), and under a known key the type checks reject them.
@@ -32,6 +39,11 @@ import msgpack
 from ..errors import NvckptError
 from . import tree
 from .constants import MAX_NAME_BYTES
+
+try:
+    from . import _columns as compiled
+except ImportError:  # not compiled here: the Python way, the same decisions
+    compiled = None
 
 # Index payloads from this size on are decoded in pieces.  Below it one msgpack call decodes the whole
 # index faster than the pieces' Python steps (opening a 255-tensor training state's file: 2.7 against
@@ -73,12 +85,15 @@ class LazyEntries:
     """The index's "tensors" array: entry i is decoded from its bytes when it is read (under the memory
     budget of the decoding that found it), its errors those of the plain decoding."""
 
-    __slots__ = ("_data", "_bounds", "_budget")
+    __slots__ = ("_data", "_bounds", "_budget", "columns")
 
-    def __init__(self, data: memoryview, bounds: array) -> None:
+    def __init__(self, data: memoryview, bounds: Any, columns: dict[str, Any] | None = None) -> None:
         self._data = data
         self._bounds = bounds
         self._budget = getattr(tree._nesting, "budget", None)
+        # The compiled reader's columns (nvckpt.format._columns.entries): "plain" marks the plain one-chunk
+        # entries, whose name, dtype, shape, checksum and chunk are in the other columns.
+        self.columns = columns
 
     def __len__(self) -> int:
         return len(self._bounds) - 1
@@ -170,7 +185,32 @@ def decode_index(payload: Any) -> Any:
         return tree.unpackb(payload)  # not what a writer makes: the plain way says what is wrong
 
 
+class LazyTree:
+    """The index's "tree" value as its bytes, checked by the compiled reader (``_columns.tree_paths``): a tree
+    of maps with str or int keys, arrays, tuples, scalars and tensor references, which ``tree.unpackb``
+    decodes without an error.  ``paths()`` reads its tensor paths from the bytes; ``decode()`` gives the
+    tree.  (Under a memory budget the tree is decoded with the index, where the budget counts it.)"""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def paths(self) -> tuple[dict[str, int], int] | None:
+        """Every path to a tensor -> its tensor id (tree.leaf_paths' order, the first of equal paths kept), and
+        the largest tensor id; None where a path stands for two tensors (the Python checks say which)."""
+        return compiled.tree_paths(self.data, True)
+
+    def decode(self) -> Any:
+        with tree.msgpack_errors("index", f"the index's tree of {len(self.data)} bytes"):
+            return tree.unpackb(self.data, tree=True)
+
+
 def _decode_top(data: memoryview, lazy: bool = True) -> Any:
+    if lazy and compiled is not None:
+        spans = compiled.map_spans(data)
+        if spans is not None:
+            return _decode_spans(data, spans)
     u = _unpacker(len(data))
     u.feed(data)
     pairs = []
@@ -187,6 +227,33 @@ def _decode_top(data: memoryview, lazy: bool = True) -> Any:
     if u.tell() != len(data):
         raise _Irregular("bytes after the index map")
     return (tree._counted_map if getattr(tree._nesting, "budget", None) is not None else tree.unique_map)(pairs)
+
+
+def _decode_spans(data: memoryview, spans: list[tuple[int, int, int, int]]) -> Any:
+    """_decode_top's result from the top-level map's spans (``_columns.map_spans``): no copy of the index."""
+    budget = getattr(tree._nesting, "budget", None)
+    pairs = []
+    for k0, k1, v0, v1 in spans:
+        key = tree.unpackb(data[k0:k1])
+        value: Any = None
+        if key == "tensors":
+            value = _column_entries(data[v0:v1])
+        elif key == "tree" and budget is None and compiled.tree_paths(data[v0:v1], False) is not None:
+            value = LazyTree(bytes(data[v0:v1]))
+        if value is None:
+            value = tree.unpackb(data[v0:v1], tree=key == "tree")
+        pairs.append((key, value))
+    return (tree._counted_map if budget is not None else tree.unique_map)(pairs)
+
+
+def _column_entries(data: memoryview) -> Any:
+    """The "tensors" array as LazyEntries with the compiled reader's columns; None where it does not take it."""
+    columns = compiled.entries(data, _DTYPES)
+    if columns is None:
+        return _entries(data)  # (not an array, or bytes msgpack would refuse: the Python way says what)
+    bounds = memoryview(columns.pop("bounds")).cast("Q")
+    _spend(bounds.nbytes + sum(len(v) for k, v in columns.items() if k != "shapes") + 64 * len(columns["shapes"]))
+    return LazyEntries(data, bounds, columns)
 
 
 def _entries(data: memoryview) -> Any:
@@ -300,4 +367,12 @@ def _columns(data: memoryview, first: int, ends: list[int]) -> list[Any] | None:
     return columns
 
 
-__all__ = ["ChunkColumns", "LazyEntries", "decode_index", "decode_entry", "STREAM_FROM", "BIG_ENTRY", "COLUMNS_FROM"]
+def _dtype_table() -> tuple[tuple[str, int], ...]:
+    from .dtypes import DTYPES
+
+    return tuple((d.name, d.itemsize) for d in DTYPES.values())
+
+
+_DTYPES = _dtype_table()  # (the order of EntryTable._DTYPES: a dtype's id is its place here)
+
+__all__ = ["ChunkColumns", "LazyEntries", "LazyTree", "decode_index", "decode_entry", "STREAM_FROM", "BIG_ENTRY", "COLUMNS_FROM"]

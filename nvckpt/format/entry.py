@@ -66,6 +66,14 @@ class ChunkStore:
             column.frombytes(values.astype(values.dtype.newbyteorder("=")).tobytes())
         return ChunkTable(self, lo, len(self.offset) - lo)
 
+    def add_plain(self, columns: dict[str, Any], lo: int, hi: int) -> None:
+        """Entries ``lo .. hi-1`` of the compiled reader's columns (nvckpt.format.bulk.LazyEntries.columns),
+        one chunk each, starting at raw byte 0."""
+        for column, key, size in ((self.offset, "offset", 8), (self.stored, "stored", 8), (self.raw, "raw", 8),
+                                  (self.codec, "codec", 2), (self.checksum, "checksum", 8)):
+            column.frombytes(memoryview(columns[key])[lo * size: hi * size])
+        self.start.frombytes(bytes(8 * (hi - lo)))
+
     def add_one(self, offset: int, stored: int, raw: int, codec: int, checksum: int) -> "ChunkTable":
         """A table of one chunk."""
         lo = len(self.offset)
@@ -210,10 +218,11 @@ class EntryTable(Sequence[TensorEntry]):
     """The index's tensor entries, by tensor id.  Plain data entries of one chunk (what a state of many small
     tensors is made of, ``plain_entries``) are kept as columns, and their TensorEntry is made each time one is
     read: a million of them take ~30 bytes each here, not the ~250 of a TensorEntry, its ChunkTable and
-    its checksum int.  Any other entry is kept as it was parsed."""
+    its checksum int.  Any other entry is kept as it was parsed.  Every entry's name is kept as UTF-8 in one
+    blob (``name_blob``, entry i's ending at ``name_ends[i]``), a str made only when one is asked for."""
 
-    __slots__ = ("store", "_objs", "_names", "_dtype", "_shape", "_sum", "_has_sum", "_first", "_shapes",
-                 "_shape_ids")
+    __slots__ = ("store", "_objs", "name_blob", "name_ends", "_dtype", "_shape", "_sum", "_has_sum", "_first",
+                 "_shapes", "_shape_ids")
 
     _DTYPES = list(dtypes.DTYPES.values())
     _DTYPE_IDS = {d.name: i for i, d in enumerate(_DTYPES)}
@@ -221,7 +230,8 @@ class EntryTable(Sequence[TensorEntry]):
     def __init__(self, store: ChunkStore) -> None:
         self.store = store
         self._objs: list[TensorEntry | None] = []  # None: a plain entry, in the columns
-        self._names: list[str] = []
+        self.name_blob = bytearray()
+        self.name_ends = array("Q")
         self._dtype, self._shape, self._has_sum = array("B"), array("I"), bytearray()
         self._sum, self._first = array("Q"), array("Q")
         self._shapes: list[tuple[int, ...]] = []  # one tuple per distinct shape, shared by the entries
@@ -229,7 +239,8 @@ class EntryTable(Sequence[TensorEntry]):
 
     def append(self, entry: TensorEntry) -> None:
         self._objs.append(entry)
-        self._names.append(entry.name)
+        self.name_blob += entry.name.encode("utf-8", "surrogatepass")
+        self.name_ends.append(len(self.name_blob))
         self._dtype.append(0)
         self._shape.append(0)
         self._sum.append(0)
@@ -251,11 +262,38 @@ class EntryTable(Sequence[TensorEntry]):
             return i
 
         self._objs.extend([None] * n)
-        self._names.extend(names)
+        encoded = [name.encode("utf-8", "surrogatepass") for name in names]
+        ends = accumulate(map(len, encoded), initial=len(self.name_blob))
+        next(ends)  # (the blob's end before them)
+        self.name_ends.extend(ends)
+        self.name_blob += b"".join(encoded)
         self._dtype.extend(map(self._DTYPE_IDS.__getitem__, types))
         self._shape.extend(map(shape_id, shapes))
         self._has_sum.extend([c is not None for c in checksums])
         self._sum.extend([c or 0 for c in checksums])
+        self._first.extend(range(first_chunk, first_chunk + n))
+
+    def extend_columns(self, columns: dict[str, Any], lo: int, hi: int, first_chunk: int) -> None:
+        """Entries ``lo .. hi-1`` of the compiled reader's columns (nvckpt.format.bulk.LazyEntries.columns), all
+        plain, whose chunks are the store's from ``first_chunk`` on; the table's first columns or after others."""
+        import numpy as np
+
+        n = hi - lo
+        if not self._shapes:
+            self._shapes = columns["shapes"]
+            self._shape_ids = {t: i for i, t in enumerate(self._shapes)}
+        elif self._shapes is not columns["shapes"]:
+            raise RuntimeError("an EntryTable takes one compiled reader's columns")
+        ends = memoryview(columns["name_ends"]).cast("Q")
+        start = ends[lo - 1] if lo else 0
+        base = len(self.name_blob) - start
+        self.name_blob += memoryview(columns["names"])[start: ends[hi - 1]]
+        self.name_ends.frombytes((np.frombuffer(columns["name_ends"], dtype=np.uint64)[lo:hi] + np.uint64(base)).tobytes())
+        self._objs.extend([None] * n)
+        self._dtype.frombytes(memoryview(columns["dtype"])[lo:hi])
+        self._shape.frombytes(memoryview(columns["shape"])[4 * lo: 4 * hi])
+        self._has_sum += memoryview(columns["has_sum"])[lo:hi]
+        self._sum.frombytes(memoryview(columns["sum"])[8 * lo: 8 * hi])
         self._first.extend(range(first_chunk, first_chunk + n))
 
     def __len__(self) -> int:
@@ -269,7 +307,7 @@ class EntryTable(Sequence[TensorEntry]):
             return e
         if i < 0:
             i += len(self._objs)
-        return TensorEntry(i, self._names[i], self._DTYPES[self._dtype[i]], self._shapes[self._shape[i]],
+        return TensorEntry(i, self.name(i), self._DTYPES[self._dtype[i]], self._shapes[self._shape[i]],
                            ChunkTable(self.store, self._first[i], 1), None, None,
                            self._sum[i] if self._has_sum[i] else None, False, 1, None)
 
@@ -278,7 +316,7 @@ class EntryTable(Sequence[TensorEntry]):
 
     def names(self, lo: int, hi: int) -> list[str]:
         """The names of entries ``lo .. hi-1``."""
-        return self._names[lo:hi]
+        return list(map(self.name, range(lo, hi)))
 
     def objects(self) -> Iterator[TensorEntry]:
         """The entries that are not plain ones of one chunk (views, derived tensors, ...)."""
@@ -286,14 +324,13 @@ class EntryTable(Sequence[TensorEntry]):
 
     def name(self, i: int) -> str:
         """Entry ``i``'s name (no TensorEntry made)."""
-        return self._names[i]
-
-    def set_name(self, i: int, name: str) -> None:
-        """Entry ``i``'s name becomes ``name`` (an equal str: one object for a path and an entry's name)."""
-        self._names[i] = name
         e = self._objs[i]
         if e is not None:
-            e.name = name
+            return e.name
+        if i < 0:
+            i += len(self._objs)
+        ends = self.name_ends
+        return self.name_blob[ends[i - 1] if i else 0: ends[i]].decode("utf-8", "surrogatepass")
 
     def not_internal(self) -> list[int]:
         """The ids of the entries not marked internal (no TensorEntry made for a plain one)."""

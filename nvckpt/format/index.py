@@ -7,9 +7,10 @@ from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import FormatError, LimitError, brief
+from .._gc import paused as gc_paused
+from ..errors import FormatError, LimitError, NvckptError, brief
 from .constants import EXT_TENSOR, EXT_TUPLE, KNOWN_REQUIRED_FEATURES, MAX_CODECS, MAX_TENSORS, MAX_TREE_DEPTH, VERSION_MAJOR
-from .bulk import LazyEntries, decode_index
+from .bulk import LazyEntries, LazyTree, compiled, decode_index
 from .entry import (ChunkStore, EntryTable, TensorEntry, check_list, check_map, check_overlaps, parse_entry,
                     plain_entries, reference_problem)
 from .tree import ArrayRef, Ext, TensorRef, check_depth, check_tree, leaf_paths, memory_budget, msgpack_errors
@@ -21,11 +22,20 @@ class Index:
     writer: dict[str, Any]
     codecs: list[list[dict[str, Any]]]  # the codec table as stored: one pipeline (list of steps) per codec id
     tensors: EntryTable  # a Sequence[TensorEntry]
-    tree: Any
+    stored_tree: Any  # the tree, or its checked bytes (bulk.LazyTree) until ``tree`` is first read
     metadata: dict[str, Any]
     version: tuple[int, int]
     paths: dict[str, int]  # every tree path to a tensor (aliases too) -> tensor id
     arrays: frozenset[str] = frozenset()  # the paths of ``paths`` that load as NumPy arrays (ext 9, SPEC 9.3)
+
+    @property
+    def tree(self) -> Any:
+        """The saved object's structure, its tensors as TensorRefs (decoded when first read: opening a state
+        of a million tensors and listing its names needs only ``paths``)."""
+        if isinstance(self.stored_tree, LazyTree):
+            with gc_paused():
+                self.stored_tree = self.stored_tree.decode()
+        return self.stored_tree
 
 
 def unpack_index(payload: bytes, max_memory: int | None = None) -> dict[str, Any]:
@@ -66,10 +76,14 @@ def parse_index(data: dict[str, Any], index_offset: int, required_features: int 
         raise LimitError(f"{len(raw_tensors)} tensors exceed the limit of {MAX_TENSORS}")
     store = ChunkStore()
     tensors = EntryTable(store)
-    names: dict[str, int] = {}  # entry name -> tensor id
+    names: dict[str, int] | None = {}  # entry name -> tensor id (None: checked on the name blob, compiled)
     firsts = array("Q")  # index in the store of each tensor's first chunk
     lazy = isinstance(raw_tensors, LazyEntries)
-    for lo in range(0, len(raw_tensors), _BATCH):
+    if lazy and raw_tensors.columns is not None:
+        _column_entries(raw_tensors, len(codecs), index_offset, tensors, firsts)
+        names = None
+        data["tensors"] = raw_tensors = None  # (the index's bytes are no longer needed: memory for the paths)
+    for lo in range(0, len(raw_tensors) if names is not None else 0, _BATCH):
         hi = min(lo + _BATCH, len(raw_tensors))
         batch = raw_tensors.plain(lo, hi) if lazy else raw_tensors[lo:hi]
         tid = lo
@@ -110,23 +124,72 @@ def parse_index(data: dict[str, Any], index_offset: int, required_features: int 
     if "tree" not in data:
         raise FormatError("index has no 'tree'")
     tree = data["tree"]
-    check_tree(tree, len(tensors), required_features, lambda tid: tensors[tid].dtype.name)
+    found = tree.paths() if isinstance(tree, LazyTree) else None
     paths: dict[str, int] = {}
     arrays: set[str] = set()
-    for path, ref in leaf_paths(tree):
-        if path not in paths and type(ref) is ArrayRef:  # a name is its first path's (SPEC 14.1)
-            arrays.add(path)
-        if paths.setdefault(path, ref.tensor_id) != ref.tensor_id:
-            raise FormatError(f"the name {path!r:.200} stands for two different tensors")
-    for path, tid in paths.items():
-        # SPEC 14.1: a name identifies one tensor, whether it is an entry's name or a path's.
-        owner = names.get(path)
-        if owner is not None:
-            if owner != tid:
+    if found is not None and found[1] < len(tensors):
+        paths = found[0]  # (a tree of containers, scalars, tuples and references: check_tree's checks hold)
+    else:
+        if isinstance(tree, LazyTree):
+            tree = tree.decode()
+        check_tree(tree, len(tensors), required_features, lambda tid: tensors[tid].dtype.name)
+        for path, ref in leaf_paths(tree):
+            if path not in paths and type(ref) is ArrayRef:  # a name is its first path's (SPEC 14.1)
+                arrays.add(path)
+            if paths.setdefault(path, ref.tensor_id) != ref.tensor_id:
                 raise FormatError(f"the name {path!r:.200} stands for two different tensors")
-            tensors.set_name(tid, path)  # one str object for a name that is both a path and an entry's name
+    # SPEC 14.1: a name identifies one tensor, whether it is an entry's name or a path's.
+    if names is None:
+        clash = compiled.name_owner_mismatch(tensors.name_blob, tensors.name_ends, len(tensors), paths)
+        if clash is not None:
+            raise FormatError(f"the name {clash!r:.200} stands for two different tensors")
+    else:
+        for path, tid in paths.items():
+            owner = names.get(path)
+            if owner is not None and owner != tid:
+                raise FormatError(f"the name {path!r:.200} stands for two different tensors")
     del names
     return Index(writer, codecs, tensors, tree, metadata, (version[0], version[1]), paths, frozenset(arrays))
+
+
+def _column_entries(raw: LazyEntries, ncodecs: int, index_offset: int, tensors: EntryTable, firsts: array) -> None:
+    """parse_index's entries from the compiled reader's columns (nvckpt.format._columns): runs of plain entries
+    whose chunks fit the codec table and lie before the index a column at a time, any other entry one by one
+    (parse_entry, which says what is wrong), and the first name given twice refused as the one-by-one checks
+    refuse it: before any later entry's error."""
+    import numpy as np
+
+    columns = raw.columns
+    store = tensors.store
+    off = np.frombuffer(columns["offset"], dtype=np.uint64)
+    room = np.uint64(index_offset) - np.minimum(off, np.uint64(index_offset))  # (no wrap where off is past it)
+    ok = (np.frombuffer(columns["plain"], dtype=np.bool_) & (np.frombuffer(columns["codec"], dtype=np.uint16) < ncodecs)
+          & (off <= index_offset) & (np.frombuffer(columns["stored"], dtype=np.uint64) <= room))
+    del off, room
+    edges = (np.flatnonzero(ok[1:] != ok[:-1]) + 1).tolist()
+    for lo, hi in zip([0, *edges], [*edges, len(raw)]):
+        if ok[lo]:
+            first = len(store)
+            firsts.extend(range(first, first + hi - lo))
+            store.add_plain(columns, lo, hi)
+            tensors.extend_columns(columns, lo, hi, first)
+            continue
+        for tid in range(lo, hi):
+            firsts.append(len(store))
+            try:
+                entry = parse_entry(tid, raw[tid], ncodecs=ncodecs, index_offset=index_offset, store=store)
+            except NvckptError:
+                _refuse_duplicate(tensors, tid)
+                raise
+            tensors.append(entry)
+    _refuse_duplicate(tensors, len(tensors))
+
+
+def _refuse_duplicate(tensors: EntryTable, n: int) -> None:
+    """The FormatError for the first of entries 0..n-1 whose name an earlier one has, if one has."""
+    dup = compiled.first_duplicate(tensors.name_blob, tensors.name_ends, n)
+    if dup >= 0:
+        raise FormatError(f"duplicate tensor name {tensors.name(dup)!r:.200}")
 
 
 _BATCH = 4096  # index entries decoded and checked together (nvckpt.format.entry.plain_entries)
