@@ -32,6 +32,7 @@ anything (SPEC 1, 8.1, 8.2), and under a known key the type checks reject them.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Iterator, Mapping
 from typing import Any, Callable
 
 import msgpack
@@ -87,7 +88,7 @@ class LazyEntries:
 
     __slots__ = ("_data", "_bounds", "_budget", "columns")
 
-    def __init__(self, data: memoryview, bounds: Any, columns: dict[str, Any] | None = None) -> None:
+    def __init__(self, data: memoryview | None, bounds: Any, columns: dict[str, Any] | None = None) -> None:
         self._data = data
         self._bounds = bounds
         self._budget = getattr(tree._nesting, "budget", None)
@@ -188,22 +189,69 @@ def decode_index(payload: Any) -> Any:
 class LazyTree:
     """The index's "tree" value as its bytes, checked by the compiled reader (``_columns.tree_paths``): a tree
     of maps with str or int keys, arrays, tuples, scalars and tensor references, which ``tree.unpackb``
-    decodes without an error.  ``paths()`` reads its tensor paths from the bytes; ``decode()`` gives the
-    tree.  (Under a memory budget the tree is decoded with the index, where the budget counts it.)"""
+    decodes without an error; ``paths`` (a PathTable of its tensor paths) and ``max_tid`` (its largest
+    tensor id) were read from the bytes, and ``decode()`` gives the tree.  (Under a memory budget the tree
+    is decoded with the index, where the budget counts it.)"""
 
-    __slots__ = ("data",)
+    __slots__ = ("data", "paths", "max_tid")
 
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-
-    def paths(self) -> tuple[dict[str, int], int] | None:
-        """Every path to a tensor -> its tensor id (tree.leaf_paths' order, the first of equal paths kept), and
-        the largest tensor id; None where a path stands for two tensors (the Python checks say which)."""
-        return compiled.tree_paths(self.data, True)
+    def __init__(self, data: bytes, paths: "PathTable", max_tid: int) -> None:
+        self.data, self.paths, self.max_tid = data, paths, max_tid
 
     def decode(self) -> Any:
         with tree.msgpack_errors("index", f"the index's tree of {len(self.data)} bytes"):
             return tree.unpackb(self.data, tree=True)
+
+
+class PathTable(Mapping[str, int]):
+    """Every tree path to a tensor -> its tensor id (``Index.paths``), as the compiled reader found them
+    (``_columns.tree_paths``): their UTF-8 in one blob, a u32 tensor id each and a hash table, not a dict of
+    a str and an int per tensor (a million paths: ~40 MB, against ~130 MB and a second of dict inserts).
+    A str is made when a path is listed, the hash table when one is first looked up; ``values()`` and
+    ``items()`` are lists."""
+
+    __slots__ = ("blob", "ends", "tids", "_slots")
+
+    def __init__(self, blob: bytes, ends: bytes, tids: bytes) -> None:
+        self.blob = blob
+        self.ends = memoryview(ends).cast("Q")
+        self.tids = memoryview(tids).cast("I")
+        self._slots: bytes | None = None
+
+    def __len__(self) -> int:
+        return len(self.tids)
+
+    def _place(self, key: object) -> int:
+        if not isinstance(key, str):
+            return -1
+        if self._slots is None:
+            self._slots = compiled.path_slots(self.blob, self.ends)  # (two threads may both: the same table)
+        return compiled.path_index(self.blob, self.ends, self._slots, str(key))
+
+    def __getitem__(self, key: str) -> int:
+        i = self._place(key)
+        if i < 0:
+            raise KeyError(key)
+        return self.tids[i]
+
+    def __contains__(self, key: object) -> bool:
+        return self._place(key) >= 0
+
+    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+        i = self._place(key)
+        return default if i < 0 else self.tids[i]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(compiled.strings(self.blob, self.ends, 0, len(self)))
+
+    def values(self) -> list[int]:  # type: ignore[override]
+        return self.tids.tolist()
+
+    def items(self) -> list[tuple[str, int]]:  # type: ignore[override]
+        return list(zip(self, self.tids.tolist()))
+
+    def __repr__(self) -> str:
+        return f"PathTable({len(self)} paths)"
 
 
 def _decode_top(data: memoryview, lazy: bool = True) -> Any:
@@ -232,14 +280,18 @@ def _decode_top(data: memoryview, lazy: bool = True) -> Any:
 def _decode_spans(data: memoryview, spans: list[tuple[int, int, int, int]]) -> Any:
     """_decode_top's result from the top-level map's spans (``_columns.map_spans``): no copy of the index."""
     budget = getattr(tree._nesting, "budget", None)
+    # The tree's paths first (tree_paths reports nothing, so the errors keep their order): they are made
+    # before the entries' columns, while less memory is taken.
+    trees = [(v0, v1) for k0, k1, v0, v1 in spans if data[k0:k1] == b"\xa4tree"]
+    found = compiled.tree_paths(data[trees[0][0]:trees[0][1]], True) if budget is None and len(trees) == 1 else None
     pairs = []
     for k0, k1, v0, v1 in spans:
         key = tree.unpackb(data[k0:k1])
         value: Any = None
         if key == "tensors":
             value = _column_entries(data[v0:v1])
-        elif key == "tree" and budget is None and compiled.tree_paths(data[v0:v1], False) is not None:
-            value = LazyTree(bytes(data[v0:v1]))
+        elif key == "tree" and found is not None:
+            value = LazyTree(bytes(data[v0:v1]), PathTable(*found[:3]), found[3])
         if value is None:
             value = tree.unpackb(data[v0:v1], tree=key == "tree")
         pairs.append((key, value))
@@ -253,7 +305,8 @@ def _column_entries(data: memoryview) -> Any:
         return _entries(data)  # (not an array, or bytes msgpack would refuse: the Python way says what)
     bounds = memoryview(columns.pop("bounds")).cast("Q")
     _spend(bounds.nbytes + sum(len(v) for k, v in columns.items() if k != "shapes") + 64 * len(columns["shapes"]))
-    return LazyEntries(data, bounds, columns)
+    # Entries all plain: none is decoded from its bytes, and the index's bytes can go before they are parsed.
+    return LazyEntries(data if 0 in columns["plain"] else None, bounds, columns)
 
 
 def _entries(data: memoryview) -> Any:
@@ -375,4 +428,4 @@ def _dtype_table() -> tuple[tuple[str, int], ...]:
 
 _DTYPES = _dtype_table()  # (the order of EntryTable._DTYPES: a dtype's id is its place here)
 
-__all__ = ["ChunkColumns", "LazyEntries", "LazyTree", "decode_index", "decode_entry", "STREAM_FROM", "BIG_ENTRY", "COLUMNS_FROM"]
+__all__ = ["ChunkColumns", "LazyEntries", "LazyTree", "PathTable", "decode_index", "decode_entry", "STREAM_FROM", "BIG_ENTRY", "COLUMNS_FROM"]

@@ -66,12 +66,12 @@ class ChunkStore:
             column.frombytes(values.astype(values.dtype.newbyteorder("=")).tobytes())
         return ChunkTable(self, lo, len(self.offset) - lo)
 
-    def add_plain(self, columns: dict[str, Any], lo: int, hi: int) -> None:
-        """Entries ``lo .. hi-1`` of the compiled reader's columns (nvckpt.format.bulk.LazyEntries.columns),
-        one chunk each, starting at raw byte 0."""
+    def add_plain(self, columns: dict[str, Any], lo: int, hi: int, whole: bool = False) -> None:
+        """Rows ``lo .. hi-1`` of the compiled reader's columns (nvckpt.format.bulk.LazyEntries.columns), one
+        chunk each, starting at raw byte 0; ``whole``: all of them, each column let go once copied."""
         for column, key, size in ((self.offset, "offset", 8), (self.stored, "stored", 8), (self.raw, "raw", 8),
                                   (self.codec, "codec", 2), (self.checksum, "checksum", 8)):
-            column.frombytes(memoryview(columns[key])[lo * size: hi * size])
+            column.frombytes(memoryview(columns.pop(key) if whole else columns[key])[lo * size: hi * size])
         self.start.frombytes(bytes(8 * (hi - lo)))
 
     def add_one(self, offset: int, stored: int, raw: int, codec: int, checksum: int) -> "ChunkTable":
@@ -273,10 +273,14 @@ class EntryTable(Sequence[TensorEntry]):
         self._sum.extend([c or 0 for c in checksums])
         self._first.extend(range(first_chunk, first_chunk + n))
 
-    def extend_columns(self, columns: dict[str, Any], lo: int, hi: int, first_chunk: int) -> None:
-        """Entries ``lo .. hi-1`` of the compiled reader's columns (nvckpt.format.bulk.LazyEntries.columns), all
-        plain, whose chunks are the store's from ``first_chunk`` on; the table's first columns or after others."""
+    def extend_columns(self, columns: dict[str, Any], lo: int, hi: int, first_chunk: int, whole: bool = False) -> None:
+        """Rows ``lo .. hi-1`` of the compiled reader's columns (nvckpt.format.bulk.LazyEntries.columns: plain
+        entries), whose chunks are the store's from ``first_chunk`` on; ``whole``: all of them, each column let
+        go once copied."""
         import numpy as np
+
+        def take(key: str) -> memoryview:
+            return memoryview(columns.pop(key) if whole else columns[key])
 
         n = hi - lo
         if not self._shapes:
@@ -284,16 +288,17 @@ class EntryTable(Sequence[TensorEntry]):
             self._shape_ids = {t: i for i, t in enumerate(self._shapes)}
         elif self._shapes is not columns["shapes"]:
             raise RuntimeError("an EntryTable takes one compiled reader's columns")
-        ends = memoryview(columns["name_ends"]).cast("Q")
-        start = ends[lo - 1] if lo else 0
+        ends = np.frombuffer(take("name_ends"), dtype=np.uint64)
+        start = int(ends[lo - 1]) if lo else 0
         base = len(self.name_blob) - start
-        self.name_blob += memoryview(columns["names"])[start: ends[hi - 1]]
-        self.name_ends.frombytes((np.frombuffer(columns["name_ends"], dtype=np.uint64)[lo:hi] + np.uint64(base)).tobytes())
+        self.name_blob += take("names")[start: int(ends[hi - 1])]
+        self.name_ends.frombytes(memoryview(ends[lo:hi] + np.uint64(base) if base else ends[lo:hi]).cast("B"))
+        del ends
         self._objs.extend([None] * n)
-        self._dtype.frombytes(memoryview(columns["dtype"])[lo:hi])
-        self._shape.frombytes(memoryview(columns["shape"])[4 * lo: 4 * hi])
-        self._has_sum += memoryview(columns["has_sum"])[lo:hi]
-        self._sum.frombytes(memoryview(columns["sum"])[8 * lo: 8 * hi])
+        self._dtype.frombytes(take("dtype")[lo:hi])
+        self._shape.frombytes(take("shape")[4 * lo: 4 * hi])
+        self._has_sum += take("has_sum")[lo:hi]
+        self._sum.frombytes(take("sum")[8 * lo: 8 * hi])
         self._first.extend(range(first_chunk, first_chunk + n))
 
     def __len__(self) -> int:

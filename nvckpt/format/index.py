@@ -5,12 +5,13 @@ from __future__ import annotations
 from array import array
 from bisect import bisect_right
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
 from .._gc import paused as gc_paused
 from ..errors import FormatError, LimitError, NvckptError, brief
 from .constants import EXT_TENSOR, EXT_TUPLE, KNOWN_REQUIRED_FEATURES, MAX_CODECS, MAX_TENSORS, MAX_TREE_DEPTH, VERSION_MAJOR
-from .bulk import LazyEntries, LazyTree, compiled, decode_index
+from .bulk import LazyEntries, LazyTree, PathTable, compiled, decode_index
 from .entry import (ChunkStore, EntryTable, TensorEntry, check_list, check_map, check_overlaps, parse_entry,
                     plain_entries, reference_problem)
 from .tree import ArrayRef, Ext, TensorRef, check_depth, check_tree, leaf_paths, memory_budget, msgpack_errors
@@ -25,7 +26,7 @@ class Index:
     stored_tree: Any  # the tree, or its checked bytes (bulk.LazyTree) until ``tree`` is first read
     metadata: dict[str, Any]
     version: tuple[int, int]
-    paths: dict[str, int]  # every tree path to a tensor (aliases too) -> tensor id
+    paths: Mapping[str, int]  # every tree path to a tensor (aliases too) -> tensor id (a dict or bulk.PathTable)
     arrays: frozenset[str] = frozenset()  # the paths of ``paths`` that load as NumPy arrays (ext 9, SPEC 9.3)
 
     @property
@@ -124,25 +125,28 @@ def parse_index(data: dict[str, Any], index_offset: int, required_features: int 
     if "tree" not in data:
         raise FormatError("index has no 'tree'")
     tree = data["tree"]
-    found = tree.paths() if isinstance(tree, LazyTree) else None
-    paths: dict[str, int] = {}
     arrays: set[str] = set()
-    if found is not None and found[1] < len(tensors):
-        paths = found[0]  # (a tree of containers, scalars, tuples and references: check_tree's checks hold)
+    paths: Mapping[str, int]
+    if isinstance(tree, LazyTree) and tree.max_tid < len(tensors):
+        paths = tree.paths  # (a tree of containers, scalars, tuples and references: check_tree's checks hold)
     else:
         if isinstance(tree, LazyTree):
             tree = tree.decode()
         check_tree(tree, len(tensors), required_features, lambda tid: tensors[tid].dtype.name)
+        paths = found_paths = {}
         for path, ref in leaf_paths(tree):
-            if path not in paths and type(ref) is ArrayRef:  # a name is its first path's (SPEC 14.1)
+            if path not in found_paths and type(ref) is ArrayRef:  # a name is its first path's (SPEC 14.1)
                 arrays.add(path)
-            if paths.setdefault(path, ref.tensor_id) != ref.tensor_id:
+            if found_paths.setdefault(path, ref.tensor_id) != ref.tensor_id:
                 raise FormatError(f"the name {path!r:.200} stands for two different tensors")
     # SPEC 14.1: a name identifies one tensor, whether it is an entry's name or a path's.
     if names is None:
-        clash = compiled.name_owner_mismatch(tensors.name_blob, tensors.name_ends, len(tensors), paths)
-        if clash is not None:
-            raise FormatError(f"the name {clash!r:.200} stands for two different tensors")
+        table = paths if isinstance(paths, PathTable) else _path_columns(paths)
+        clash = compiled.name_owner_mismatch(tensors.name_blob, tensors.name_ends, len(tensors), table.blob,
+                                             table.ends, table.tids)
+        if clash >= 0:
+            path = compiled.strings(table.blob, table.ends, clash, clash + 1)[0]
+            raise FormatError(f"the name {path!r:.200} stands for two different tensors")
     else:
         for path, tid in paths.items():
             owner = names.get(path)
@@ -150,6 +154,16 @@ def parse_index(data: dict[str, Any], index_offset: int, required_features: int 
                 raise FormatError(f"the name {path!r:.200} stands for two different tensors")
     del names
     return Index(writer, codecs, tensors, tree, metadata, (version[0], version[1]), paths, frozenset(arrays))
+
+
+def _path_columns(paths: dict[str, int]) -> Any:
+    """A dict of paths as a PathTable's columns (blob, ends, tids), for the compiled name checks."""
+    from itertools import accumulate
+    from types import SimpleNamespace
+
+    encoded = [p.encode("utf-8", "surrogatepass") for p in paths]
+    return SimpleNamespace(blob=b"".join(encoded), ends=array("Q", accumulate(map(len, encoded))),
+                           tids=array("I", paths.values()))
 
 
 def _column_entries(raw: LazyEntries, ncodecs: int, index_offset: int, tensors: EntryTable, firsts: array) -> None:
@@ -161,19 +175,25 @@ def _column_entries(raw: LazyEntries, ncodecs: int, index_offset: int, tensors: 
 
     columns = raw.columns
     store = tensors.store
+    plain = np.frombuffer(columns["plain"], dtype=np.bool_)  # the plain entries have a row each, in order
     off = np.frombuffer(columns["offset"], dtype=np.uint64)
     room = np.uint64(index_offset) - np.minimum(off, np.uint64(index_offset))  # (no wrap where off is past it)
-    ok = (np.frombuffer(columns["plain"], dtype=np.bool_) & (np.frombuffer(columns["codec"], dtype=np.uint16) < ncodecs)
-          & (off <= index_offset) & (np.frombuffer(columns["stored"], dtype=np.uint64) <= room))
+    ok = plain.copy()
+    ok[plain] = ((np.frombuffer(columns["codec"], dtype=np.uint16) < ncodecs) & (off <= index_offset)
+                 & (np.frombuffer(columns["stored"], dtype=np.uint64) <= room))
     del off, room
     edges = (np.flatnonzero(ok[1:] != ok[:-1]) + 1).tolist()
+    row = 0
     for lo, hi in zip([0, *edges], [*edges, len(raw)]):
         if ok[lo]:
             first = len(store)
             firsts.extend(range(first, first + hi - lo))
-            store.add_plain(columns, lo, hi)
-            tensors.extend_columns(columns, lo, hi, first)
+            whole = hi - lo == len(plain)  # (then each column is let go once it is copied)
+            store.add_plain(columns, row, row + hi - lo, whole)
+            tensors.extend_columns(columns, row, row + hi - lo, first, whole)
+            row += hi - lo
             continue
+        row += int(np.count_nonzero(plain[lo:hi]))
         for tid in range(lo, hi):
             firsts.append(len(store))
             try:
