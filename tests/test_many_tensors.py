@@ -1,5 +1,6 @@
-"""States of very many small tensors: their index entries are parsed a column at a time
-(nvckpt.format.entry.plain_entries, decoded in batches by bulk.LazyEntries.plain), and every file is
+"""States of very many small tensors: their index entries are parsed a column at a time (by the compiled
+reader, nvckpt/format/_columns.c, or nvckpt.format.entry.plain_entries, decoded in batches by
+bulk.LazyEntries.plain), and every file is
 accepted or refused exactly as the one-entry-at-a-time checks accept or refuse it, with the same message."""
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ def saved() -> tuple[dict, bytes]:
 
 
 def _one_at_a_time(monkeypatch) -> None:
+    """Every entry through parse_entry: neither the compiled column reader nor plain_entries' runs."""
+    from nvckpt.format import bulk
+
+    monkeypatch.setattr(bulk, "compiled", None)
     monkeypatch.setattr(index_module, "plain_entries", lambda *args, **kwargs: [])
 
 

@@ -184,7 +184,7 @@ def _column_entries(raw: LazyEntries, ncodecs: int, index_offset: int, tensors: 
     del off, room
     edges = (np.flatnonzero(ok[1:] != ok[:-1]) + 1).tolist()
     row = 0
-    for lo, hi in zip([0, *edges], [*edges, len(raw)]):
+    for lo, hi in zip([0, *edges], [*edges, len(raw)]) if len(raw) else ():
         if ok[lo]:
             first = len(store)
             firsts.extend(range(first, first + hi - lo))
