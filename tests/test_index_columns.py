@@ -14,6 +14,7 @@ import contextlib
 import io
 import json
 import os
+import pickle
 import struct
 
 import msgpack
@@ -113,7 +114,7 @@ ENTRY_CHANGES = {
 }
 CHUNK_CHANGES = [(0, 0), (0, 71), (0, 1 << 40), (0, -1), (1, 0), (1, (16 << 20) + 1), (2, 4), (2, 0),
                  (3, 7), (3, -1), (3, 1 << 16), (4, -1), (4, (1 << 64) - 1), (4, True), (0, 1.5)]
-TREE_CHANGES = ["alias", "nested", "int-keys", "mixed-keys", "tuple", "array-ref", "beyond", "escaped-keys",
+TREE_CHANGES = ["empty-key", "alias", "nested", "int-keys", "mixed-keys", "tuple", "array-ref", "beyond", "escaped-keys",
                 "scalars", "short-ref", "set", "same-path", "list", "float-key", "deep", "no-refs"]
 
 
@@ -143,7 +144,9 @@ def _change_entry(index: dict, tid: int, how: tuple) -> None:
 
 def _change_tree(index: dict, how: str, tid: int) -> None:
     tree = index["tree"] if isinstance(index["tree"], dict) else index["tree"][0]
-    if how == "alias":
+    if how == "empty-key":
+        tree[""] = {"x": _ref(tid), "": [_ref(tid)]}
+    elif how == "alias":
         tree["alias"] = _ref(tid)
     elif how == "nested":
         tree["sub"] = {"x": _ref(tid), "y": [_ref((tid + 1) % N), 2], "z": {"w": _ref(tid)}}
@@ -200,6 +203,7 @@ entry_change = st.one_of(
 @example(changes=[(3, ("duplicate", 1))], tree_changes=[], flips=[], bad_utf8=None)
 @example(changes=[(2, ("chunk", 3, 7)), (5, ("duplicate", 0))], tree_changes=[], flips=[], bad_utf8=None)
 @example(changes=[], tree_changes=[("mixed-keys", 2)], flips=[], bad_utf8=None)
+@example(changes=[], tree_changes=[("empty-key", 2)], flips=[], bad_utf8=None)
 @example(changes=[], tree_changes=[], flips=[], bad_utf8="entry")
 def test_generated_indexes_read_as_the_python_reader_reads_them(changes, tree_changes, flips, bad_utf8):
     index = craft.unpack(craft.pack(BASE_INDEX))
@@ -226,6 +230,7 @@ def test_paths_of_the_compiled_reader_are_a_mapping():
             assert paths.get("nope", -1) == -1 and paths.get("\udcff") is None
             assert dict(paths) == {p: i for p, i in zip(ck.keys(), paths.values())} == dict(paths.items())
             assert ck["layer3.w"].shape == (1,) and ck.keys()[:2] == ["layer0.w", "layer1.w"]
+            assert dict(pickle.loads(pickle.dumps(paths))) == dict(paths)
             assert type(ck.file.index.stored_tree) is bulk.LazyTree
             tree = ck.file.index.tree
             assert ck.file.index.stored_tree is tree and isinstance(tree, dict) and len(tree) == N

@@ -818,8 +818,7 @@ done:
 typedef struct {
     const uint8_t *base;
     Buf path;          /* the current path's bytes */
-    int build;         /* 0: only check the tree */
-    Col blob, ends, tids; /* with build: each tensor path's bytes, where it ends (u64), its tensor (u32) */
+    Col blob, ends, tids; /* each tensor path's bytes, where it ends (u64), its tensor (u32) */
     uint64_t max_tid, refs;
     int plain;         /* set: leave this tree to the plain decoding */
 } Walk;
@@ -838,7 +837,8 @@ static int walk_items(Walk *w, Rd *r, uint64_t n, int depth)
     size_t keep = w->path.len;
     char seg[24];
     for (uint64_t i = 0; i < n; i++) {
-        int len = snprintf(seg, sizeof seg, "%s%llu", keep ? "/" : "", (unsigned long long)i);
+        /* segments are joined by "/": below the root one comes first, an empty key's path included */
+        int len = snprintf(seg, sizeof seg, "%s%llu", depth > 1 ? "/" : "", (unsigned long long)i);
         w->path.len = keep;
         if (buf_put(&w->path, seg, (size_t)len) < 0)
             return -1;
@@ -946,7 +946,7 @@ static int walk_map(Walk *w, Rd *r, uint64_t n, int depth)
         }
         /* the segment, escaped as tree.escape does (RFC 6901) */
         w->path.len = keep;
-        if (keep && buf_put(&w->path, "/", 1) < 0)
+        if (depth > 1 && buf_put(&w->path, "/", 1) < 0)
             goto nomem;
         if (!memchr(seg, '~', seglen) && !memchr(seg, '/', seglen)) {
             if (buf_put(&w->path, seg, seglen) < 0)
@@ -1044,8 +1044,6 @@ static int walk(Walk *w, Rd *r, int depth)
             if (tid > w->max_tid)
                 w->max_tid = tid;
             w->refs++;
-            if (!w->build)
-                return 0;
             uint32_t tid32 = (uint32_t)tid;
             uint64_t end = w->blob.len + w->path.len;
             if (col_add(&w->blob, w->path.data, w->path.len) < 0 || col_add(&w->ends, &end, 8) < 0
@@ -1079,36 +1077,29 @@ static int walk(Walk *w, Rd *r, int depth)
     return 0;
 }
 
-/* tree_paths(data, build): a tree made only of maps with str or int keys (not both in one map: their
- * paths could meet), arrays, tuples, scalars and tensor references, checked (tree.unpackb decodes it
- * without an error; check_tree's checks hold but the tensor count's): (None, max tensor id); with build,
- * its tensor paths (SPEC 14.1, tree.leaf_paths' order and escaping, all different) as (blob, ends, tids,
- * max tensor id): their UTF-8 in one blob, ending at ends (u64), their tensors (u32).  None for any
- * other tree, or one with no reference. */
-static PyObject *tree_paths(PyObject *self, PyObject *args)
+/* tree_paths(data): the tensor paths (SPEC 14.1, tree.leaf_paths' order and escaping, all different) of a
+ * tree made only of maps with str or int keys (not both in one map: their paths could meet), arrays,
+ * tuples, scalars and tensor references, as (blob, ends, tids, max tensor id): their UTF-8 in one blob,
+ * ending at ends (u64), their tensors (u32).  Such a tree tree.unpackb decodes without an error, and
+ * check_tree's checks hold but the tensor count's.  None for any other tree, or one with no reference. */
+static PyObject *tree_paths(PyObject *self, PyObject *arg)
 {
     Py_buffer view;
-    int build;
-    if (!PyArg_ParseTuple(args, "y*p", &view, &build))
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0)
         return NULL;
     Walk w = {0};
     w.base = view.buf;
-    w.build = build;
     PyObject *out = NULL;
     Rd r = {view.buf, (const uint8_t *)view.buf + view.len};
     /* A reference takes 6 bytes (fixext 4): room for len / 6 of them, and their paths as long as the tree,
      * is only reserved (pages never written are never touched) */
-    if (build && (col_open(&w.blob, (size_t)view.len) < 0 || col_open(&w.ends, (size_t)view.len / 6 * 8 + 8) < 0
-                  || col_open(&w.tids, (size_t)view.len / 6 * 4 + 4) < 0))
+    if (col_open(&w.blob, (size_t)view.len) < 0 || col_open(&w.ends, (size_t)view.len / 6 * 8 + 8) < 0
+        || col_open(&w.tids, (size_t)view.len / 6 * 4 + 4) < 0)
         goto done;
     if (walk(&w, &r, 1) < 0)
         goto done;
     if (w.plain || r.p != r.end || w.refs == 0 || w.refs > UINT32_MAX - 1) {
         out = Py_NewRef(Py_None);
-        goto done;
-    }
-    if (!build) {
-        out = Py_BuildValue("(OK)", Py_None, (unsigned long long)w.max_tid);
         goto done;
     }
     PyObject *blob = col_take(&w.blob), *ends = blob ? col_take(&w.ends) : NULL, *tids = ends ? col_take(&w.tids) : NULL;
@@ -1218,8 +1209,7 @@ static PyMethodDef methods[] = {
      "map_spans(data) -> [(key start, key end, value start, value end)] of a msgpack map filling data, or None"},
     {"entries", entries, METH_VARARGS,
      "entries(data, dtypes) -> dict of columns of a tensors array (its plain entries), or None"},
-    {"tree_paths", tree_paths, METH_VARARGS,
-     "tree_paths(data, build) -> (None, max tensor id), (blob, ends, tids, max tensor id) or None"},
+    {"tree_paths", tree_paths, METH_O, "tree_paths(data) -> (blob, ends, tids, max tensor id) or None"},
     {"path_slots", path_slots, METH_VARARGS, "path_slots(blob, ends) -> hash table of the names for path_index"},
     {"path_index", path_index, METH_VARARGS, "path_index(blob, ends, slots, key) -> place of key, or -1"},
     {"strings", strings, METH_VARARGS, "strings(blob, ends, lo, hi) -> names lo..hi-1 as a list of str"},

@@ -253,6 +253,9 @@ class PathTable(Mapping[str, int]):
     def __repr__(self) -> str:
         return f"PathTable({len(self)} paths)"
 
+    def __reduce__(self) -> tuple:
+        return PathTable, (self.blob, self.ends.tobytes(), self.tids.tobytes())
+
 
 def _decode_top(data: memoryview, lazy: bool = True) -> Any:
     if lazy and compiled is not None:
@@ -283,7 +286,7 @@ def _decode_spans(data: memoryview, spans: list[tuple[int, int, int, int]]) -> A
     # The tree's paths first (tree_paths reports nothing, so the errors keep their order): they are made
     # before the entries' columns, while less memory is taken.
     trees = [(v0, v1) for k0, k1, v0, v1 in spans if data[k0:k1] == b"\xa4tree"]
-    found = compiled.tree_paths(data[trees[0][0]:trees[0][1]], True) if budget is None and len(trees) == 1 else None
+    found = compiled.tree_paths(data[trees[0][0]:trees[0][1]]) if budget is None and len(trees) == 1 else None
     pairs = []
     for k0, k1, v0, v1 in spans:
         key = tree.unpackb(data[k0:k1])
