@@ -713,6 +713,18 @@ static int names_open(Names *t, Py_buffer *blob, Py_buffer *ends, size_t n)
     return 0;
 }
 
+/* Add names 0..n-1 to an opened table: the first that an earlier one has (it stops there), or -1. */
+static int64_t names_fill(Names *t, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        size_t len;
+        const uint8_t *s = name_at(t, i, &len);
+        if (names_find(t, s, len, (int64_t)i) >= 0)
+            return (int64_t)i;
+    }
+    return -1;
+}
+
 static int check_ends(Py_buffer *blob, Py_buffer *ends, Py_ssize_t n)
 {
     const uint64_t *e = ends->buf;
@@ -728,27 +740,28 @@ static int check_ends(Py_buffer *blob, Py_buffer *ends, Py_ssize_t n)
     return 0;
 }
 
-/* first_duplicate(blob, ends, n): the first of names 0..n-1 that an earlier one has, or -1. */
-static PyObject *first_duplicate(PyObject *self, PyObject *args)
+/* names_table(blob, ends, n, keep): (the first of names 0..n-1 that an earlier one has, or -1; with keep,
+ * the hash table of them for path_index, else None). */
+static PyObject *names_table(PyObject *self, PyObject *args)
 {
     Py_buffer blob, ends;
     Py_ssize_t n;
-    if (!PyArg_ParseTuple(args, "y*y*n", &blob, &ends, &n))
+    int keep;
+    if (!PyArg_ParseTuple(args, "y*y*np", &blob, &ends, &n, &keep))
         return NULL;
     PyObject *out = NULL;
     Names t = {0};
     if (n < 0 || check_ends(&blob, &ends, n) < 0 || names_open(&t, &blob, &ends, (size_t)n) < 0)
         goto done;
-    int64_t dup = -1;
+    int64_t dup;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n && dup < 0; i++) {
-        size_t len;
-        const uint8_t *s = name_at(&t, (size_t)i, &len);
-        if (names_find(&t, s, len, i) >= 0)
-            dup = i;
-    }
+    dup = names_fill(&t, (size_t)n);
     Py_END_ALLOW_THREADS
-    out = PyLong_FromLongLong(dup);
+    if (keep)
+        out = Py_BuildValue("(Ly#)", (long long)dup, (const char *)t.slots,
+                            (Py_ssize_t)((t.mask + 1) * sizeof(uint64_t)));
+    else
+        out = Py_BuildValue("(LO)", (long long)dup, Py_None);
 done:
     free(t.slots);
     PyBuffer_Release(&blob);
@@ -792,11 +805,7 @@ static PyObject *name_owner_mismatch(PyObject *self, PyObject *args)
         if (!hashed) {
             if (names_open(&t, &blob, &ends, (size_t)n) < 0)
                 goto done;
-            for (Py_ssize_t k = 0; k < n; k++) {
-                size_t nl;
-                const uint8_t *name = name_at(&t, (size_t)k, &nl);
-                names_find(&t, name, nl, k);
-            }
+            names_fill(&t, (size_t)n); /* (all different: names_table found none twice) */
             hashed = 1;
         }
         int64_t owner = names_find(&t, s, len, -1);
@@ -1118,33 +1127,7 @@ done:
     return out;
 }
 
-/* path_slots(blob, ends): a hash table of the names of a blob (all different), for path_index. */
-static PyObject *path_slots(PyObject *self, PyObject *args)
-{
-    Py_buffer blob, ends;
-    if (!PyArg_ParseTuple(args, "y*y*", &blob, &ends))
-        return NULL;
-    PyObject *out = NULL;
-    Names t = {0};
-    Py_ssize_t n = ends.len / 8;
-    if (check_ends(&blob, &ends, n) < 0 || names_open(&t, &blob, &ends, (size_t)n) < 0)
-        goto done;
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n; i++) {
-        size_t len;
-        const uint8_t *p = name_at(&t, (size_t)i, &len);
-        names_find(&t, p, len, i);
-    }
-    Py_END_ALLOW_THREADS
-    out = PyBytes_FromStringAndSize((const char *)t.slots, (Py_ssize_t)((t.mask + 1) * sizeof(uint64_t)));
-done:
-    free(t.slots);
-    PyBuffer_Release(&blob);
-    PyBuffer_Release(&ends);
-    return out;
-}
-
-/* path_index(blob, ends, slots, key): the place of ``key`` (a str) among tree_paths' paths, or -1. */
+/* path_index(blob, ends, slots, key): the place of ``key`` (a str) among names (names_table's slots), or -1. */
 static PyObject *path_index(PyObject *self, PyObject *args)
 {
     Py_buffer blob, ends, slots;
@@ -1210,11 +1193,10 @@ static PyMethodDef methods[] = {
     {"entries", entries, METH_VARARGS,
      "entries(data, dtypes) -> dict of columns of a tensors array (its plain entries), or None"},
     {"tree_paths", tree_paths, METH_O, "tree_paths(data) -> (blob, ends, tids, max tensor id) or None"},
-    {"path_slots", path_slots, METH_VARARGS, "path_slots(blob, ends) -> hash table of the names for path_index"},
     {"path_index", path_index, METH_VARARGS, "path_index(blob, ends, slots, key) -> place of key, or -1"},
     {"strings", strings, METH_VARARGS, "strings(blob, ends, lo, hi) -> names lo..hi-1 as a list of str"},
-    {"first_duplicate", first_duplicate, METH_VARARGS,
-     "first_duplicate(blob, ends, n) -> the first of names 0..n-1 that an earlier one has, or -1"},
+    {"names_table", names_table, METH_VARARGS,
+     "names_table(blob, ends, n, keep) -> (first of names 0..n-1 an earlier one has or -1, hash table or None)"},
     {"name_owner_mismatch", name_owner_mismatch, METH_VARARGS,
      "name_owner_mismatch(blob, ends, n, path_blob, path_ends, tids) -> the first path naming another entry, or -1"},
     {NULL, NULL, 0, NULL},

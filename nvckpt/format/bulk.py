@@ -225,7 +225,7 @@ class PathTable(Mapping[str, int]):
         if not isinstance(key, str):
             return -1
         if self._slots is None:
-            self._slots = compiled.path_slots(self.blob, self.ends)  # (two threads may both: the same table)
+            self._slots = compiled.names_table(self.blob, self.ends, len(self), True)[1]  # (paths all differ)
         return compiled.path_index(self.blob, self.ends, self._slots, str(key))
 
     def __getitem__(self, key: str) -> int:

@@ -207,7 +207,7 @@ def _column_entries(raw: LazyEntries, ncodecs: int, index_offset: int, tensors: 
 
 def _refuse_duplicate(tensors: EntryTable, n: int) -> None:
     """The FormatError for the first of entries 0..n-1 whose name an earlier one has, if one has."""
-    dup = compiled.first_duplicate(tensors.name_blob, tensors.name_ends, n)
+    dup = compiled.names_table(tensors.name_blob, tensors.name_ends, n, False)[0]
     if dup >= 0:
         raise FormatError(f"duplicate tensor name {tensors.name(dup)!r:.200}")
 
