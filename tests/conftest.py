@@ -72,13 +72,15 @@ def forked_exit_code(pid: int, seconds: float, hung: str) -> int:
 
 @pytest.fixture(params=["in pieces", "whole"])
 def index_decoding(request, monkeypatch):
-    """Both ways an index is decoded (nvckpt.format.bulk): in pieces (from bulk.STREAM_FROM bytes on; the
-    threshold lowered here to 16 KiB, so that the tests' indexes of a few hundred KB take that way) and
-    whole, in one msgpack call."""
+    """Both ways an index is decoded (nvckpt.format.bulk): in pieces (by the compiled reader where it is built,
+    else from bulk.STREAM_FROM bytes on, the threshold lowered here to 16 KiB so that the tests' indexes of a
+    few hundred KB take that way) and whole, in one msgpack call (the compiled reader left out)."""
     from nvckpt.format import bulk
 
     if request.param == "in pieces":
         monkeypatch.setattr(bulk, "STREAM_FROM", 16 << 10)
+    else:
+        monkeypatch.setattr(bulk, "compiled", None)
     return request.param
 
 
