@@ -204,6 +204,7 @@ entry_change = st.one_of(
 @example(changes=[(2, ("chunk", 3, 7)), (5, ("duplicate", 0))], tree_changes=[], flips=[], bad_utf8=None)
 @example(changes=[], tree_changes=[("mixed-keys", 2)], flips=[], bad_utf8=None)
 @example(changes=[], tree_changes=[("empty-key", 2)], flips=[], bad_utf8=None)
+@example(changes=[(0, ("key", "name", "layer1.w"))], tree_changes=[], flips=[], bad_utf8="entry")
 @example(changes=[], tree_changes=[], flips=[], bad_utf8="entry")
 def test_generated_indexes_read_as_the_python_reader_reads_them(changes, tree_changes, flips, bad_utf8):
     index = craft.unpack(craft.pack(BASE_INDEX))
@@ -219,6 +220,18 @@ def test_generated_indexes_read_as_the_python_reader_reads_them(changes, tree_ch
     for where, value in flips:
         payload[where % len(payload)] = value
     _agree(craft.with_index_payload(BASE, bytes(payload)))
+
+
+@pytest.mark.parametrize("field, value", [(0, 1 << 40), (3, 9)])
+def test_a_bad_chunk_where_every_entry_is_plain(field, value):
+    """Entries all plain (the index's bytes let go before they are parsed), one with a chunk past the index or
+    of a codec the table lacks: refused as the Python reader refuses it."""
+    g = torch.Generator().manual_seed(1)
+    buf = io.BytesIO()
+    nvckpt.save({f"w{i}": torch.randn(2, generator=g) for i in range(40)}, buf)
+    index = craft.parse(buf.getvalue()).index
+    index["tensors"][17]["chunks"][0][field] = value
+    assert _agree(craft.with_index_payload(buf.getvalue(), craft.pack(index)))[0] == "FormatError"
 
 
 def test_paths_of_the_compiled_reader_are_a_mapping():

@@ -116,6 +116,21 @@ class LazyEntries:
     def __iter__(self) -> Any:
         return map(self.__getitem__, range(len(self)))
 
+    def row(self, r: int) -> dict[str, Any]:
+        """The plain entry of row ``r`` of the compiled reader's columns, as its decoding gives it (its values
+        are all in the columns: the index's bytes may be gone)."""
+        c = self.columns
+        ends = memoryview(c["name_ends"]).cast("Q")
+        entry: dict[str, Any] = {
+            "name": c["names"][ends[r - 1] if r else 0: ends[r]].decode("utf-8"),
+            "dtype": _DTYPES[c["dtype"][r]][0],
+            "shape": list(c["shapes"][memoryview(c["shape"]).cast("I")[r]]),
+            "chunks": [[memoryview(c[k]).cast("H" if k == "codec" else "Q")[r]
+                        for k in ("offset", "stored", "raw", "codec", "checksum")]]}
+        if c["has_sum"][r]:
+            entry["checksum"] = memoryview(c["sum"]).cast("Q")[r]
+        return entry
+
     def plain(self, lo: int, hi: int) -> list | None:
         """Entries ``lo .. hi-1`` decoded by one msgpack call with plain maps (no Python step per map), for the
         parser's plain-entries path (nvckpt.format.entry.plain_entries): a million one-chunk entries took 5-10 s

@@ -193,11 +193,14 @@ def _column_entries(raw: LazyEntries, ncodecs: int, index_offset: int, tensors: 
             tensors.extend_columns(columns, row, row + hi - lo, first, whole)
             row += hi - lo
             continue
-        row += int(np.count_nonzero(plain[lo:hi]))
         for tid in range(lo, hi):
             firsts.append(len(store))
             try:
-                entry = parse_entry(tid, raw[tid], ncodecs=ncodecs, index_offset=index_offset, store=store)
+                if plain[tid]:  # (a chunk past the index or of a codec not in the table: parse_entry says which)
+                    value, row = raw.row(row), row + 1
+                else:
+                    value = raw[tid]  # (its decoding may fail: after a name given twice before it)
+                entry = parse_entry(tid, value, ncodecs=ncodecs, index_offset=index_offset, store=store)
             except NvckptError:
                 _refuse_duplicate(tensors, tid)
                 raise
