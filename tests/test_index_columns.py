@@ -51,11 +51,9 @@ def _table(data: bytes, compiled: bool) -> tuple:
                 ix = ck.file.index
                 entries = [(e.tensor_id, e.description(), e.chunks.to_json() if e.chunks is not None else None,
                             e.unsupported, e.kind) for e in ix.tensors]
-                shared = [ix.tensors[i].shape is ix.tensors[j].shape
-                          for i in range(len(ix.tensors)) for j in range(i) if ix.tensors[i].shape == ix.tensors[j].shape]
                 paths = list(ix.paths.items())
                 looked_up = [ix.paths[p] for p, _ in paths] + [ix.paths.get(p + "~") for p, _ in paths[:3]]
-                return ("ok", entries, all(shared), paths, looked_up, len(ix.paths), sorted(ix.arrays),
+                return ("ok", entries, paths, looked_up, len(ix.paths), sorted(ix.arrays),
                         repr(ix.tree), repr(ix.metadata), repr(ix.codecs), repr(ix.writer), ix.version)
         except nvckpt.NvckptError as exc:
             return (type(exc).__name__, str(exc))
