@@ -74,6 +74,9 @@ class GpuSaveOptions:
                 _positive(self, name)
 
 
+READ_PATHS = ("auto", "o_direct", "kvikio")  # GpuLoadOptions.read_path
+
+
 @dataclass(frozen=True)
 class GpuLoadOptions:
     """The GPU loader's knobs.  Its extra memory: pinned read_buffers x read_span_bytes (+ 2 x
@@ -89,6 +92,11 @@ class GpuLoadOptions:
     max_gap: int = 1 * MiB  # bytes between two wanted chunks that one read may still cover (at least the source's own)
     decode_batch_bytes: int = 256 * MiB
     direct_io: bool = True
+    # Where the file's bytes go first: "o_direct" (O_DIRECT reads into pinned host buffers, then copied to
+    # the device), "kvikio" (KvikIO into device memory: GPUDirect Storage, or KvikIO's compatibility mode
+    # where cuFile does not run here), or "auto": KvikIO where it runs GPUDirect Storage, else "o_direct".
+    # The load's stats say which ran ("read_path": "gds", "kvikio-compat", "o_direct", "buffered", "source").
+    read_path: str = "auto"
     # zstd chunks decode with libzstd on the host, in the reader threads: nvCOMP's Zstd decoder crashed
     # the process (SIGABRT) on a garbage frame with a valid checksum (conformance suite, H200).  A file
     # must never crash its reader, and these loads are disk-bound anyway.  True: nvCOMP, for trusted files.
@@ -108,6 +116,8 @@ class GpuLoadOptions:
             _positive(self, "memory_budget")
         if type(self.max_gap) is not int or self.max_gap < 0:
             raise ValueError(f"max_gap must be a non-negative integer, got {self.max_gap!r}")
+        if self.read_path not in READ_PATHS:
+            raise ValueError(f"read_path must be one of {', '.join(map(repr, READ_PATHS))}, got {self.read_path!r}")
 
 
 @dataclass(frozen=True)

@@ -431,7 +431,8 @@ class DirectReads:
                 if fd == self.direct and exc.errno == errno.EINVAL:
                     self._use_direct = False  # this filesystem refuses O_DIRECT reads after all (closed at close())
                     continue
-                raise
+                raise OSError(exc.errno, f"{exc.strerror} (read of {want} bytes at {start + got})",
+                              self.source.name) from None
             if n <= 0:
                 raise TruncatedError(f"file ended while reading {need} bytes", path=self.source.name, offset=start + got)
             if fd == self.direct:

@@ -24,10 +24,12 @@ class HostBackend:
     simulated device's capacity (its default memory budget follows from it, as a GPU's does); ``live`` and
     ``peak`` are the bytes of "device" buffers the engine holds (batch outputs, scratch), now and at most."""
 
-    def __init__(self, *, gpu_zstd: bool = False, timing: bool = False, memory_total: int | None = None) -> None:
+    def __init__(self, *, gpu_zstd: bool = False, timing: bool = False, memory_total: int | None = None,
+                 device_reads: bool = False) -> None:
         self.device = torch.device("cpu")
         self.gpu_zstd = gpu_zstd
         self._total = memory_total
+        self._device_reads = device_reads
         self._lock = threading.Lock()
         self.live = 0
         self.peak = 0
@@ -136,6 +138,23 @@ class HostBackend:
 
     copy = upload
 
+    def upload_async(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
+        dst.copy_(src)
+        return None
+
+    fetch = upload
+
+    def device_reads(self, source: Any, required: bool) -> Any:
+        """With ``device_reads=True``: reads straight into "device" memory (``HostDeviceReads``), where a
+        CUDA backend has KvikIO's, so CI runs the loader's device-read path; else None."""
+        from ..errors import UnsupportedFeatureError
+
+        if self._device_reads:
+            return HostDeviceReads(source)
+        if required:
+            raise UnsupportedFeatureError("this backend reads into device memory only with device_reads=True")
+        return None
+
     def unshuffle(self, dst: torch.Tensor, planes: torch.Tensor, k: int) -> None:
         n = planes.numel() // k
         dst.view(n, k).copy_(planes.view(k, n).t())
@@ -148,4 +167,29 @@ class HostBackend:
             o.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
 
 
-__all__ = ["HostBackend"]
+class HostDeviceReads:
+    """The stand-in of KvikIO's reads (nvckpt.io.gds.KvikioReads) for HostBackend: a span read into a
+    "device" buffer (a host tensor) through the source's own RangeReads, checked the same way."""
+
+    mode = "host-device"
+
+    def __init__(self, source: Any) -> None:
+        self._reads = source.range_reads(True)
+
+    @property
+    def bytes_read(self) -> int:
+        return self._reads.bytes_read
+
+    @property
+    def direct_reads(self) -> int:
+        return self._reads.direct_reads
+
+    def read(self, start: int, length: int, need: int, buf: torch.Tensor) -> torch.Tensor:
+        self._reads.read(start, length, need, memoryview(buf.numpy()))
+        return buf
+
+    def close(self) -> None:
+        self._reads.close()
+
+
+__all__ = ["HostBackend", "HostDeviceReads"]

@@ -77,6 +77,9 @@ class Backend(Protocol):
     def alloc(self, nbytes: int) -> torch.Tensor: ...
     def dest(self, nbytes: int) -> torch.Tensor: ...
     def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
+    def upload_async(self, dst: torch.Tensor, src: torch.Tensor) -> Any: ...
+    def fetch(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
+    def device_reads(self, source: Any, required: bool) -> Any: ...
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
     def unshuffle(self, dst: torch.Tensor, planes: torch.Tensor, k: int) -> None: ...
     def decode(self, key: Hashable, payloads: list[torch.Tensor], outs: list[torch.Tensor]) -> None: ...
@@ -169,6 +172,7 @@ class CudaBackend:
         self.gpu_zstd = gpu_zstd
         self.timing = timing
         self.timings: list[tuple] = []  # (stage start, stage end, codec start, codec end, label, bytes)
+        self._fetch_streams = threading.local()
 
     def _codec(self, op: DeviceOp) -> Any:
         codec = self._nb.codec_for(op, device=self.device, stream=self.stream)
@@ -358,6 +362,33 @@ class CudaBackend:
             ev = torch.cuda.Event()
             ev.record(self.stream)
         ev.synchronize()
+
+    def upload_async(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
+        """Host (pinned) or device -> device on the engine's stream; returns an event after which ``src``
+        may be reused: the loader reads the next span meanwhile."""
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        return ev
+
+    def fetch(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Device -> host (pinned) on this thread's own stream, waited for: the bytes a device read
+        brought, for their checksums on the host (called by the loader's checker threads)."""
+        stream = getattr(self._fetch_streams, "stream", None)
+        if stream is None:
+            stream = self._fetch_streams.stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+        stream.synchronize()
+
+    def device_reads(self, source: Any, required: bool) -> Any:
+        """RangeReads of ``source`` into this device's memory (KvikIO: nvckpt.io.gds), or None where there
+        are none (not a local file, KvikIO not installed; an error instead if ``required``)."""
+        from ...io.gds import open_kvikio_reads
+
+        with torch.cuda.device(self.device):
+            return open_kvikio_reads(source, required=required)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         with torch.cuda.stream(self.stream):

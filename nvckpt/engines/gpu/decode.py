@@ -42,13 +42,13 @@ from ...codecs.base import DecodeRejected, DeviceOp
 from ...errors import ChecksumError, FormatError, LimitError, NvckptError
 from ...format.entry import Chunk, TensorEntry
 from ...io.ranges import Read, coalesce
-from ...io.source import RangeReads
+from ...io.gds import GDS
+from ...io.source import DirectReads
 from ...options import GpuLoadOptions, default_memory_budget
 from ...read.reader import ChunkReader
 from .backend import Backend
-from .batching import SlotPool
 from .hashing import device_digest
-from .pinned import PINNED, cached_allocator
+from .pinned import PINNED
 
 _ALIGN = 4096
 
@@ -101,9 +101,10 @@ class _Span:
         return self.read.length
 
 
-def _spans(items: list[_Item], options: GpuLoadOptions, policy: Any) -> list[_Span]:
-    """The loader's reads: the source's coalescing policy, widened to the loader's spans and aligned for
-    O_DIRECT; every chunk is read into a pinned buffer, so none is read alone."""
+def read_schedule(items: list[_Item], options: GpuLoadOptions, policy: Any) -> list[_Span]:
+    """The loader's reads, in file order: the source's coalescing policy, widened to the loader's spans and
+    aligned for O_DIRECT; every chunk is read into a pinned buffer, so none is read alone.  The reads are
+    disjoint and cover each wanted chunk's stored bytes exactly once (tests/test_gpu_read.py)."""
     policy = policy.with_(max_gap=max(policy.max_gap, options.max_gap), max_span=options.read_span_bytes,
                           align=_ALIGN, alone_from=1 << 62, max_ranges=1 << 62)
     reads = coalesce([it.offset for it in items], [it.stored_length for it in items], policy)
@@ -115,25 +116,22 @@ def _on_host(route: Any) -> bool:
     return route == "cpu" or isinstance(route, tuple) and route[0] == "planes"
 
 
-def _read_and_verify(file: ChunkReader, reads: RangeReads, span: "_Span", buf: torch.Tensor,
-                     routes: list[Any]) -> dict[int, torch.Tensor]:
-    """Read a span, verified (ChunkReader.read_span), and decode its host-routed chunks here
-    (libzstd releases the GIL, so the reader threads decode in parallel): {item number: raw bytes}."""
-    need = max(it.offset + it.stored_length for it in span.items) - span.start
-    mv = file.read_span(reads, span.read, need, [(it.target.entry, it.index) for it in span.items],
-                        memoryview(buf.numpy()))
+def _verify_and_decode(file: ChunkReader, span: "_Span", mv: memoryview, routes: list[Any]) -> dict[int, torch.Tensor]:
+    """Check every chunk of a span that was read (its XXH3-64: ChunkReader.verify), what a device decoder's
+    codec checks in stored bytes first (SPEC 11.4), and decode its host-routed chunks here (libzstd releases
+    the GIL, so the checker threads decode in parallel): {item number: raw bytes}."""
     decoded = {}
     for k, (it, r) in enumerate(zip(span.items, routes)):
-        if isinstance(r, DeviceOp):  # to a device decoder: what its codec checks in stored bytes first (SPEC 11.4)
-            at = it.offset - span.start
+        at = it.offset - span.start
+        data = mv[at: at + it.stored_length]
+        file.verify(it.target.entry, it.index, data)
+        if isinstance(r, DeviceOp):
             try:
-                file.pipelines[it.chunk.codec_id].check_stored(mv[at: at + it.stored_length])
+                file.pipelines[it.chunk.codec_id].check_stored(data)
             except ValueError as exc:
                 raise FormatError(str(exc), path=file.path, tensor=it.target.entry.name, chunk=it.index,
                                   offset=it.offset) from None
         if _on_host(r):
-            at = it.offset - span.start
-            data = mv[at: at + it.stored_length]
             if r == "cpu":
                 raw = file.decode_payload(it.target.entry, it.index, data)
             else:  # the coder only (libzstd checks the frame); the planes are put back on the device
@@ -145,6 +143,122 @@ def _read_and_verify(file: ChunkReader, reads: RangeReads, span: "_Span", buf: t
             out.numpy()[:] = np.frombuffer(raw, dtype=np.uint8)
             decoded[k] = out
     return decoded
+
+
+class _ReadStage:
+    """Spans read by ``read_threads`` threads into ``count`` buffers of ``size`` bytes, then checked by as
+    many checker threads, so that a thread that finished a read starts the next one at once: the disk
+    always has ``read_threads`` reads queued while buffers are free.
+
+    ``device_reads`` (KvikIO) reads into device buffers; a checker then copies the span to a pinned buffer
+    of its own to check it on the host, before any of its bytes reaches a device decoder.  Otherwise the
+    buffers are pinned host memory, allocated (pinned: ~0.4 s per GB) by the reader thread that first
+    needs one, not on the loader's thread.
+
+    Counts, for the load's stats: wall time from the first read's start to the last read's end, time
+    inside reads (summed over threads), reads in flight at most, checking time."""
+
+    def __init__(self, file: ChunkReader, dev: Backend, reads: Any, device_reads: Any, count: int, size: int,
+                 threads: int) -> None:
+        self.file = file
+        self.dev = dev
+        self.reads = reads
+        self.device_reads = device_reads
+        self.size = size
+        self.buffers: list[torch.Tensor | None] = [None] * count
+        self._free = list(range(count - 1, -1, -1))
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._scratch: list[torch.Tensor] = []  # the checkers' pinned buffers (device reads)
+        self.readers = WorkerPool(threads, "nvckpt-read")
+        self.checkers = WorkerPool(threads, "nvckpt-check")
+        self.in_flight = 0
+        self.in_flight_max = 0
+        self.first_start: float | None = None
+        self.last_end = 0.0
+        self.read_seconds = 0.0
+        self.check_seconds = 0.0
+        self.reads_done = 0
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def take(self) -> int:
+        return self._free.pop()
+
+    def give(self, slot: int) -> None:
+        if slot in self._free:
+            raise RuntimeError(f"read buffer {slot} returned twice")
+        self._free.append(slot)
+
+    def buffer(self, slot: int) -> torch.Tensor:
+        buf = self.buffers[slot]
+        if buf is None:  # only the task that holds the slot gets here
+            if self.device_reads is not None:
+                buf = self.dev.alloc(self.size)
+            else:
+                buf = PINNED.take(self.size, self.dev.host_buffer)
+            self.buffers[slot] = buf
+        return buf
+
+    def submit(self, span: _Span, slot: int, routes: list[Any]) -> Future:
+        """A future of a future: the read, then its check (``result().result()``: {item: host-decoded bytes})."""
+        return self.readers.submit(self._read, span, slot, routes)
+
+    def _read(self, span: _Span, slot: int, routes: list[Any]) -> Future:
+        buf = self.buffer(slot)
+        need = max(it.offset + it.stored_length for it in span.items) - span.start
+        t0 = time.perf_counter()
+        with self._lock:
+            self.in_flight += 1
+            self.in_flight_max = max(self.in_flight_max, self.in_flight)
+            if self.first_start is None:
+                self.first_start = t0
+        try:
+            if self.device_reads is not None:
+                self.device_reads.read(span.start, span.length, need, buf)
+            else:
+                self.reads.read(span.start, span.length, need, memoryview(buf.numpy()))
+        finally:
+            t1 = time.perf_counter()
+            with self._lock:
+                self.in_flight -= 1
+                self.read_seconds += t1 - t0
+                self.last_end = max(self.last_end, t1)
+                self.reads_done += 1
+        return self.checkers.submit(self._check, span, buf, need, routes)
+
+    def _check(self, span: _Span, buf: torch.Tensor, need: int, routes: list[Any]) -> dict[int, torch.Tensor]:
+        t0 = time.perf_counter()
+        try:
+            if self.device_reads is not None:  # the bytes on the host, for their checksums
+                host = getattr(self._local, "host", None)
+                if host is None:
+                    host = self._local.host = PINNED.take(self.size, self.dev.host_buffer)
+                    with self._lock:
+                        self._scratch.append(host)
+                self.dev.fetch(host[:need], buf[:need])
+                buf = host
+            return _verify_and_decode(self.file, span, memoryview(buf.numpy())[:need], routes)
+        finally:
+            with self._lock:
+                self.check_seconds += time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Stop the threads (reads not started are cancelled) and give the pinned buffers back."""
+        self.readers.shutdown(wait=True, cancel_futures=True)
+        self.checkers.shutdown(wait=True, cancel_futures=True)
+        if self.device_reads is None:
+            PINNED.give([b for b in self.buffers if b is not None])
+        PINNED.give(self._scratch)
+        self.buffers = [None] * len(self.buffers)
+        self._scratch = []
+
+    def report(self) -> dict[str, Any]:
+        wall = self.last_end - self.first_start if self.first_start is not None else 0.0
+        return {"read_seconds": wall, "read_busy_seconds": self.read_seconds, "reads": self.reads_done,
+                "reads_in_flight_max": self.in_flight_max, "check_seconds": self.check_seconds}
 
 
 # -- verification of whole tensors ----------------------------------------------------------
@@ -220,6 +334,24 @@ def decode_range(file: ChunkReader, entry: TensorEntry, lo: int, hi: int, dev: B
     return target.dest[lo - base: hi - base]
 
 
+def _open_reads(file: ChunkReader, dev: Backend, options: GpuLoadOptions) -> tuple[Any, Any, str]:
+    """(host RangeReads, device RangeReads or None, read path): ``GpuLoadOptions.read_path`` decided here.
+    "auto" takes the device's own reads (KvikIO) only where they run GPUDirect Storage: KvikIO's
+    compatibility mode bounces through pinned buffers as the loader's O_DIRECT reads do."""
+    device_reads = None
+    if options.read_path != "o_direct":
+        device_reads = dev.device_reads(file.source, options.read_path == "kvikio")
+        if device_reads is not None and options.read_path == "auto" and device_reads.mode != GDS:
+            device_reads.close()
+            device_reads = None
+    if device_reads is not None:
+        return None, device_reads, device_reads.mode
+    reads = file.source.range_reads(options.direct_io)
+    if isinstance(reads, DirectReads):
+        return reads, None, "o_direct" if options.direct_io and reads.direct is not None else "buffered"
+    return reads, None, "source"
+
+
 def _decode(file: ChunkReader, targets: list[_Target], dev: Backend, options: GpuLoadOptions,
             stats: dict[str, Any]) -> None:
     started = time.perf_counter()
@@ -228,7 +360,7 @@ def _decode(file: ChunkReader, targets: list[_Target], dev: Backend, options: Gp
         t.left = len(t.indices)
         items.extend(_Item(t, i, t.entry.chunks[i]) for i in t.indices)
     items.sort(key=lambda it: it.offset)
-    spans = deque(_spans(items, options, file.source.coalescing))
+    spans = deque(read_schedule(items, options, file.source.coalescing))
     stats.update(spans=len(spans), chunks=len(items), stored_bytes=sum(it.stored_length for it in items))
     verifier = _Verifier(dev, file.path, options.verify_workers, options.piece_bytes)
     for t in targets:
@@ -249,16 +381,22 @@ def _decode(file: ChunkReader, targets: list[_Target], dev: Backend, options: Gp
                 raise exc.located(path=file.path, tensor=it.target.entry.name, chunk=it.index, offset=it.offset)
         return routes[cid]
 
+    for it in items:  # UnsupportedCodecError before any read
+        route(it)
     buf_size = max(max(s.length for s in spans), options.read_span_bytes)
     budget = options.memory_budget or default_memory_budget(dev.memory_total())
     # The arena is the loader's device memory (besides a chunk's staging and nvCOMP's scratch): half the budget.
     arena_bytes = max(min(options.decode_batch_bytes, budget // 2), buf_size)
-    stats.update(memory_budget=budget, arena_bytes=arena_bytes)
-    reads = file.source.range_reads(options.direct_io)
-    pool = SlotPool(min(options.read_buffers, len(spans)), buf_size, cached_allocator(dev.host_buffer), lazy=True)
+    reads, device_reads, read_path = _open_reads(file, dev, options)
+    count = min(options.read_buffers, len(spans))
+    if device_reads is not None:  # the read buffers are device memory too: what the budget leaves them
+        count = max(2, min(count, (budget - arena_bytes) // buf_size))
+    stats.update(memory_budget=budget, arena_bytes=arena_bytes, read_path=read_path, read_buffers=count,
+                 read_buffer_bytes=buf_size)
+    stage = _ReadStage(file, dev, reads, device_reads, count, buf_size, options.read_threads)
     arena = dev.alloc(arena_bytes)
-    readers = WorkerPool(options.read_threads, "nvckpt-read")
-    inflight: deque = deque()
+    inflight: deque = deque()  # (span, slot, routes, future of its read), in file order
+    uploading: deque = deque()  # (slot, event after which its buffer may be read into again)
     staged: dict[Any, list[tuple[_Item, torch.Tensor]]] = {}
     arena_used = 0
     cpu_chunks = 0
@@ -304,30 +442,41 @@ def _decode(file: ChunkReader, targets: list[_Target], dev: Backend, options: Gp
                 done(it)
         staged.clear()
 
+    def reclaim(block: bool) -> None:
+        """Buffers whose upload is done go back to the readers (the oldest waited for, if ``block``)."""
+        while uploading and (block or dev.ready(uploading[0][1])):
+            slot, event = uploading.popleft()
+            dev.wait(event)
+            stage.give(slot)
+            block = False
+
     try:
         while spans or inflight:
-            while spans and pool.free:
-                slot = pool.take()
+            reclaim(False)
+            while spans and stage.free:
                 span = spans.popleft()
-                routes_of = [route(it) for it in span.items]  # UnsupportedCodecError before any read
-                inflight.append((span, slot, routes_of,
-                                 readers.submit(_read_and_verify, file, reads, span, pool.slots[slot], routes_of)))
+                slot = stage.take()
+                routes_of = [routes[it.chunk.codec_id] for it in span.items]
+                inflight.append((span, slot, routes_of, stage.submit(span, slot, routes_of)))
+            if not inflight:  # every buffer still being uploaded
+                reclaim(True)
+                continue
             span, slot, routes_of, fut = inflight.popleft()
             t0 = time.perf_counter()
-            decoded = fut.result()  # ChecksumError, TruncatedError, OSError, a CPU decoder's FormatError
+            decoded = fut.result().result()  # ChecksumError, TruncatedError, OSError, a CPU decoder's FormatError
             wait_reads += time.perf_counter() - t0
-            host = pool.slots[slot]
+            buf = stage.buffers[slot]
             if arena_used + span.length > arena.numel():
                 decode_round()
                 arena_used = 0
             dev_span = arena[arena_used: arena_used + span.length]
             to_stage = []
             for k, (it, r) in enumerate(zip(span.items, routes_of)):
-                if r == "cpu":  # decoded on the host by the reader thread
+                if r == "cpu":  # decoded on the host by a checker thread
                     dev.upload(it.out(), decoded[k])
                     cpu_chunks += 1
                     done(it)
-                elif isinstance(r, tuple) and r[0] == "planes":  # zstd decoded by the reader thread
+                elif isinstance(r, tuple) and r[0] == "planes":  # zstd decoded by a checker thread
                     if r[1] > 1:
                         dev.unshuffle(it.out(), decoded[k], r[1])
                     else:
@@ -336,41 +485,52 @@ def _decode(file: ChunkReader, targets: list[_Target], dev: Backend, options: Gp
                     done(it)
                 else:
                     to_stage.append((it, r, it.offset - span.start))
-            if to_stage:
-                t0 = time.perf_counter()
-                dev.upload(dev_span, host[: span.length])
-                phases["uploads"] += time.perf_counter() - t0
-                arena_used += -(-span.length // _ALIGN) * _ALIGN
-                for it, r, at in to_stage:
-                    payload = dev_span[at: at + it.stored_length]
-                    if r == "raw":
-                        if it.stored_length != it.chunk.raw_length:
-                            raise FormatError(f"raw chunk stores {it.stored_length} bytes for a raw length of {it.chunk.raw_length}",
-                                              path=file.path, tensor=it.target.entry.name, chunk=it.index, offset=it.offset)
-                        dev.copy(it.out(), payload)
-                        done(it)
-                    else:
-                        staged.setdefault(r, []).append((it, payload))
-            pool.give(slot)
+            if not to_stage:
+                stage.give(slot)
+                continue
+            t0 = time.perf_counter()
+            # Not waited for here: the buffer goes back to the readers once the copy is done (reclaim).
+            uploading.append((slot, dev.upload_async(dev_span, buf[: span.length])))
+            phases["uploads"] += time.perf_counter() - t0
+            arena_used += -(-span.length // _ALIGN) * _ALIGN
+            for it, r, at in to_stage:
+                payload = dev_span[at: at + it.stored_length]
+                if r == "raw":
+                    if it.stored_length != it.chunk.raw_length:
+                        raise FormatError(f"raw chunk stores {it.stored_length} bytes for a raw length of {it.chunk.raw_length}",
+                                          path=file.path, tensor=it.target.entry.name, chunk=it.index, offset=it.offset)
+                    dev.copy(it.out(), payload)
+                    done(it)
+                else:
+                    staged.setdefault(r, []).append((it, payload))
         decode_round()
         dev.finish()
         ok = True
     finally:
         for *_, fut in inflight:
             fut.cancel()
-        readers.shutdown(wait=True, cancel_futures=True)
-        PINNED.give(pool.slots)
-        bytes_read, direct_reads = reads.bytes_read, reads.direct_reads
-        reads.close()
+        if not ok:
+            try:
+                dev.finish()  # no copy may still read a buffer given back below
+            except Exception:  # noqa: BLE001 - the load's own error is the one to raise
+                pass
+        stage.close()
+        used = device_reads if device_reads is not None else reads
+        bytes_read, direct_reads = used.bytes_read, used.direct_reads
+        used.close()
         t0 = time.perf_counter()
         try:
             verifier.close(ok)
         finally:
             dev.finish()
             phases["verify_tail"] = time.perf_counter() - t0
-    stats.update(seconds=time.perf_counter() - started, waiting_for_reads_seconds=wait_reads,
-                 bytes_read=bytes_read, direct_reads=direct_reads, phases=phases, cpu_decoded_chunks=cpu_chunks)
+    seconds = time.perf_counter() - started
+    report = stage.report()
+    stats.update(seconds=seconds, waiting_for_reads_seconds=wait_reads, bytes_read=bytes_read,
+                 direct_reads=direct_reads, phases=phases, cpu_decoded_chunks=cpu_chunks,
+                 decode_seconds=phases["decode_rounds"], **report,
+                 read_GBps=bytes_read / report["read_seconds"] / 1e9 if report["read_seconds"] else None)
     stats.update(dev.timing_report())
 
 
-__all__ = ["decode_entries", "decode_range"]
+__all__ = ["decode_entries", "decode_range", "read_schedule"]
