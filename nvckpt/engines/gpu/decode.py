@@ -103,8 +103,9 @@ class _Span:
 
 def read_schedule(items: list[_Item], options: GpuLoadOptions, policy: Any) -> list[_Span]:
     """The loader's reads, in file order: the source's coalescing policy, widened to the loader's spans and
-    aligned for O_DIRECT; every chunk is read into a pinned buffer, so none is read alone.  The reads are
-    disjoint and cover each wanted chunk's stored bytes exactly once (tests/test_gpu_read.py)."""
+    aligned for O_DIRECT; every chunk is read into a pinned buffer, so none is read alone.  Each wanted
+    chunk lies whole in exactly one read; reads share no byte where chunks start on pages (the GPU
+    engine's files), else at most the one page where one read ends and the next begins."""
     policy = policy.with_(max_gap=max(policy.max_gap, options.max_gap), max_span=options.read_span_bytes,
                           align=_ALIGN, alone_from=1 << 62, max_ranges=1 << 62)
     reads = coalesce([it.offset for it in items], [it.stored_length for it in items], policy)
@@ -524,9 +525,11 @@ def _decode(file: ChunkReader, targets: list[_Target], dev: Backend, options: Gp
         finally:
             dev.finish()
             phases["verify_tail"] = time.perf_counter() - t0
+    if read_path == "o_direct" and not direct_reads:  # the filesystem refused O_DIRECT reads after all
+        read_path = "buffered"
     seconds = time.perf_counter() - started
     report = stage.report()
-    stats.update(seconds=seconds, waiting_for_reads_seconds=wait_reads, bytes_read=bytes_read,
+    stats.update(read_path=read_path, seconds=seconds, waiting_for_reads_seconds=wait_reads, bytes_read=bytes_read,
                  direct_reads=direct_reads, phases=phases, cpu_decoded_chunks=cpu_chunks,
                  decode_seconds=phases["decode_rounds"], **report,
                  read_GBps=bytes_read / report["read_seconds"] / 1e9 if report["read_seconds"] else None)
