@@ -82,7 +82,8 @@ class GpuLoadOptions:
     """The GPU loader's knobs.  Its extra memory: pinned read_buffers x read_span_bytes (+ 2 x
     piece_bytes per verify worker); GPU at most ``memory_budget`` (default the smaller of 1 GiB and 2 %
     of the device) for the decode arena (decode_batch_bytes, shrunk to half the budget) and its staging,
-    beside the tensors loaded."""
+    beside the tensors loaded.  Reads through KvikIO (``read_path``) use device buffers instead, from what
+    the budget leaves beside the arena, and read_threads pinned buffers to check chunks on the host."""
 
     memory_budget: int | None = None
 

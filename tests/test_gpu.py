@@ -646,3 +646,83 @@ def test_dcp_stager_at_3_gb_free_stages_within_the_budget_and_gives_it_back(tmp_
     assert DEVICE_MEMORY.held(DEV) == 0  # the staged copies' memory went back when DCP dropped them
     assert before - seen.lowest <= budget + (64 << 20), (before - seen.lowest, budget)
     del filler
+
+
+# -- the read pipeline: O_DIRECT into pinned buffers, or KvikIO into device memory ----------------------
+def _kvikio_or_skip():
+    from nvckpt.io.gds import kvikio_module
+
+    if kvikio_module(False) is None:
+        pytest.skip("needs KvikIO (pip install kvikio-cu12)")
+
+
+def mixed_precision_gpu_state() -> dict:
+    torch.manual_seed(5)
+    master = torch.randn(2048, 1024, device=DEV) * 0.02
+    return {"model": {"w": master.to(torch.bfloat16), "b": torch.zeros(1024, device=DEV, dtype=torch.bfloat16)},
+            "master": {"w": master}, "exp_avg": {"w": torch.randn(2048, 1024, device=DEV) * 1e-4},
+            "exp_avg_sq": {"w": torch.rand(2048, 1024, device=DEV) * 1e-8}, "step": 7}
+
+
+@pytest.mark.parametrize("read_path", ["o_direct", "kvikio", "auto"])
+def test_read_paths_load_bit_exact_and_report_themselves(tmp_path, read_path):
+    if read_path == "kvikio":
+        _kvikio_or_skip()
+    state = mixed_precision_gpu_state()
+    path = tmp_path / "r.nvckpt"
+    nvckpt.save(state, path, chunk_size=256 * KiB)
+    opts = GpuLoadOptions(read_span_bytes=1 << 20, read_buffers=4, read_threads=3, read_path=read_path, timing=True)
+    with nvckpt.open(path, device="cuda", gpu=opts) as ck:
+        assert_tree_equal(ck.load(), state)
+        last = ck.stats()["last_gpu_load"]
+        assert last["spans"] > 4 and last["bytes_read"] >= last["stored_bytes"]
+        assert last["reads_in_flight_max"] <= 3 and last["read_GBps"] > 0 and last["decode_seconds"] >= 0
+        if read_path == "kvikio":
+            assert last["read_path"] in ("gds", "kvikio-compat")
+        elif read_path == "o_direct":
+            assert last["read_path"] in ("o_direct", "buffered")
+        assert torch.equal(ck.get_tensor("exp_avg/w"), state["exp_avg"]["w"])  # one large tensor
+        before = ck.bytes_read
+        sub = ck.load(["exp_avg_sq/w"])  # a keys= subset reads its own chunks
+        assert torch.equal(sub["exp_avg_sq/w"], state["exp_avg_sq"]["w"])
+        assert ck.bytes_read - before < ck.file.entry("exp_avg_sq/w").stored_bytes + (2 << 20)
+
+
+@pytest.mark.parametrize("read_path", ["o_direct", "kvikio"])
+def test_a_corrupt_chunk_never_reaches_nvcomp_on_either_read_path(tmp_path, monkeypatch, read_path):
+    if read_path == "kvikio":
+        _kvikio_or_skip()
+    path = tmp_path / "c.nvckpt"
+    nvckpt.save({"w": torch.randn(1000, 256, device=DEV)}, path, chunk_size=16 * KiB)
+    with nvckpt.open(path) as ck:
+        c = ck.index.tensors[0].chunks[7]
+    data = bytearray(path.read_bytes())
+    data[c.offset + 3] ^= 0x01
+    path.write_bytes(bytes(data))
+    calls = []
+    real = nb.GpuCodec.decode
+    monkeypatch.setattr(nb.GpuCodec, "decode", lambda self, p, o: calls.append(len(p)) or real(self, p, o))
+    with pytest.raises(ChecksumError) as info:
+        nvckpt.load(path, device="cuda", gpu=GpuLoadOptions(read_span_bytes=1 << 20, read_path=read_path))
+    assert (info.value.tensor, info.value.chunk, info.value.offset) == ("w", 7, c.offset)
+    assert calls == []
+
+
+def test_load_benchmark_runs_every_peer_small(tmp_path):
+    """benchmarks/bench_gpu_load.py end to end at a small size: every peer measured or its error recorded."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_gpu_load.py"), "--size", "0.2",
+                        "--workdir", str(tmp_path / "w"), "--out", str(out)], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    result = json.loads((out / "bench_gpu_load.json").read_text())
+    rows = result["loads"]
+    assert {"nvckpt (o_direct)", "torch.load", "safetensors"} <= set(rows)
+    assert rows["nvckpt (o_direct)"].get("bit_exact") is True, rows["nvckpt (o_direct)"]
+    assert result["odirect_read"]["best_GBps"] > 0
+    assert (out / "bench_gpu_load.md").read_text().startswith("# Cold loads to the GPU")

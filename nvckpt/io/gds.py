@@ -54,6 +54,23 @@ def kvikio_mode(kvikio: Any) -> str:
     return COMPAT if compat else GDS
 
 
+KVIKIO_THREADS = 16  # KvikIO's thread pool (default 1) splits each read into 4 MiB tasks: the loader's reads
+# in flight (read_threads) need several threads each to keep a fast NVMe or RAID busy
+
+
+def _enough_threads(kvikio: Any) -> None:
+    """KvikIO's pool of threads raised to KVIKIO_THREADS, unless KVIKIO_NTHREADS says how many (process-wide)."""
+    if "KVIKIO_NTHREADS" in os.environ:
+        return
+    try:
+        if int(kvikio.defaults.get("num_threads")) < KVIKIO_THREADS:
+            kvikio.defaults.set("num_threads", KVIKIO_THREADS)
+    except (AttributeError, TypeError, ValueError):  # an older KvikIO: num_threads_reset(n)
+        reset = getattr(kvikio.defaults, "num_threads_reset", None)
+        if reset is not None:
+            reset(KVIKIO_THREADS)
+
+
 class KvikioReads:
     """RangeReads of a LocalFile into device buffers through a KvikIO ``CuFile``: ``read`` fills the
     buffer before it returns; ``close()`` counts the bytes in the source's ``bytes_read``.
@@ -69,6 +86,7 @@ class KvikioReads:
         fd = source.fd
         path = f"/proc/self/fd/{fd}" if fd is not None and os.path.exists(f"/proc/self/fd/{fd}") else source.name
         self._file: Any = kvikio.CuFile(path, "r")
+        _enough_threads(kvikio)
 
     def read(self, start: int, length: int, need: int, buf: Any) -> Any:
         """At least ``need`` bytes from ``start`` into the device buffer ``buf`` (``length`` asked, cut at

@@ -1,24 +1,33 @@
-"""The GPU loader: chunks read into pinned memory, verified, decoded by nvCOMP into the destination.
+"""The GPU loader: chunks read into pinned memory (or device memory), verified, decoded by nvCOMP into the destination.
 
-Stages, all overlapping:
+Stages, all overlapping, so that the disk is busy from the first byte to the last:
 
 1. read: chunks are taken in file order and grouped into aligned reads of up
-   to ``read_span_bytes`` (``nvckpt.io.ranges.coalesce``); ``read_threads``
-   threads read them (O_DIRECT where the filesystem allows: a load then costs
-   the page cache nothing, and the bytes land in pinned memory directly) into
-   a fixed pool of ``read_buffers`` pinned buffers, and check every chunk's
-   XXH3-64 there, BEFORE its bytes reach nvCOMP (which does not detect corrupt
-   input: MEASURED.md);
-2. stage: the caller's thread copies each verified read to a device arena of
-   ``decode_batch_bytes`` and returns the pinned buffer to the readers;
-3. decode: once the arena is full (or the reads are done), its ANS chunks are
+   to ``read_span_bytes`` (``read_schedule``, over ``nvckpt.io.ranges.coalesce``);
+   ``read_threads`` threads read them (O_DIRECT where the filesystem allows: a
+   load then costs the page cache nothing, and the bytes land in pinned memory
+   directly) into a pool of ``read_buffers`` pinned buffers, pinned by the
+   reader that first needs one.  With ``read_path`` "kvikio" (or "auto" where
+   KvikIO runs GPUDirect Storage) the reads go straight to device buffers
+   through KvikIO (``nvckpt.io.gds``) instead;
+2. check: as many checker threads verify every chunk's XXH3-64 on the host
+   (device reads are copied back for it first), BEFORE its bytes reach nvCOMP
+   (which does not detect corrupt input: MEASURED.md), while the readers go on
+   with the next reads; zstd chunks (and any codec without a GPU decoder) are
+   decoded here with libzstd (``GpuLoadOptions.gpu_zstd``: why not nvCOMP's Zstd);
+3. stage: the caller's thread queues each checked read's copy to a device arena
+   of ``decode_batch_bytes`` and does not wait for it: the buffer goes back to
+   the readers once the copy's event has fired;
+4. decode: once the arena is full (or the reads are done), its ANS chunks are
    decoded by one batched nvCOMP call per data type, straight into the
-   destination tensors' memory; raw chunks are copied there; zstd chunks
-   (and any codec without a GPU decoder) are decoded with libzstd by the
-   reader threads and copied up (``GpuLoadOptions.gpu_zstd``: why not nvCOMP's Zstd);
-4. verify: a tensor whose chunks are all decoded is checked against its
+   destination tensors' memory; raw chunks are copied there;
+5. verify: a tensor whose chunks are all decoded is checked against its
    XXH3-64 by ``verify_workers`` threads (device-to-host in pieces), while
    reading goes on (``verify_tensors=False`` skips this).
+
+The load's stats (``Checkpoint.stats()["last_gpu_load"]``) say which read path ran ("gds",
+"kvikio-compat", "o_direct", "buffered", "source"), the bytes read, the reads' wall time and rate, reads in
+flight at most, and the time spent checking, decoding and waiting for reads.
 
 Memory beyond the tensors loaded: see ``nvckpt.GpuLoadOptions``.  ANS chunks
 decode only here (nvCOMP on a CUDA GPU); every other codec also decodes on
