@@ -316,8 +316,9 @@ def test_an_io_error_or_short_read_names_the_file(saved, monkeypatch, device_rea
 class _FakeKvikio:
     """KvikIO's surface that KvikioReads uses, reading host memory (the real one needs libcuda)."""
 
-    def __init__(self, fault=None, compat=True):
+    def __init__(self, fault=None, compat=True, gds_available=True):
         self.fault = fault
+        self.cufile_driver = types.SimpleNamespace(get={"is_gds_available": gds_available}.get)
         self.settings = {"num_threads": 1}
         self.defaults = types.SimpleNamespace(is_compat_mode_preferred=lambda: compat, get=self.settings.get,
                                               set=self.settings.__setitem__)
@@ -374,6 +375,9 @@ def test_kvikio_reads_fill_buffers_and_report_faults(tmp_path, monkeypatch, faul
     src = LocalFile(p)
     reads = gds.KvikioReads(src, _FakeKvikio(compat=False))
     assert reads.mode == gds.GDS
+    reads.close()
+    reads = gds.KvikioReads(src, _FakeKvikio(compat=False, gds_available=False))  # cuFile's own compat mode
+    assert reads.mode == gds.COMPAT
     reads.close()
     src.close()
 

@@ -11,6 +11,7 @@ KvikIO is imported only here, when a load first asks for it.  Torch-free: buffer
 from __future__ import annotations
 
 import errno
+import importlib
 import os
 import stat
 import threading
@@ -34,7 +35,7 @@ def kvikio_module(required: bool) -> Any:
             try:
                 import kvikio  # noqa: PLC0415 - optional, and it loads libcufile
                 import kvikio.defaults  # noqa: F401,PLC0415
-            except (ImportError, OSError) as exc:
+            except Exception as exc:  # noqa: BLE001 - ImportError, or libcufile / libcuda not found (RuntimeError)
                 if required:
                     raise UnsupportedFeatureError(
                         f"read_path='kvikio' needs KvikIO, which does not import here ({type(exc).__name__}: "
@@ -46,12 +47,21 @@ def kvikio_module(required: bool) -> Any:
 
 
 def kvikio_mode(kvikio: Any) -> str:
-    """"gds" where KvikIO runs cuFile (GPUDirect Storage), "kvikio-compat" where it falls back to POSIX reads."""
+    """"gds" where KvikIO runs cuFile and cuFile reports GPUDirect Storage (the nvidia-fs driver), else
+    "kvikio-compat": POSIX reads through bounce buffers, KvikIO's or cuFile's own compatibility mode."""
     try:
         compat = bool(kvikio.defaults.is_compat_mode_preferred())
     except AttributeError:  # KvikIO before 24.08: compat_mode() is a bool
         compat = bool(kvikio.defaults.compat_mode())
-    return COMPAT if compat else GDS
+    if compat:
+        return COMPAT
+    try:
+        driver = getattr(kvikio, "cufile_driver", None)
+        if driver is None:
+            driver = importlib.import_module(kvikio.__name__ + ".cufile_driver")  # opens the cuFile driver
+        return GDS if driver.get("is_gds_available") else COMPAT
+    except Exception:  # noqa: BLE001 - a cuFile too old to say, or a driver that does not open
+        return COMPAT
 
 
 KVIKIO_THREADS = 16  # KvikIO's thread pool (default 1) splits each read into 4 MiB tasks: the loader's reads
