@@ -82,9 +82,8 @@ def _meta(n: str) -> bool:
 GDS_WHEELS = [
     ("kvikio_cu12-*.whl", lambda n: (n.startswith("kvikio/") and n.endswith((".py", ".so", "VERSION", "GIT_COMMIT"))
                                      and "/benchmarks/" not in n) or _meta(n)),
-    ("libkvikio_cu12-*.whl", lambda n: n in ("libkvikio/__init__.py", "libkvikio/load.py", "libkvikio/_version.py",
-                                             "libkvikio/VERSION", "libkvikio/GIT_COMMIT", "libkvikio/lib64/libkvikio.so")
-     or _meta(n)),
+    ("libkvikio_cu12-*.whl", lambda n: (n.startswith(("libkvikio/", "libkvikio_cu12.libs/")) and "/include/" not in n
+                                        and "/cmake/" not in n) or _meta(n)),
     ("rapids_logger-*.whl", lambda n: (n.startswith("rapids_logger/") and "/include/" not in n and "/cmake/" not in n)
      or _meta(n)),
     ("cuda_pathfinder-*.whl", lambda n: n.startswith("cuda/") and n.endswith(".py") or _meta(n)),
