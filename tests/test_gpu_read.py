@@ -137,6 +137,22 @@ def test_auto_takes_device_reads_only_where_they_are_gpudirect(saved, monkeypatc
         assert ck.stats()["last_gpu_load"]["read_path"] == gds.GDS
 
 
+def test_auto_loads_through_the_pinned_path_where_device_reads_fail_to_open(saved, monkeypatch):
+    path, state = saved
+
+    def refuse(self, source, required):
+        raise OSError(errno.EOPNOTSUPP, "cuFile: the filesystem does not support GPUDirect Storage")
+
+    monkeypatch.setattr(HostBackend, "device_reads", refuse)
+    with nvckpt.open(path, gpu=options(True, read_path="auto")) as ck:
+        assert torch.equal(ck["exp_avg"], state["exp_avg"])
+        last = ck.stats()["last_gpu_load"]
+    assert last["read_path"] in ("o_direct", "buffered") and "GPUDirect" in last["device_reads_error"]
+    with nvckpt.open(path, gpu=options(True, read_path="kvikio")) as ck:  # asked for: the error itself
+        with pytest.raises(OSError, match="GPUDirect"):
+            ck["exp_avg"]
+
+
 def test_kvikio_read_path_without_device_reads_is_a_clear_error(saved):
     path, _ = saved
     with nvckpt.open(path, gpu=options(False, read_path="kvikio")) as ck:

@@ -344,14 +344,21 @@ def decode_range(file: ChunkReader, entry: TensorEntry, lo: int, hi: int, dev: B
     return target.dest[lo - base: hi - base]
 
 
-def _open_reads(file: ChunkReader, dev: Backend, options: GpuLoadOptions) -> tuple[Any, Any, str]:
+def _open_reads(file: ChunkReader, dev: Backend, options: GpuLoadOptions,
+                stats: dict[str, Any]) -> tuple[Any, Any, str]:
     """(host RangeReads, device RangeReads or None, read path): ``GpuLoadOptions.read_path`` decided here.
     "auto" takes the device's own reads (KvikIO) only where they run GPUDirect Storage: KvikIO's
-    compatibility mode bounces through pinned buffers as the loader's O_DIRECT reads do."""
+    compatibility mode bounces through pinned buffers as the loader's O_DIRECT reads do.  A KvikIO that
+    fails to open the file under "auto" leaves the load to the pinned path (its error in the stats)."""
     device_reads = None
-    if options.read_path != "o_direct":
-        device_reads = dev.device_reads(file.source, options.read_path == "kvikio")
-        if device_reads is not None and options.read_path == "auto" and device_reads.mode != GDS:
+    if options.read_path == "kvikio":
+        device_reads = dev.device_reads(file.source, True)
+    elif options.read_path == "auto":
+        try:
+            device_reads = dev.device_reads(file.source, False)
+        except Exception as exc:  # noqa: BLE001 - cuFile or the driver refusing this file: the pinned path
+            stats["device_reads_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        if device_reads is not None and device_reads.mode != GDS:
             device_reads.close()
             device_reads = None
     if device_reads is not None:
@@ -397,7 +404,7 @@ def _decode(file: ChunkReader, targets: list[_Target], dev: Backend, options: Gp
     budget = options.memory_budget or default_memory_budget(dev.memory_total())
     # The arena is the loader's device memory (besides a chunk's staging and nvCOMP's scratch): half the budget.
     arena_bytes = max(min(options.decode_batch_bytes, budget // 2), buf_size)
-    reads, device_reads, read_path = _open_reads(file, dev, options)
+    reads, device_reads, read_path = _open_reads(file, dev, options, stats)
     count = min(options.read_buffers, len(spans))
     if device_reads is not None:  # the read buffers are device memory too: what the budget leaves them
         count = max(2, min(count, (budget - arena_bytes) // buf_size))
