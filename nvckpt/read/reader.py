@@ -4,8 +4,8 @@
 pipelines, and reads chunks through a ``ByteSource`` (positional reads, so one
 serves many threads at once), verifying every chunk's checksum (``verify``,
 ``verify_run``: the one place) before its bytes reach a decoder.  It decodes
-on the host; the GPU loader (nvckpt.engines.gpu.decode) reads its spans through
-``read_span`` and decodes host-routed chunks here.  Materializing tensors
+on the host; the GPU loader (nvckpt.engines.gpu.decode) reads its own spans,
+verifies them through ``verify`` and decodes host-routed chunks here.  Materializing tensors
 (torch) is nvckpt.session.load.
 """
 
@@ -31,8 +31,8 @@ from ..format.frames import iter_frames, locate_index
 from ..format.paths import by_dotted_name, did_you_mean
 from ..format.sniff import foreign_format_hint
 from ..format.structs import xxh3
-from ..io.ranges import Read, coalesce
-from ..io.source import ByteSource, RangeReads, open_source
+from ..io.ranges import coalesce
+from ..io.source import ByteSource, open_source
 
 
 def _locate(source: ByteSource, max_index_memory: int | None) -> tuple[Any, Any]:
@@ -205,17 +205,6 @@ class ChunkReader:
         except NvckptError as exc:
             raise exc.located(tensor=entry.name, chunk=i)
         self.verify(entry, i, buf)
-
-    def read_span(self, reads: RangeReads, span: Read, need: int, chunks: list[tuple[TensorEntry, int]],
-                  buf: memoryview) -> memoryview:
-        """Read ``span`` (at least ``need`` bytes) into ``buf`` through ``reads`` and verify ``chunks``, which it
-        covers: the file's bytes from ``span.start``."""
-        view = reads.read(span.start, span.length, need, buf)
-        for entry, i in chunks:
-            c = entry.chunks[i]
-            at = c.offset - span.start
-            self.verify(entry, i, view[at: at + c.stored_length])
-        return view
 
     def decode_payload(self, entry: TensorEntry, i: int, data: Any) -> memoryview:
         c = entry.chunks[i]
