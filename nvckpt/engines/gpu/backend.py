@@ -11,6 +11,8 @@ Events stand for "this device work is done": ``wait(event)`` blocks on one,
 
 from __future__ import annotations
 
+import threading
+
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Protocol
 
