@@ -319,6 +319,14 @@ def test_dcp_directory_published_by_its_commit_object(s3, capsys):
         assert main([command, url]) == 0, command
     assert "OK" in capsys.readouterr().out
 
+    # a rank file asked for by its name lives under the save's generation: the error says how to read it
+    with pytest.raises(FileNotFoundError) as err:
+        nvckpt.open(f"{url}/__0_0.nvckpt")
+    assert "sharded checkpoint published by its commit object" in str(err.value) and url in str(err.value)
+    with pytest.raises(FileNotFoundError) as err:  # a missing object elsewhere: no such hint
+        nvckpt.open(f"{prefix}/nothing-here.nvckpt")
+    assert "sharded checkpoint" not in str(err.value)
+
 
 @pytest.mark.slow  # a real S3 server: seconds on 2 shared cores
 @_SINGLE_PROCESS

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterator
 
 from .._threads import WorkerPool, shared_pool
-from .prefix import PrefixDirectory
+from .prefix import COMMIT, PrefixDirectory
 from .readahead import ReadAhead
 from .ranges import Coalescing
 from .source import _Counted
@@ -753,7 +753,32 @@ def _boto_error(exc: BaseException, url: str, action: str, opts: S3Options | Non
 # -- the backend's entry points (nvckpt.io.schemes) ------------------------------------------------
 
 def open_source(url: str, options: dict[str, Any] | None = None) -> S3Source:
-    return S3Source(url, S3Options.of(options))
+    opts = S3Options.of(options)
+    try:
+        return S3Source(url, opts)
+    except FileNotFoundError as exc:
+        hint = _published_directory_hint(url, opts)
+        if hint:
+            raise FileNotFoundError(exc.errno, f"{exc.strerror}; {hint}", exc.filename) from None
+        raise
+
+
+def _published_directory_hint(url: str, opts: S3Options) -> str | None:
+    """What to say of a missing object whose prefix is a published sharded checkpoint (a DCP rank file asked
+    for by its name: its bytes live under the save's generation, read through the directory)."""
+    bucket, key = split_url(url)
+    parent = key.rsplit("/", 1)[0] if "/" in key else ""
+    if not parent:
+        return None
+    try:
+        published = S3Bucket(bucket, opts).head(f"{parent}/{COMMIT}") is not None
+    except OSError:
+        return None
+    if not published:
+        return None
+    directory = f"s3://{bucket}/{parent}"
+    return (f"{directory} is a sharded checkpoint published by its commit object: its files are read through "
+            f"it (nvckpt.dcp.Reader({directory!r}), `nvckpt ls {directory}`, `nvckpt merge {directory} OUT`)")
 
 
 def open_target(url: str, options: dict[str, Any] | None = None) -> S3Target:
