@@ -1177,12 +1177,18 @@ def markdown(doc: dict[str, Any]) -> str:
 def merged(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     """The earlier results with this run's rows put in (raw clients and peers by name, other parts whole)."""
     out = dict(old)
+    if "raw" in new and "peers" in new:  # the side-by-side tables are this run's: so is the header
+        out.update({k: new[k] for k in ("date", "command", "hardware", "reps", "data", "settings", "versions")
+                    if k in new})
     for part in ("raw", "peers", "tensor_floor", "faults"):
         if part in new:
             out[part] = {**old.get(part, {}), **new[part]}
-    rows = sorted(f"{part} {name}" for part in ("raw", "peers") for name in new.get(part, {}))
+    rows = sorted(f"{part} {name}" for part in ("raw", "peers", "faults") for name in new.get(part, {}))
+    kept = sorted(f"{part} {name}" for part in ("raw", "peers", "faults") for name in old.get(part, {})
+                  if name not in new.get(part, {}))
     note = (f"rows {', '.join(rows)} from the run of {new['date']} (`{new['command']}`, load average "
-            f"{new.get('load_average')}); the others from the run of {old['date']}")
+            f"{new.get('load_average')}); {', '.join(kept) or 'none'} from the run of {old['date']} "
+            f"(`{old['command']}`)")
     out["notes"] = [n for n in old.get("notes", []) if not n.startswith("rows ")] + [note]
     out["runs"] = old.get("runs", [{"date": old["date"], "command": old["command"]}]) + [
         {"date": new["date"], "command": new["command"], "load_average": new.get("load_average")}]
