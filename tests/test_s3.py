@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 import nvckpt
 from conftest import assert_tree_equal, small_training_state
@@ -660,3 +661,41 @@ def test_merge_and_split_on_s3_directories(s3, tmp_path, capsys):
     assert main(["convert", f"{prefix}/dir", f"{prefix}/c.nvckpt"]) == 2  # a directory: merge, not convert
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "nvckpt merge" in err, err
+
+
+@given(expected=st.one_of(st.none(), st.integers(0, 5 << 40)),
+       part_mib=st.integers(5, 64), in_flight=st.integers(1, 16))
+@settings(max_examples=300, deadline=None)
+def test_part_plan_reaches_any_object_size_within_the_part_limit(expected, part_mib, in_flight):
+    from nvckpt.io.s3 import MAX_PARTS, S3Options, part_plan
+
+    opts = S3Options(part_size=part_mib << 20, parts_in_flight=in_flight)
+    part, n = part_plan(opts, expected)
+    if expected is None or part == opts.part_size:
+        assert (part, n) == (opts.part_size, opts.parts_in_flight)  # what was configured, where it is enough
+    else:  # larger parts, whole MiB, fewer in flight: the configured buffers where they hold 3 parts
+        assert part > opts.part_size and part % (1 << 20) == 0 and n >= 2
+        assert part * (n + 1) <= max(opts.part_size * (opts.parts_in_flight + 1), 3 * part)
+    if expected is not None:
+        assert part * MAX_PARTS * 9 // 10 >= expected  # with a tenth of the parts to spare
+
+
+def test_a_save_expected_to_outgrow_the_parts_uploads_larger_parts(s3):
+    from nvckpt.io.s3 import S3Target
+    from nvckpt.io.target import SinkOptions
+
+    server, prefix = s3
+    url = f"{prefix}/large.bin"
+    target = S3Target(url, nvckpt.io.s3.S3Options(part_size=5 << 20, parts_in_flight=4))
+    target.check()
+    sink = target.open_sink(SinkOptions(direct=False, expected_bytes=100 << 30))
+    assert sink.part_size >= (100 << 30) // 9000 and sink.parts_in_flight == 2  # 12 MiB parts in 25 MiB of buffers
+    data = os.urandom(3 << 20)
+    for _ in range(6):
+        sink.write(data)
+    target.commit()
+    source = nvckpt.io.source.open_source(url)
+    try:
+        assert source.size == 6 * len(data) and source.read(0, len(data)) == data
+    finally:
+        source.close()

@@ -75,8 +75,9 @@ class S3Options:
 
     ``endpoint_url``, ``region``, ``access_key_id``, ``secret_access_key``, ``session_token``, ``profile``:
     where and who (default: the environment and AWS config files, as boto3 finds them).  ``part_size`` and
-    ``parts_in_flight``: a save's multipart upload (buffers: ``part_size * (parts_in_flight + 1)``; S3 allows
-    10,000 parts, so 32 MiB parts make objects up to 312 GiB).  ``read_size`` and ``reads_in_flight``: how
+    ``parts_in_flight``: a save's multipart upload (buffers: ``part_size * (parts_in_flight + 1)``).  S3 allows
+    10,000 parts (32 MiB parts: objects up to 312 GiB): a save that may write more uses larger parts, fewer
+    in flight, within the same buffers where it can (``part_plan``).  ``read_size`` and ``reads_in_flight``: how
     a large read is cut into concurrent GETs.  ``timeout``: seconds without progress before a transfer
     fails, and how long failed requests are retried.  ``checksum``: the per-part checksum the server checks
     (``crc64nvme``, ``sha256``, or None)."""
@@ -569,14 +570,31 @@ class S3Source(_Counted, _HasStore):
 
 # -- writes ----------------------------------------------------------------------------------------
 
+MAX_PARTS = 10_000  # S3's limit on the parts of one multipart upload
+_PART_UNIT = 1 * MiB
+
+
+def part_plan(opts: S3Options, expected_bytes: int | None) -> tuple[int, int]:
+    """(part size, parts in flight) of an upload of at most ``expected_bytes``: the configured ones where
+    they reach that size within MAX_PARTS (a tenth of the parts left spare), else parts large enough, and as
+    many in flight as the configured buffers (``part_size * (parts_in_flight + 1)``) hold, at least 2."""
+    part, in_flight = opts.part_size, opts.parts_in_flight
+    if expected_bytes is None or expected_bytes <= part * (MAX_PARTS * 9 // 10):
+        return part, in_flight
+    need = -(-expected_bytes // (MAX_PARTS * 9 // 10))
+    grown = -(-need // _PART_UNIT) * _PART_UNIT
+    buffers = part * (in_flight + 1)
+    return grown, max(2, buffers // grown - 1)
+
+
 class S3Sink:
     """The stream a save writes: obstore's buffered multipart writer (parts uploaded as they fill)."""
 
-    def __init__(self, target: "S3Target") -> None:
+    def __init__(self, target: "S3Target", expected_bytes: int | None = None) -> None:
         self.target = target
-        opts = target.opts
-        self.writer = _ops.open_writer(target.store, target.key, buffer_size=opts.part_size,
-                                          max_concurrency=opts.parts_in_flight)
+        self.part_size, self.parts_in_flight = part_plan(target.opts, expected_bytes)
+        self.writer = _ops.open_writer(target.store, target.key, buffer_size=self.part_size,
+                                       max_concurrency=self.parts_in_flight)
         self.written = 0
 
     def write(self, data: Any) -> int:
@@ -628,7 +646,7 @@ class S3Target(_HasStore):
 
     def open_sink(self, options: SinkOptions) -> S3Sink:
         with _translated(self.url, "PUT", self.opts):
-            self._sink = S3Sink(self)
+            self._sink = S3Sink(self, options.expected_bytes)
         return self._sink
 
     def commit(self, before_publish: Callable[[], None] | None = None) -> None:

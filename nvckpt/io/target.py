@@ -24,11 +24,13 @@ from .source import forget_position
 
 @dataclass(frozen=True)
 class SinkOptions:
-    """What the engine asks of a local file's sink: O_DIRECT, and its staging blocks."""
+    """What the engine asks of a local file's sink: O_DIRECT, and its staging blocks; ``expected_bytes``: at
+    most what the save will write, where known (an object store sizes its upload's parts by it)."""
 
     direct: bool = True
     block_size: int = DEFAULT_BLOCK
     blocks: int = DEFAULT_BLOCKS
+    expected_bytes: int | None = None
 
 
 class Sink(Protocol):

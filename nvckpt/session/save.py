@@ -11,7 +11,7 @@ import time
 import warnings
 from collections import deque
 from concurrent.futures import CancelledError
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -227,7 +227,10 @@ class SaveSession:
         if self.publishing is not None and hasattr(target, "free_replaced_now"):
             target.free_replaced_now = True  # an async save: its thread frees the replaced file, before it is done
         try:
-            sink = target.open_sink(self.engine.sink_options(self.options))
+            # at most what the file can hold: every raw byte (a chunk is stored raw where encoding does not
+            # pay), plus frames, padding and the index
+            expected = self.plan.raw_bytes + self.plan.raw_bytes // 16 + (64 << 20)
+            sink = target.open_sink(replace(self.engine.sink_options(self.options), expected_bytes=expected))
             size = write_items(sink, items, self.plan, alignment=alignment, info=writer_info(extra),
                                progress=self.progress)
             if cancel.is_set():
