@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterator, Mapping
+from itertools import accumulate
 from typing import Any, Callable
 
 import msgpack
@@ -235,6 +236,13 @@ class PathTable(Mapping[str, int]):
         self.ends = memoryview(ends).cast("Q")
         self.tids = memoryview(tids).cast("I")
         self._slots: bytes | None = None
+
+    @classmethod
+    def of(cls, paths: Mapping[str, int]) -> "PathTable":
+        """The same columns from a dict of paths (a tree decoded the Python way), for the compiled name checks."""
+        encoded = [p.encode("utf-8", "surrogatepass") for p in paths]
+        return cls(b"".join(encoded), array("Q", accumulate(map(len, encoded))).tobytes(),
+                   array("I", paths.values()).tobytes())
 
     def __len__(self) -> int:
         return len(self.tids)

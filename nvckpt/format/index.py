@@ -12,7 +12,7 @@ from .._gc import paused as gc_paused
 from ..errors import FormatError, LimitError, NvckptError, brief
 from .constants import EXT_TENSOR, EXT_TUPLE, KNOWN_REQUIRED_FEATURES, MAX_CODECS, MAX_TENSORS, MAX_TREE_DEPTH, VERSION_MAJOR
 from .bulk import LazyEntries, LazyTree, PathTable, compiled, decode_index
-from .entry import (ChunkStore, EntryTable, TensorEntry, check_list, check_map, check_overlaps, parse_entry,
+from .entry import (ChunkStore, EntryTable, check_list, check_map, check_overlaps, parse_entry,
                     plain_entries, reference_problem)
 from .tree import ArrayRef, Ext, TensorRef, check_depth, check_tree, leaf_paths, memory_budget, msgpack_errors
 
@@ -141,7 +141,7 @@ def parse_index(data: dict[str, Any], index_offset: int, required_features: int 
                 raise FormatError(f"the name {path!r:.200} stands for two different tensors")
     # SPEC 14.1: a name identifies one tensor, whether it is an entry's name or a path's.
     if names is None:
-        table = paths if isinstance(paths, PathTable) else _path_columns(paths)
+        table = paths if isinstance(paths, PathTable) else PathTable.of(paths)
         clash = compiled.name_owner_mismatch(tensors.name_blob, tensors.name_ends, len(tensors), table.blob,
                                              table.ends, table.tids)
         if clash >= 0:
@@ -154,16 +154,6 @@ def parse_index(data: dict[str, Any], index_offset: int, required_features: int 
                 raise FormatError(f"the name {path!r:.200} stands for two different tensors")
     del names
     return Index(writer, codecs, tensors, tree, metadata, (version[0], version[1]), paths, frozenset(arrays))
-
-
-def _path_columns(paths: dict[str, int]) -> Any:
-    """A dict of paths as a PathTable's columns (blob, ends, tids), for the compiled name checks."""
-    from itertools import accumulate
-    from types import SimpleNamespace
-
-    encoded = [p.encode("utf-8", "surrogatepass") for p in paths]
-    return SimpleNamespace(blob=b"".join(encoded), ends=array("Q", accumulate(map(len, encoded))),
-                           tids=array("I", paths.values()))
 
 
 def _column_entries(raw: LazyEntries, ncodecs: int, index_offset: int, tensors: EntryTable, firsts: array) -> None:
