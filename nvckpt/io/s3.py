@@ -687,8 +687,9 @@ def _control_client(bucket: str, opts: S3Options, connections: int = 10) -> Any:
         import boto3
         from botocore.config import Config
     except ModuleNotFoundError:
-        raise ModuleNotFoundError("listing and aborting open multipart uploads needs boto3 "
-                                  "(pip install 'nvckpt[s3]')", name="boto3") from None
+        raise ModuleNotFoundError("listing and aborting open multipart uploads, and S3 requests in a process "
+                                  "forked after using S3, need boto3 (pip install 'nvckpt[s3]')",
+                                  name="boto3") from None
     config = _store_config(opts, bucket)
     session = boto3.session.Session(profile_name=opts.profile) if opts.profile else boto3.session.Session()
     return session.client(
