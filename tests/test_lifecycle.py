@@ -139,6 +139,32 @@ def test_convert_that_finishes_its_file_after_sigterm_exits_0(tmp_path):
 
 
 @pytest.mark.slow
+def test_convert_whose_sigterm_watchdog_wakes_after_the_save_still_exits_0(tmp_path):
+    """On a busy machine the watchdog thread may wake only after the command has finished its file and left
+    its job: the command then still completes (exit 0, said so), as decided when the signal came (seen in CI:
+    killed with 143 after a complete file)."""
+    src, dst = tmp_path / "s.nvckpt", tmp_path / "d.nvckpt"
+    nvckpt.save({"w": torch.arange(1 << 20, dtype=torch.float32)}, src, codec="raw")
+    proc = child(f"""
+        import sys, time
+        import nvckpt.io.sink as sink
+        import nvckpt.session.lifecycle as lifecycle
+        write = sink.FileSink._write_all
+        sink.FileSink._write_all = lambda self, *a: (time.sleep(1.0), write(self, *a))[1]
+        watchdog = lifecycle._watchdog
+        lifecycle._watchdog = lambda *a: (time.sleep(8.0), watchdog(*a))[1]
+        from nvckpt.cli import main
+        sys.exit(main(["convert", "--codec", "zstd", {str(src)!r}, {str(dst)!r}]))
+    """, wait=False)
+    _wait_for_temporary(str(tmp_path), proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert "written in full" in err and str(dst) in out
+    assert torch.equal(nvckpt.load(dst)["w"], torch.arange(1 << 20, dtype=torch.float32))
+
+
+@pytest.mark.slow
 def test_sigterm_past_the_grace_cancels_the_save_and_keeps_the_old_file(tmp_path):
     path = tmp_path / "e.nvckpt"
     nvckpt.save({"old": torch.arange(5)}, path)

@@ -50,6 +50,7 @@ _installed: dict[str, Any] = {"exit": None, "sigterm": False}  # exit: the proce
 _terminating = threading.Event()
 _force = threading.Event()  # the grace is over: take the default action whatever still runs
 _job = threading.Event()  # saves_are_the_job(): saves finished within the grace leave the process running
+_watchdogs: list[threading.Thread] = []  # the SIGTERM watchdog while one runs
 _save_threads: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()  # async saves' (threading holds the live)
 
 
@@ -248,7 +249,12 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     grace = max(r.grace for r in running)
     print(f"nvckpt: SIGTERM: letting {len(running)} save(s) finish (up to {grace:g} s): "
           f"{', '.join(r.path for r in running)}", file=sys.stderr, flush=True)
-    threading.Thread(target=_watchdog, args=(running, grace, signum), name="nvckpt-sigterm", daemon=True).start()
+    # Whether the saves are the job is decided now: the command may leave saves_are_the_job() as soon as its
+    # save ends, before the watchdog wakes to see it.
+    watchdog = threading.Thread(target=_watchdog, args=(running, grace, signum, _job.is_set()),
+                                name="nvckpt-sigterm", daemon=True)
+    _watchdogs[:] = [watchdog]
+    watchdog.start()
 
 
 @contextlib.contextmanager
@@ -261,16 +267,21 @@ def saves_are_the_job() -> Any:
     try:
         yield
     finally:
+        # A SIGTERM watchdog decides (and says) how the command ends before the command goes on or exits: the
+        # daemon thread would otherwise be cut off by the exit, or see the job over and end the process (143).
+        for watchdog in list(_watchdogs):
+            if watchdog is not threading.current_thread():
+                watchdog.join()
         _job.clear()
 
 
-def _watchdog(running: list[Running], grace: float, signum: int) -> None:
+def _watchdog(running: list[Running], grace: float, signum: int, job: bool) -> None:
     leave_to_main_thread()  # its os.kill below must reach the main thread's handler
     deadline = time.monotonic() + grace
     for run in running:
         run.done.wait(max(0.0, deadline - time.monotonic()))
     late = [r for r in running if not r.done.is_set()]
-    if not late and _job.is_set():
+    if not late and job:
         print(f"nvckpt: SIGTERM: {', '.join(r.path for r in running)} written in full; the command completes",
               file=sys.stderr, flush=True)
         _terminating.clear()  # a later SIGTERM is answered anew
@@ -302,6 +313,7 @@ def _after_fork_in_child() -> None:
     _terminating.clear()
     _force.clear()
     _job.clear()
+    _watchdogs.clear()
 
 
 if hasattr(os, "register_at_fork"):
