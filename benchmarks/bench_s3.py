@@ -14,13 +14,17 @@ Parts of the run (``--parts``, comma-separated):
 
 - ``raw``: each client's ceiling on those bytes: a multipart PUT streaming from 8 MiB memory chunks
   (16 MiB parts, 8 in flight), a whole GET (one request, streamed into a preallocated buffer) and
-  concurrent ranged GETs (16 MiB ranges, 8 in flight, into the same buffer).  Clients: boto3/s3transfer,
+  concurrent ranged GETs (16 MiB ranges, 8 in flight, into the same buffer); both GETs again into fresh
+  memory (allocated within the clock, first touched by the transfer, as a load's result is).  Clients: boto3/s3transfer,
   obstore (Rust object_store) and s3fs (aiobotocore), each as its users configure it (endpoint, part size
   and concurrency set alike; retries and timeouts left at their defaults).
 - ``peers``: save and load of the whole state by torch.save + boto3, s3torchconnector's S3Checkpoint and
   its DCP S3StorageWriter/S3StorageReader, DCP through fsspec (s3fs), and safetensors + boto3.
 - ``tensor``: one 4 MiB tensor (an fp32 attention projection) read from the saved checkpoint by each
   peer, and the floor: one ranged GET of its bytes; the requests each made (counted by an idle proxy).
+- ``link``: loads through a link slower than this machine's CPU (``--link-mbit``, default 1,000 Mbit/s:
+  the S3 port's traffic on loopback shaped by tc, which needs root): each raw client's GETs into fresh
+  memory, and each peer's load, against the ceiling for the bytes it reads.
 - ``faults``: each raw client (and the CRT client of s3torchconnector) against the fault proxy: 503
   SlowDown and resets on parts and GETs (retried? object exact?), a server killed in the middle of a
   multipart upload (time to an error, the upload left open?), a source that fails in the middle (does the
@@ -46,11 +50,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import contextlib
 import datetime
 import hashlib
 import importlib
 import io
 import json
+import mmap
 import os
 import platform
 import resource
@@ -61,6 +67,7 @@ import sys
 import threading
 import time
 from typing import Any, Callable
+from urllib.parse import urlsplit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -73,6 +80,9 @@ CONCURRENCY = 8    # parts or ranges in flight, every client
 TENSOR = "master/enc.layers.0.self_attn.out_proj.weight"  # fp32 [dim, dim]: 4 MiB at dim 1024
 REGION = "us-east-1"
 FAULT_BYTES = 160 * MiB  # the fault probes move the checkpoint file's first 160 MiB
+RAW_OPS = ("put", "get_whole", "get_ranged", "get_whole_fresh", "get_ranged_fresh")
+RAW_OP_NAMES = {"put": "PUT", "get_whole": "GET whole", "get_ranged": "GET ranged",
+                "get_whole_fresh": "GET whole, fresh", "get_ranged_fresh": "GET ranged, fresh"}
 
 
 # -- measuring ----------------------------------------------------------------------------------------
@@ -765,12 +775,22 @@ def raw_op(spec: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
         assert bytes(got) == bytes(data[spec["start"]:spec["end"]])
         return m.row(len(got))
     del chunks
-    dest = bytearray(len(data))  # the destination exists before the read: the peak is the client's own
-    mv = memoryview(dest)
-    with Meter() as m:
-        (client.get_whole if op == "get_whole" else client.get_ranged)(bucket, key, mv)
+    get = client.get_whole if op.startswith("get_whole") else client.get_ranged
+    if op.endswith("_fresh"):
+        # Into memory allocated (and so first touched) within the clock, as a load's result is: on this kind of
+        # VM the page faults of a fresh destination cost about as much CPU as the transfer itself.
+        with Meter() as m:
+            dest = mmap.mmap(-1, len(data))
+            get(bucket, key, memoryview(dest))
+        row = m.row(len(data))
+        row["peak_rss_MB"] = round(max(0.0, m.peak_mb - len(data) / MiB), 1)  # beyond the destination
+    else:
+        dest = bytearray(len(data))  # the destination exists before the read: the peak is the client's own
+        with Meter() as m:
+            get(bucket, key, memoryview(dest))
+        row = m.row(len(data))
     assert sha256(dest) == digest, f"{client.name} {op}: wrong bytes"
-    return m.row(len(data))
+    return row
 
 
 def _counted(endpoint: str, fn: Callable[[str], Any]) -> tuple[Any, dict[str, int]]:
@@ -929,7 +949,7 @@ def run_raw(server: Any, file: str, reps: int) -> dict[str, Any]:
     rows: dict[str, dict[str, list[dict[str, float]]]] = {c: {} for c in RAW_MEASURED}
     for rep in range(reps):
         order = RAW_MEASURED[rep % len(RAW_MEASURED):] + RAW_MEASURED[:rep % len(RAW_MEASURED)]
-        for op in ("put", "get_whole", "get_ranged"):
+        for op in RAW_OPS:
             for c in order:
                 key = f"put-{c}" if op == "put" else "payload"
                 r = run_worker({**base, "client": c, "op": op, "key": key, "warm_key": "payload"})
@@ -1076,6 +1096,101 @@ def run_faults(server: Any, file: str, cap: float, clients: list[str], only_stal
     return out
 
 
+# -- a link slower than the client's CPU -----------------------------------------------------------------
+@contextlib.contextmanager
+def shaped_link(port: int, mbit: int) -> Any:
+    """Loopback traffic to and from ``port`` (the S3 endpoint's) limited to ``mbit`` Mbit/s, as a training
+    node's share of its network limits each rank's transfers; SeaweedFS's traffic between its own servers
+    stays unlimited.  tc: an htb qdisc on lo whose default class is unlimited and whose second class, where
+    u32 filters put that port's packets, has the rate.  Needs root (CAP_NET_ADMIN) and iproute2; removed on
+    exit."""
+
+    def tc(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["tc", *args], capture_output=True, text=True)
+
+    try:
+        shown = tc("qdisc", "show", "dev", "lo").stdout
+    except FileNotFoundError:
+        raise SystemExit("bench_s3: the 'link' part needs tc (iproute2) to shape the loopback link") from None
+    if "noqueue" not in shown:
+        raise SystemExit(f"bench_s3: lo already has a queueing discipline ({shown.strip()}); remove it first "
+                         "(tc qdisc del dev lo root) or leave out the 'link' part")
+    steps = [("qdisc", "add", "dev", "lo", "root", "handle", "1:", "htb", "default", "10", "r2q", "100000"),
+             ("class", "add", "dev", "lo", "parent", "1:", "classid", "1:10", "htb", "rate", "100gbit"),
+             # the bucket holds several 64 KiB loopback packets: a burst below that would stall the class
+             ("class", "add", "dev", "lo", "parent", "1:", "classid", "1:20", "htb", "rate", f"{mbit}mbit",
+              "ceil", f"{mbit}mbit", "burst", "2mb", "cburst", "2mb")]
+    steps += [("filter", "add", "dev", "lo", "parent", "1:", "protocol", "ip", "prio", "1", "u32", "match", "ip",
+               side, str(port), "0xffff", "flowid", "1:20") for side in ("sport", "dport")]
+    try:
+        for step in steps:
+            done = tc(*step)
+            if done.returncode:
+                raise SystemExit(f"bench_s3: cannot shape the loopback link (tc {' '.join(step[:2])}: "
+                                 f"{done.stderr.strip()}); the 'link' part needs root (CAP_NET_ADMIN)")
+        yield
+    finally:
+        tc("qdisc", "del", "dev", "lo", "root")
+
+
+def run_link(server: Any, file: str, reps: int, peers: list[str], mbit: int,
+             clients: tuple[str, ...] = ("boto3", "obstore")) -> dict[str, Any]:
+    """Loads through a link of ``mbit`` Mbit/s: each raw client's GETs of the checkpoint file into fresh
+    memory (the ceiling) and each peer's load of the whole state, which it saved beforehand at full speed
+    (untimed: this machine's saves are bound by the server's CPU, not the link)."""
+    env = server.env()
+    bucket = server.create_bucket()
+    with open(file, "rb") as f:
+        server.client().upload_fileobj(f, bucket, "payload")
+    stored: dict[str, int] = {}
+    for p in peers:
+        r = run_worker({"env": env, "file": file, "bucket": bucket, "kind": "peer", "peer": p, "prefix": p,
+                        "op": "save"})
+        if "error" in r:
+            raise SystemExit(f"bench_s3: {p} could not save for the link part: {r['error']}")
+        stored[p] = r["stored_bytes"]
+    raw: dict[str, dict[str, list[dict[str, Any]]]] = {c: {} for c in clients}
+    loads: dict[str, list[dict[str, Any]]] = {p: [] for p in peers}
+    with shaped_link(urlsplit(env["AWS_ENDPOINT_URL"]).port, mbit):
+        for rep in range(reps):
+            for c in clients:
+                for op in ("get_whole_fresh", "get_ranged_fresh"):
+                    r = run_worker({"env": env, "file": file, "bucket": bucket, "kind": "raw", "client": c, "op": op,
+                                    "key": "payload"})
+                    print(f"  link {mbit} Mbit/s raw {c} {op}: {r}", file=sys.stderr)
+                    raw[c].setdefault(op, []).append(r)
+            for p in peers if rep % 2 == 0 else peers[::-1]:
+                r = run_worker({"env": env, "file": file, "bucket": bucket, "kind": "peer", "peer": p, "prefix": p,
+                                "op": "load"})
+                print(f"  link {mbit} Mbit/s peer {p} load: {r}", file=sys.stderr)
+                loads[p].append(r)
+    return {"mbit": mbit, "raw": {c: {op: summarize(rs) for op, rs in ops.items()} for c, ops in raw.items()},
+            "peers": {p: {**summarize(rs), "stored_bytes": stored[p]} for p, rs in loads.items()}}
+
+
+def link_lines(link: dict[str, Any]) -> list[str]:
+    """The link part's tables: its ceilings, then each route's load against the ceiling for what it reads."""
+    mbit = link["mbit"]
+    best = max((r.get("MB_per_s", 0) for ops in link["raw"].values() for r in ops.values()), default=0)
+    lines = [f"## Through a {mbit:,} Mbit/s link ({mbit / 8:,.0f} MB/s): loads bound by the connection", "",
+             f"The S3 port's traffic on loopback shaped by tc to {mbit:,} Mbit/s (`--link-mbit`; SeaweedFS's traffic "
+             "between its own servers is not), a node's network share per rank: here the link, not this machine's "
+             "CPU, is the bound.  Every GET writes into fresh memory.  Ceiling: the fastest raw GET below "
+             f"({best} MB/s) for the bytes a route reads.", ""]
+    lines += raw_table(link["raw"])
+    lines += ["| route | load s | bytes read MB | ceiling for those bytes s | load / ceiling | load CPU s/GB | "
+              "load peak beyond the result MB |", "|---|---|---|---|---|---|---|"]
+    for p, r in link["peers"].items():
+        if "error" in r:
+            lines.append(f"| {PEERS[p].name} | {r['error']} | | | | | |")
+            continue
+        ceiling = r["stored_bytes"] / 1e6 / best if best else float("nan")
+        lines.append(f"| {PEERS[p].name} | {r['seconds']} | {r['stored_bytes'] / 1e6:,.0f} | {ceiling:.2f} | "
+                     f"{r['seconds'] / ceiling:.2f} | {r.get('cpu_s_per_GB', '')} | "
+                     f"{r.get('peak_rss_beyond_result_MB', '')} |")
+    return lines + [""]
+
+
 def hardware() -> dict[str, Any]:
     model = ""
     try:
@@ -1120,16 +1235,9 @@ def markdown(doc: dict[str, Any]) -> str:
     raw = doc.get("raw")
     if raw:
         lines += ["## Raw ceilings: the checkpoint file's bytes", "",
-                  "| client | PUT MB/s | PUT CPU s/GB | PUT peak MB | GET whole MB/s | CPU s/GB | peak MB | "
-                  "GET ranged MB/s | CPU s/GB | peak MB |", "|---|---|---|---|---|---|---|---|---|---|"]
-        for c, ops in raw.items():
-            cells = []
-            for op in ("put", "get_whole", "get_ranged"):
-                r = ops.get(op, {})
-                cells += ["error" if "error" in r else f"{r['MB_per_s']}", f"{r.get('cpu_s_per_GB', '')}",
-                          f"{r.get('peak_rss_MB', '')}"]
-            lines.append(f"| {RAW_CLIENTS[c].name} | " + " | ".join(cells) + " |")
-        lines.append("")
+                  "GET ... fresh: into memory allocated within the clock (first touched by the transfer, as a "
+                  "load's result is); the other GETs write into a buffer allocated and zeroed before it.", ""]
+        lines += raw_table(raw)
     peers = doc.get("peers")
     if peers:
         lines += ["## Peers: the whole training state (MB/s of raw tensor bytes)", "",
@@ -1150,6 +1258,8 @@ def markdown(doc: dict[str, Any]) -> str:
             lines += ["", "Floor for one 4 MiB tensor (one ranged GET of its bytes): " + ", ".join(
                 f"{RAW_CLIENTS[c].name} {r.get('seconds', r.get('error'))} s" for c, r in floor.items()) + "."]
         lines.append("")
+    if doc.get("link"):
+        lines += link_lines(doc["link"])
     faults = doc.get("faults")
     if faults:
         lines += ["## Faults (through nvckpt.testing.faultproxy)", "",
@@ -1174,8 +1284,23 @@ def markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def raw_table(raw: dict[str, Any]) -> list[str]:
+    ops = [op for op in RAW_OPS if any(op in r for r in raw.values())]
+    head = "| client | " + " | ".join(f"{RAW_OP_NAMES[op]} MB/s | CPU s/GB | peak MB" for op in ops) + " |"
+    lines = [head, "|---" * (1 + 3 * len(ops)) + "|"]
+    for c, got in raw.items():
+        cells = []
+        for op in ops:
+            r = got.get(op, {})
+            cells += ["error" if "error" in r else f"{r.get('MB_per_s', '')}", f"{r.get('cpu_s_per_GB', '')}",
+                      f"{r.get('peak_rss_MB', '')}"]
+        lines.append(f"| {RAW_CLIENTS[c].name} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def merged(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
-    """The earlier results with this run's rows put in (raw clients and peers by name, other parts whole)."""
+    """The earlier results with this run's rows put in (raw clients and peers by name, other parts whole), and
+    which run each row comes from (``row_runs``, said in a note)."""
     out = dict(old)
     if "raw" in new and "peers" in new:  # the side-by-side tables are this run's: so is the header
         out.update({k: new[k] for k in ("date", "command", "hardware", "reps", "data", "settings", "versions")
@@ -1183,16 +1308,30 @@ def merged(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     for part in ("raw", "peers", "tensor_floor", "faults"):
         if part in new:
             out[part] = {**old.get(part, {}), **new[part]}
-    rows = sorted(f"{part} {name}" for part in ("raw", "peers", "faults") for name in new.get(part, {}))
-    kept = sorted(f"{part} {name}" for part in ("raw", "peers", "faults") for name in old.get(part, {})
-                  if name not in new.get(part, {}))
-    note = (f"rows {', '.join(rows)} from the run of {new['date']} (`{new['command']}`, load average "
-            f"{new.get('load_average')}); {', '.join(kept) or 'none'} from the run of {old['date']} "
-            f"(`{old['command']}`)")
-    out["notes"] = [n for n in old.get("notes", []) if not n.startswith("rows ")] + [note]
+    if "link" in new:  # one link rate's rows: replaced whole
+        out["link"] = new["link"]
     out["runs"] = old.get("runs", [{"date": old["date"], "command": old["command"]}]) + [
         {"date": new["date"], "command": new["command"], "load_average": new.get("load_average")}]
+    row_runs = dict(old.get("row_runs") or {row: old["date"] for row in _rows(old)})
+    row_runs.update({row: new["date"] for row in _rows(new)})
+    out["row_runs"] = row_runs
+    runs = {r["date"]: r for r in out["runs"]}
+    by_run: dict[str, list[str]] = {}
+    for row, date in sorted(row_runs.items()):
+        by_run.setdefault(date, []).append(row)
+    said = []
+    for date, rows in sorted(by_run.items(), reverse=True):
+        run = runs.get(date, {})
+        load = f", load average {run['load_average']}" if run.get("load_average") else ""
+        said.append(f"{', '.join(rows)} from the run of {date} (`{run.get('command', '?')}`{load})")
+    out["notes"] = [n for n in old.get("notes", []) if not n.startswith("rows ")] + ["rows " + "; ".join(said)]
     return out
+
+
+def _rows(doc: dict[str, Any]) -> list[str]:
+    """The names of a result's rows that a partial run may replace."""
+    return ([f"{part} {name}" for part in ("raw", "peers", "faults") for name in doc.get(part, {})]
+            + (["link"] if doc.get("link") else []))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1204,6 +1343,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--parts", default="raw,peers,tensor,faults")
     ap.add_argument("--peers", default=",".join(PEERS))
+    ap.add_argument("--link-mbit", type=int, default=1000,
+                    help="the link part's rate, Mbit/s, of the S3 port's traffic (needs root: tc on loopback)")
     ap.add_argument("--fault-clients", default="boto3,obstore,s3fs,crt")
     ap.add_argument("--stall-cap", type=float, default=200.0)
     ap.add_argument("--work", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "nvckpt-bench-s3"))
@@ -1245,6 +1386,8 @@ def main(argv: list[str] | None = None) -> int:
         if "peers" in parts or "tensor" in parts:
             doc["peers"] = run_peers(server, file, args.reps, args.peers.split(","))
             doc["tensor_floor"] = tensor_floor(server, file)
+        if "link" in parts:
+            doc["link"] = run_link(server, file, args.reps, args.peers.split(","), args.link_mbit)
         if "faults" in parts:
             doc["faults"] = run_faults(server, file, args.stall_cap, args.fault_clients.split(","))
         if "stalls" in parts:  # the stall probes alone, with a read timeout only
