@@ -14,8 +14,6 @@ from concurrent.futures import CancelledError
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Iterator
 
-import torch
-
 from ..engines.base import Engine, Prepared, select_engine
 from ..format.index import writer_info
 from ..engines.items import EncodedChunk, TensorReady
