@@ -27,10 +27,8 @@ Writes bench_cpu.json and bench_cpu.md (date, hardware, command, versions, load 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import struct
 import sys
@@ -43,7 +41,9 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import harness  # noqa: E402
 import nvckpt  # noqa: E402
 from nvckpt.codecs import planes  # noqa: E402
 from nvckpt.tools.bench import in_page_cache  # noqa: E402  (nvckpt writes with O_DIRECT: read once, untimed)
@@ -417,28 +417,12 @@ def verify_checksum_share(path_obj: Any, tmp: str, reps: int) -> dict[str, float
             "paired_difference": statistics.median(diffs), "rounds": len(diffs)}
 
 
-def hardware() -> dict[str, Any]:
-    model = ""
-    try:
-        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": model, "cores": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version()}
-
-
 def versions() -> dict[str, str]:
     import zstandard
 
     out = {"nvckpt": nvckpt.__version__, "torch": torch.__version__, "zstandard": zstandard.__version__,
            "libzstd": planes.libzstd_version(), "portable_backend": planes.backend(), "numpy": np.__version__}
-    from importlib import metadata
-
-    for mod in ("zipnn", "blosc2"):
-        try:
-            out[mod] = metadata.version(mod)
-        except Exception:
-            out[mod] = "not installed"
-    return out
+    return {**out, **harness.package_versions(("zipnn", "blosc2"))}
 
 
 def markdown(doc: dict[str, Any]) -> str:
@@ -517,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--small-layers", type=int, default=800,
                     help="layers of the many-small-tensors state (about 10 tensors each; 0 leaves it out)")
     args = ap.parse_args(argv)
-    loadavg_before = open("/proc/loadavg").read().split()[:3]
+    loadavg_before = harness.load_average()
     t0 = time.perf_counter()
     state = training_state(args.steps)
     train_s = time.perf_counter() - t0
@@ -528,18 +512,13 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="nvckpt-bench-cpu-", dir=args.dir) as tmp:
         result = run(datasets, args.reps, tmp)
         checks = verify_checksum_share(datasets["MiniLM bf16"], tmp, args.reps)
-    doc = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-           "command": "python " + " ".join([os.path.relpath(__file__, ROOT)] + (argv if argv is not None else sys.argv[1:])),
-           "hardware": hardware(), "versions": versions(), "reps": args.reps, "train_seconds": train_s,
-           "loadavg_before": " ".join(loadavg_before), "loadavg_after": " ".join(open("/proc/loadavg").read().split()[:3]),
+    doc = {"date": harness.utc_date(),
+           "command": harness.command_line(__file__, argv if argv is not None else sys.argv[1:], python="python"),
+           "hardware": harness.hardware(), "versions": versions(), "reps": args.reps, "train_seconds": train_s,
+           "loadavg_before": loadavg_before, "loadavg_after": harness.load_average(),
            "run": result, "checksums": checks, "checksum_dataset": "MiniLM bf16"}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_cpu.json"), "w") as f:
-        json.dump(doc, f, indent=1)
-    with open(os.path.join(args.out, "bench_cpu.md"), "w") as f:
-        f.write(markdown(doc))
-    print(markdown(doc))
-    return 0
+    text = harness.write_results(args.out, "bench_cpu", doc, lambda: markdown(doc), echo=True)
+    return 0 if text is not None else 1
 
 
 if __name__ == "__main__":

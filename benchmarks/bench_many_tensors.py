@@ -21,6 +21,9 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
+
 _MEASURE = r"""
 import json, sys, time, torch, nvckpt
 import nvckpt.session.load  # (imports are not what is measured)
@@ -65,6 +68,26 @@ def measure(mode: str, path: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def markdown(result: dict, name: str) -> str:
+    lines = [f"# {name}", "", f"{result['date']}, {result['hardware']}, Python {result['python']}, "
+             f"torch {result['torch']}: `{result['command']}`. Wall and CPU seconds, peak RSS added (MB); a fresh "
+             "process each, torch and nvckpt imported first; open is `nvckpt.open(path)` and `.keys()`. loadavg: the "
+             "machine's 1-minute load average before the row; on shared cores compare CPU seconds.", "",
+             "| tensors | file MB | loadavg | open s (cpu) | open MB | load s (cpu) | load MB | torch.load s (cpu) "
+             "| torch.load MB | load / torch.load (cpu) |", "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def cell(r: dict, mode: str) -> str:
+        m = r.get(mode)
+        return "-- | --" if m is None else f"{m['wall_s']:.2f} ({m['cpu_s']:.2f}) | {m['peak_mb']:.0f}"
+
+    for r in result["rows"]:
+        lines.append(f"| {r['tensors']:,} | {r['file_mb']:.0f} | {r['loadavg']} | {cell(r, 'open')} | {cell(r, 'load')} "
+                     f"| {cell(r, 'torch.load')} | {r.get('load_over_torch_cpu', '--')} |")
+    lines += ["", "Targets (issue 52) for 1,048,576 tensors: open and keys() in at most 2 s and 300 MB; load in at most "
+              "3x torch.load's time for the same state."]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, nargs="+", default=[100_000, 1 << 20])
@@ -99,28 +122,11 @@ def main() -> int:
             print(json.dumps(row), flush=True)
             rows.append(row)
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+              "command": harness.command_line(__file__, sys.argv[1:]),
               "hardware": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores (shared)",
               "python": platform.python_version(), "torch": torch.__version__, "rows": rows}
-    with open(os.path.join(args.out, args.name + ".json"), "w") as f:
-        json.dump(result, f, indent=1)
-    lines = [f"# {args.name}", "", f"{result['date']}, {result['hardware']}, Python {result['python']}, "
-             f"torch {result['torch']}: `{result['command']}`. Wall and CPU seconds, peak RSS added (MB); a fresh "
-             "process each, torch and nvckpt imported first; open is `nvckpt.open(path)` and `.keys()`. loadavg: the "
-             "machine's 1-minute load average before the row; on shared cores compare CPU seconds.", "",
-             "| tensors | file MB | loadavg | open s (cpu) | open MB | load s (cpu) | load MB | torch.load s (cpu) "
-             "| torch.load MB | load / torch.load (cpu) |", "|---|---|---|---|---|---|---|---|---|---|"]
-    def cell(r: dict, mode: str) -> str:
-        m = r.get(mode)
-        return "-- | --" if m is None else f"{m['wall_s']:.2f} ({m['cpu_s']:.2f}) | {m['peak_mb']:.0f}"
-
-    for r in rows:
-        lines.append(f"| {r['tensors']:,} | {r['file_mb']:.0f} | {r['loadavg']} | {cell(r, 'open')} | {cell(r, 'load')} "
-                     f"| {cell(r, 'torch.load')} | {r.get('load_over_torch_cpu', '--')} |")
-    lines += ["", "Targets (issue 52) for 1,048,576 tensors: open and keys() in at most 2 s and 300 MB; load in at most "
-              "3x torch.load's time for the same state."]
-    with open(os.path.join(args.out, args.name + ".md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    if harness.write_results(args.out, args.name, result, lambda: markdown(result, args.name)) is None:
+        return 1
     return 0
 
 

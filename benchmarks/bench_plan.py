@@ -12,13 +12,10 @@ the host time per tensor, not bytes: the walk, the search for derived tensors, a
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -26,6 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_gpu  # noqa: E402  (the GPT model of the GPU benchmarks)
+import harness  # noqa: E402
 
 from nvckpt.plan import layout  # noqa: E402
 from nvckpt.plan.walk import plan_save  # noqa: E402
@@ -68,6 +66,20 @@ def once(ck: dict, fresh: bool) -> dict[str, float]:
             "searched": plan.searched}
 
 
+def markdown(doc: dict) -> str:
+    info = doc["info"]
+    lines = [f"# Planning a save of {info['tensors']} tensors ({info['date']}, code {info['commit']})", "",
+             f"Command: `{info['command']}`  ",
+             f"Hardware: {info['cpu']}, {info['cores']} cores; Python {info['python']}, torch {info['torch']}; "
+             f"median of {info['reps']}, interleaved; host milliseconds.", "",
+             "| save | plan (walk + search) | walk | derived-tensor search | verify (CPU) | derived found |",
+             "|---|---|---|---|---|---|"]
+    for k, s in doc["summary"].items():
+        lines.append(f"| {k} | {s['plan_ms']:.2f} | {s['walk_ms']:.2f} | {s['search_ms']:.2f} | {s['verify_ms']:.2f} | "
+                     f"{s['derived']} |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -84,31 +96,15 @@ def main() -> int:
         rows["new layout"].append(once(ck, True))
         rows["known layout"].append(once(ck, False))
     gc.enable()
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except OSError:
-        commit = ""
     summary = {k: {m: round(statistics.median(r[m] for r in v), 2) for m in ("plan_ms", "walk_ms", "search_ms", "verify_ms")}
                | {"derived": v[0]["derived"], "searched": v[0]["searched"]} for k, v in rows.items()}
-    info = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit,
+    info = {"date": harness.utc_date(), "commit": harness.code_commit(),
             "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "python": platform.python_version(),
             "torch": torch.__version__, "tensors": ntensors, "reps": args.reps,
             "command": f"python3 benchmarks/bench_plan.py --out OUT --layers {args.layers} --reps {args.reps}"}
-    with open(os.path.join(args.out, "bench_plan.json"), "w") as f:
-        json.dump({"info": info, "summary": summary, "rows": rows}, f, indent=1)
-    lines = [f"# Planning a save of {ntensors} tensors ({info['date']}, code {commit})", "",
-             f"Command: `{info['command']}`  ",
-             f"Hardware: {info['cpu']}, {info['cores']} cores; Python {info['python']}, torch {info['torch']}; "
-             f"median of {args.reps}, interleaved; host milliseconds.", "",
-             "| save | plan (walk + search) | walk | derived-tensor search | verify (CPU) | derived found |",
-             "|---|---|---|---|---|---|"]
-    for k, s in summary.items():
-        lines.append(f"| {k} | {s['plan_ms']:.2f} | {s['walk_ms']:.2f} | {s['search_ms']:.2f} | {s['verify_ms']:.2f} | "
-                     f"{s['derived']} |")
-    with open(os.path.join(args.out, "bench_plan.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    doc = {"info": info, "summary": summary, "rows": rows}
+    if harness.write_results(args.out, "bench_plan", doc, lambda: markdown(doc), echo=True) is None:
+        return 1
     return 0
 
 

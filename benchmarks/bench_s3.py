@@ -58,7 +58,6 @@ import io
 import json
 import mmap
 import os
-import platform
 import resource
 import signal
 import statistics
@@ -71,6 +70,9 @@ from urllib.parse import urlsplit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import harness  # noqa: E402
 
 MiB = 1 << 20
 CHUNK = 8 * MiB    # the memory chunks a streaming writer hands over
@@ -1191,31 +1193,10 @@ def link_lines(link: dict[str, Any]) -> list[str]:
     return lines + [""]
 
 
-def hardware() -> dict[str, Any]:
-    model = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    mem = 0
-    with open("/proc/meminfo") as f:
-        mem = int(f.readline().split()[1]) // 1024
-    return {"cpu": model, "cores": os.cpu_count(), "memory_MB": mem, "machine": platform.machine(),
-            "python": platform.python_version(), "kernel": platform.release()}
-
-
 def versions(server: Any) -> dict[str, str]:
-    from importlib import metadata
-
-    out = {"seaweedfs": server.version}
-    for mod in ("nvckpt", "torch", "boto3", "botocore", "s3transfer", "obstore", "s3fs", "aiobotocore", "fsspec",
-                "s3torchconnector", "s3torchconnectorclient", "safetensors"):
-        try:
-            out[mod] = metadata.version(mod)
-        except Exception:
-            out[mod] = "not installed"
-    return out
+    return {"seaweedfs": server.version, **harness.package_versions((
+        "nvckpt", "torch", "boto3", "botocore", "s3transfer", "obstore", "s3fs", "aiobotocore", "fsspec",
+        "s3torchconnector", "s3torchconnectorclient", "safetensors"))}
 
 
 def markdown(doc: dict[str, Any]) -> str:
@@ -1369,8 +1350,8 @@ def main(argv: list[str] | None = None) -> int:
     info = describe(file)
     doc: dict[str, Any] = {
         "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
-        "command": "python benchmarks/bench_s3.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "hardware": hardware(), "reps": args.reps, "stall_cap": args.stall_cap,
+        "command": harness.command_line(__file__, sys.argv[1:] if argv is None else argv, python="python"),
+        "hardware": harness.hardware(), "reps": args.reps, "stall_cap": args.stall_cap,
         "data": {"description": f"transformer of {args.layers} layers, width {args.dim}, trained {args.steps} AdamW "
                                 f"steps (bf16 weights, fp32 master, Adam moments), saved by nvckpt {nvckpt.__version__} "
                                 f"(portable codec)",
@@ -1398,14 +1379,9 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     if args.merge and os.path.exists(os.path.join(args.out, "bench_s3.json")):
         doc = merged(json.load(open(os.path.join(args.out, "bench_s3.json"))), doc)
-    with open(os.path.join(args.out, "bench_s3.json"), "w") as f:
-        json.dump(doc, f, indent=1)
-    with open(os.path.join(args.out, "bench_s3.md"), "w") as f:
-        f.write(markdown(doc))
-    print(markdown(doc))
-    return 0
+    text = harness.write_results(args.out, "bench_s3", doc, lambda: markdown(doc), echo=True)
+    return 0 if text is not None else 1
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     raise SystemExit(main())

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import io
-import json
 import os
 import platform
 import statistics
@@ -28,10 +27,12 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import zstandard  # noqa: E402
 
+import harness  # noqa: E402
 import nvckpt  # noqa: E402
 from benchmarks.bench_cpu import many_small_state, minilm, training_state  # noqa: E402
 from nvckpt.format.constants import FOOTER_SIZE, FRAME_HEADER_SIZE  # noqa: E402
@@ -98,26 +99,20 @@ def main(argv: list[str] | None = None) -> int:
               f"training state ({args.steps} AdamW steps)": training_state(args.steps)}
     if args.params:
         states[f"optimizer state ({args.params:,} parameters)"] = optimizer_state(args.params)
-    load_before = " ".join(open("/proc/loadavg").read().split()[:3])
+    load_before = harness.load_average()
     rows = [measure(name, obj, args.reps) for name, obj in states.items()]
     import msgpack
 
     doc = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "command": "python benchmarks/index_compression.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "command": harness.command_line(__file__, argv if argv is not None else sys.argv[1:], python="python"),
            "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}",
-           "loadavg_before": load_before, "loadavg_after": " ".join(open("/proc/loadavg").read().split()[:3]),
+           "loadavg_before": load_before, "loadavg_after": harness.load_average(),
            "versions": {"python": platform.python_version(), "nvckpt": nvckpt.__version__, "torch": torch.__version__,
                         "zstandard": zstandard.__version__, "libzstd": ".".join(map(str, zstandard.ZSTD_VERSION)),
                         "msgpack": ".".join(map(str, msgpack.version))},
            "rows": rows}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "index_compression.json"), "w") as f:
-        json.dump(doc, f, indent=1)
-    text = markdown(doc)
-    with open(os.path.join(args.out, "index_compression.md"), "w") as f:
-        f.write(text)
-    print(text)
-    return 0
+    text = harness.write_results(args.out, "index_compression", doc, lambda: markdown(doc), echo=True)
+    return 0 if text is not None else 1
 
 
 def markdown(doc: dict) -> str:
