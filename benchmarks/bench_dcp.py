@@ -40,7 +40,6 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import time
 import traceback
@@ -52,6 +51,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
 
 GB = 1e9
 STATES = 4096
@@ -60,9 +61,9 @@ RESHARD_METHODS = ("nvckpt", "fs")
 
 
 # -- helpers -------------------------------------------------------------------------------------
-def drop_caches() -> bool:
-    r = subprocess.run(["sh", "-c", "sync; echo 3 > /proc/sys/vm/drop_caches"], capture_output=True, text=True)
-    return r.returncode == 0
+def drop_caches(path: str) -> bool:
+    """Evict ``path`` (a file, or a checkpoint's folder) from the page cache; True if it could."""
+    return harness.cache_dropped(harness.drop_page_cache([path]))
 
 
 def dir_bytes(path: str) -> int:
@@ -86,7 +87,7 @@ def disk_bandwidth(workdir: str, nbytes: int) -> dict[str, Any]:
         f.flush()
         os.fsync(f.fileno())
     write_s = time.perf_counter() - t0
-    dropped = drop_caches()
+    dropped = drop_caches(path)
     t0 = time.perf_counter()
     with open(path, "rb", buffering=0) as f:
         while f.read(64 << 20):
@@ -269,13 +270,13 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, store: str, resul
             for label, column in (("load_s", False), ("load_reshard_s", True)):
                 target = target_like(state, mesh, column)
                 if rank == 0:
-                    m["cache_dropped"] = drop_caches()
+                    m["cache_dropped"] = drop_caches(path)
                 dist.barrier()
                 m[label] = timed(lambda: dcp.load(target, storage_reader=reader_for(method, path)), device)
                 m[label.replace("_s", "_exact")] = same(target, state, weights, moments, column, rank, world)
                 del target
             if rank == 0:  # world size 1: one process loads the whole state from every rank's file
-                m["cache_dropped"] = drop_caches() and m["cache_dropped"]
+                m["cache_dropped"] = drop_caches(path) and m["cache_dropped"]
                 full = {"model": {n: torch.full_like(t, 7.0) for n, t in weights.items()},
                         "optim": {k: {n: torch.full_like(t, 7.0) for n, t in g.items()} for k, g in moments.items()},
                         "step": 0}
@@ -529,7 +530,7 @@ def run_reshard(args: argparse.Namespace, argv: list[str]) -> int:
     results = os.path.join(args.workdir, "results")
     R: dict[str, Any] = {"env": environment(args, argv), "ranks": args.ranks, "steps": args.steps, "reps": args.reps,
                          "model": {"d_model": args.d_model, "layers": args.layers, "vocab": args.vocab},
-                         "loadavg_before": " ".join(open("/proc/loadavg").read().split()[:3]), "errors": {}}
+                         "loadavg_before": harness.load_average(), "errors": {}}
     R["saved_bytes"] = save_for_reshard(args)
     reference = torch.load(os.path.join(args.workdir, "reference.pt"), weights_only=True)
     R["raw_bytes"] = sum(t.numel() * t.element_size() for g in (reference["model"], *reference["optim"].values())
@@ -543,33 +544,25 @@ def run_reshard(args: argparse.Namespace, argv: list[str]) -> int:
             loads[world] = [json.load(open(os.path.join(results, f"reshard{world}_rank{r}.json"))) for r in range(world)]
         except OSError:
             pass
-    R["loadavg_after"] = " ".join(open("/proc/loadavg").read().split()[:3])
+    R["loadavg_after"] = harness.load_average()
     R["reshard"] = reshard_table(loads, args.ranks)
     R["per_rank"] = loads
-    with open(os.path.join(args.out, "bench_dcp_reshard.json"), "w") as f:
-        json.dump(R, f, indent=1)
-    text = reshard_markdown(R)
-    with open(os.path.join(args.out, "bench_dcp_reshard.md"), "w") as f:
-        f.write(text)
-    print(text)
-    return 0 if not R["errors"] and all(r["exact"] for r in R["reshard"]) else 1
+    text = harness.write_results(args.out, "bench_dcp_reshard", R, lambda: reshard_markdown(R), echo=True)
+    return 0 if text is not None and not R["errors"] and all(r["exact"] for r in R["reshard"]) else 1
 
 
 # -- the run --------------------------------------------------------------------------------------
 def environment(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
-    def sh(cmd: str) -> str:
-        return subprocess.run(["sh", "-c", cmd], capture_output=True, text=True).stdout.strip()
-
     env = {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": harness.utc_date(),
         "device": torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor() or "cpu",
         "cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-        "kernel": platform.release(), "workdir_fs": sh(f"df -T {args.workdir} | tail -1"),
-        "command": "python3 benchmarks/bench_dcp.py " + " ".join(argv),
-        "code": sh("git rev-parse --short HEAD"),
+        "kernel": platform.release(), "workdir_fs": harness.filesystem(args.workdir),
+        "command": harness.command_line(__file__, argv),
+        "code": harness.code_commit(),
     }
     if args.device == "cuda":
-        env["driver"] = sh("nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1")
+        env["driver"] = harness.shell("nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1")
         try:
             from nvckpt.codecs.nvcomp import device as nb
 
@@ -717,16 +710,12 @@ def main(argv: list[str] | None = None) -> int:
         R["complete"] = all(r.get("done") for r in ranks)
         R["summary"] = summarize(ranks, raw)
         R["per_rank"] = ranks
-    with open(os.path.join(args.out, "bench_dcp.json"), "w") as f:
-        json.dump(R, f, indent=1)
-    if "summary" in R:
-        with open(os.path.join(args.out, "bench_dcp.md"), "w") as f:
-            f.write(markdown(R))
-        print(markdown(R))
-    else:
+    text = harness.write_results(args.out, "bench_dcp", R, (lambda: markdown(R)) if "summary" in R else None,
+                                 echo=True)
+    if "summary" not in R:
         print(json.dumps(R, indent=1))
     shutil.rmtree(args.workdir, ignore_errors=True)
-    return 0 if "summary" in R and not R["errors"] else 1
+    return 0 if text is not None and not R["errors"] else 1
 
 
 if __name__ == "__main__":

@@ -22,13 +22,10 @@ bench_h200.png to OUT_DIR; every section records its error and the run goes on.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -38,7 +35,10 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from nvckpt.io.atomic import fsync_path
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when loaded by its path (tests/test_gpu.py)
+import harness  # noqa: E402
+from harness import log  # noqa: E402
+from nvckpt.io.atomic import fsync_path  # noqa: E402
 
 GB = 1e9
 MiB = 1 << 20
@@ -47,21 +47,9 @@ R: dict[str, Any] = {}  # the results
 OUT = "."
 
 
-def log(*args: Any) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}]", *args, flush=True)
-
-
 def dump() -> None:
     """Write the JSON and the markdown as they stand (a run cut short still leaves its results)."""
-    os.makedirs(OUT, exist_ok=True)
-    with open(os.path.join(OUT, "bench_h200.json"), "w") as f:
-        json.dump(R, f, indent=1, default=str)
-    try:
-        text = markdown()
-    except Exception as exc:  # an incomplete section must not lose the JSON
-        text = f"markdown failed: {type(exc).__name__}: {exc}\n"
-    with open(os.path.join(OUT, "bench_h200.md"), "w") as f:
-        f.write(text)
+    harness.write_results(OUT, "bench_h200", R, markdown)
 
 
 def section(name: str) -> Callable:
@@ -86,14 +74,18 @@ def sync() -> None:
     torch.cuda.synchronize()
 
 
-def drop_caches() -> bool:
-    r = subprocess.run(["sh", "-c", "sync; echo 3 > /proc/sys/vm/drop_caches"], capture_output=True, text=True)
-    ok = r.returncode == 0
+def drop_caches(path: str) -> bool:
+    """Evict ``path`` (a file or a folder) from the page cache before it is read; counts in the results how
+    often /proc/sys/vm/drop_caches could be written (and how often evicting the file alone failed)."""
+    done = harness.drop_page_cache([path])
+    ok = done["drop_caches"] is True
     R.setdefault("drop_caches", {"ok": 0, "failed": 0, "error": None})
     R["drop_caches"]["ok" if ok else "failed"] += 1
     if not ok:
-        R["drop_caches"]["error"] = r.stderr.strip()[:200]
-    return ok
+        R["drop_caches"]["error"] = done["drop_caches"][:200]
+    if not done["fadvise_dontneed"]:
+        R["drop_caches"]["fadvise_failed"] = R["drop_caches"].get("fadvise_failed", 0) + 1
+    return harness.cache_dropped(done)
 
 
 def tree_bytes(path: str) -> int:
@@ -329,7 +321,7 @@ def limits(args: argparse.Namespace) -> None:
     rbuf = torch.empty(rblock * 4, dtype=torch.uint8, pin_memory=True)
 
     def direct_read(threads: int) -> float:
-        drop_caches()
+        drop_caches(path)
         fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
         nblocks = total // rblock
         t0 = time.perf_counter()
@@ -425,7 +417,7 @@ def bench_nvckpt(args: argparse.Namespace, tr: Trainer, ck: dict, raw: int) -> N
     log("nvckpt save", round(t_save, 3), "s", res.file_bytes, "bytes", {k: v for k, v in enc.items() if k != "per_codec"})
     ratios_of(path, raw)
 
-    drop_caches()
+    drop_caches(path)
     t0 = time.perf_counter()
     with nvckpt.open(path, device="cuda", gpu=nvckpt.GpuLoadOptions(timing=True)) as f:
         loaded = f.load()
@@ -438,7 +430,7 @@ def bench_nvckpt(args: argparse.Namespace, tr: Trainer, ck: dict, raw: int) -> N
     log("nvckpt load", round(t_load, 3), "s exact", exact, {k: v for k, v in dec.items() if k != "per_codec"})
     del loaded
     # The same load without the whole-tensor checksums (chunk checksums are always verified).
-    drop_caches()
+    drop_caches(path)
     t0 = time.perf_counter()
     with nvckpt.open(path, device="cuda", gpu=nvckpt.GpuLoadOptions(verify_tensors=False)) as f:
         loaded = f.load()
@@ -449,7 +441,7 @@ def bench_nvckpt(args: argparse.Namespace, tr: Trainer, ck: dict, raw: int) -> N
     del loaded
 
     name = f"model/blocks.{args.layers // 2}.fc1.weight"
-    drop_caches()
+    drop_caches(path)
     t0 = time.perf_counter()
     with nvckpt.open(path, device="cuda") as f:
         one = f.get_tensor(name)
@@ -469,7 +461,7 @@ def bench_nvckpt(args: argparse.Namespace, tr: Trainer, ck: dict, raw: int) -> N
     result = fut.result()
     t_total = time.perf_counter() - t0
     snap = dict(fut.snapshot)
-    drop_caches()
+    drop_caches(path2)
     back = flat_tensors(nvckpt.load(path2, device="cuda"))
     exact_async = back.keys() == expected.keys() and all(same_bytes(back[k], expected[k]) for k in expected)
     changed = not all(same_bytes(flat_tensors(ck)[k], expected[k]) for k in expected if k.startswith("master"))
@@ -487,7 +479,7 @@ def bench_nvckpt(args: argparse.Namespace, tr: Trainer, ck: dict, raw: int) -> N
     t0 = time.perf_counter()
     res3 = nvckpt.save(ck, path3, derive_bf16=True)
     record("nvckpt_derive_bf16", save_s=time.perf_counter() - t0, file_bytes=res3.file_bytes, ratio=raw / res3.file_bytes)
-    drop_caches()
+    drop_caches(path3)
     t0 = time.perf_counter()
     loaded = nvckpt.load(path3, device="cuda")
     sync()
@@ -501,7 +493,7 @@ def bench_nvckpt(args: argparse.Namespace, tr: Trainer, ck: dict, raw: int) -> N
         res4 = nvckpt.save(ck, path4, codec="portable", gpu=timed)
         record("nvckpt_portable", save_s=time.perf_counter() - t0, file_bytes=res4.file_bytes, ratio=raw / res4.file_bytes,
                encode=dict(res4.stats))
-        drop_caches()
+        drop_caches(path4)
         t0 = time.perf_counter()
         loaded = nvckpt.load(path4, device="cuda")
         sync()
@@ -583,7 +575,7 @@ def bench_torch(args: argparse.Namespace, ck: dict, raw: int) -> None:
         os.fsync(f.fileno())
     t_save = time.perf_counter() - t0
     record("torch.save", save_s=t_save, file_bytes=tree_bytes(path), ratio=raw / tree_bytes(path))
-    drop_caches()
+    drop_caches(path)
     t0 = time.perf_counter()
     loaded = torch.load(path, map_location="cuda", weights_only=True)
     sync()
@@ -604,7 +596,7 @@ def bench_safetensors(args: argparse.Namespace, ck: dict, raw: int) -> None:
     fsync_path(path)
     t_save = time.perf_counter() - t0
     record("safetensors", save_s=t_save, file_bytes=tree_bytes(path), ratio=raw / tree_bytes(path))
-    drop_caches()
+    drop_caches(path)
     t0 = time.perf_counter()
     loaded = load_file(path, device="cuda")
     sync()
@@ -612,7 +604,7 @@ def bench_safetensors(args: argparse.Namespace, ck: dict, raw: int) -> None:
     exact = loaded.keys() == flat.keys() and all(same_bytes(loaded[k], flat[k]) for k in flat)
     del loaded
     name = f"model/blocks.{args.layers // 2}.fc1.weight"
-    drop_caches()
+    drop_caches(path)
     t0 = time.perf_counter()
     with safe_open(path, framework="pt", device="cuda") as f:
         one = f.get_tensor(name)
@@ -636,7 +628,7 @@ def bench_dcp(args: argparse.Namespace, tr: Trainer, ck: dict, raw: int) -> None
     dcp.save(ck, checkpoint_id=path, no_dist=True)
     t_save = time.perf_counter() - t0
     record("torch.distributed.checkpoint", save_s=t_save, file_bytes=tree_bytes(path), ratio=raw / tree_bytes(path))
-    drop_caches()
+    drop_caches(path)
     template = {k: v for k, v in ck.items()}
     t0 = time.perf_counter()
     dcp.load(template, checkpoint_id=path, no_dist=True)  # in place, into the GPU tensors
@@ -694,20 +686,18 @@ def bench_minilm(args: argparse.Namespace) -> None:
 def environment(args: argparse.Namespace, argv: list[str]) -> None:
     from nvckpt.codecs.nvcomp import device as nb
 
-    def sh(cmd: str) -> str:
-        return subprocess.run(["sh", "-c", cmd], capture_output=True, text=True).stdout.strip()
     R["env"] = {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": harness.utc_date(),
         "gpu": torch.cuda.get_device_name(0),
-        "driver": sh("nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1"),
+        "driver": harness.shell("nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1"),
         "gpu_memory_GiB": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
         "cpus": os.cpu_count(),
         "kernel": platform.release(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "nvcomp": nb.nvcomp_version(),
-        "workdir_fs": sh(f"df -T {args.workdir} | tail -1"),
-        "command": "python3 benchmarks/bench_gpu.py " + " ".join(argv),
+        "workdir_fs": harness.filesystem(args.workdir),
+        "command": harness.command_line(__file__, argv),
     }
     try:
         import safetensors

@@ -25,14 +25,12 @@ Writes OUT_DIR/bench_gpu_load.json and OUT_DIR/bench_gpu_load.md (date, card, so
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
-import json
+import importlib
 import mmap
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import threading
 import time
@@ -40,6 +38,10 @@ import traceback
 from typing import Any, Callable
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
+from harness import log  # noqa: E402
 
 GB = 1e9
 MiB = 1 << 20
@@ -49,20 +51,8 @@ OUT = "."
 DEADLINE = [float("inf")]
 
 
-def log(*args: Any) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}]", *args, flush=True)
-
-
 def dump() -> None:
-    os.makedirs(OUT, exist_ok=True)
-    with open(os.path.join(OUT, "bench_gpu_load.json"), "w") as f:
-        json.dump(R, f, indent=1, default=str)
-    try:
-        text = markdown()
-    except Exception as exc:  # a half-filled section must not lose the JSON
-        text = f"# Cold loads to the GPU\n\nmarkdown failed: {type(exc).__name__}: {exc}\n"
-    with open(os.path.join(OUT, "bench_gpu_load.md"), "w") as f:
-        f.write(text)
+    harness.write_results(OUT, "bench_gpu_load", R, markdown, title="Cold loads to the GPU")
 
 
 def guarded(name: str, fn: Callable[[], Any]) -> Any:
@@ -90,27 +80,8 @@ def guarded(name: str, fn: Callable[[], Any]) -> Any:
 
 # -- the page cache ---------------------------------------------------------------------------------------
 def drop_cache(paths: list[str]) -> dict[str, Any]:
-    """Evict ``paths`` from the page cache: drop_caches where allowed, fadvise DONTNEED on each file always."""
-    subprocess.run(["sync"], check=False)
-    done: dict[str, Any] = {}
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        done["drop_caches"] = True
-    except OSError as exc:
-        done["drop_caches"] = f"{type(exc).__name__}: {exc.strerror}"
-    ok = True
-    for p in paths:
-        try:
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-        except OSError:
-            ok = False
-    done["fadvise_dontneed"] = ok
+    """Evict ``paths`` from the page cache (harness.drop_page_cache); what it could do goes into the results."""
+    done = harness.drop_page_cache(paths)
     R.setdefault("cache_drops", []).append(done)
     return done
 
@@ -325,28 +296,20 @@ def fastsafetensors_load(path: str, ref: dict[str, torch.Tensor]) -> None:
 # -- the report ---------------------------------------------------------------------------------------------
 def environment(argv: list[str]) -> None:
     def version(mod: str) -> str | None:
-        try:
-            m = __import__(mod)
-            return getattr(m, "__version__", "?")
+        try:  # import_module: __import__("nvidia.nvcomp") gives the package nvidia, which has no version
+            return getattr(importlib.import_module(mod), "__version__", "?")
         except Exception as exc:  # noqa: BLE001
             return f"not importable ({type(exc).__name__})"
 
-    def sh(cmd: str) -> str:
-        try:
-            return subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=20).stdout.strip()
-        except Exception as exc:  # noqa: BLE001
-            return f"{type(exc).__name__}"
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    R["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    R["command"] = "python3 " + " ".join(shlex.quote(a) for a in [os.path.relpath(__file__, root)] + argv)
+    R["date"] = harness.utc_date()
+    R["command"] = harness.command_line(__file__, argv)
     R["card"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     R["host"] = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                 "nvidia_smi": sh("nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader"),
-                 "disk": sh(f"df -h {shlex.quote(R.get('workdir', '/tmp'))} | tail -1"),
-                 "mount": sh(f"findmnt -no SOURCE,FSTYPE,OPTIONS -T {shlex.quote(R.get('workdir', '/tmp'))}")}
+                 "nvidia_smi": harness.shell("nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader"),
+                 "disk": harness.shell(f"df -h {shlex.quote(R.get('workdir', '/tmp'))} | tail -1"),
+                 "mount": harness.shell(f"findmnt -no SOURCE,FSTYPE,OPTIONS -T {shlex.quote(R.get('workdir', '/tmp'))}")}
     R["software"] = {"torch": torch.__version__, "cuda": torch.version.cuda, "nvckpt": version("nvckpt"),
-                     "nvckpt_commit": sh(f"git -C {shlex.quote(root)} rev-parse --short HEAD"),
+                     "nvckpt_commit": harness.code_commit(),
                      "safetensors": version("safetensors"), "fastsafetensors": version("fastsafetensors"),
                      "kvikio": version("kvikio"), "nvcomp": version("nvidia.nvcomp")}
     try:

@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import gc
-import json
 import os
 import platform
 import shutil
@@ -43,19 +41,16 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_gpu  # noqa: E402  (the model, its trainer and the helpers of the GPU benchmark)
+import harness  # noqa: E402
+from harness import log  # noqa: E402
 
 GB = 1e9
 R: dict[str, Any] = {"runs": [], "errors": []}
 OUT = "."
 
 
-def log(*a: Any) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
-
-
 def dump() -> None:
-    with open(os.path.join(OUT, "bench_training.json"), "w") as f:
-        json.dump(R, f, indent=1, default=str)
+    harness.write_results(OUT, "bench_training", R)
 
 
 def cpu_ticks() -> tuple[int, int]:
@@ -643,11 +638,11 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
     from nvckpt.codecs.nvcomp import device as nb
 
-    R["environment"] = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    R["environment"] = {"date": harness.utc_date(),
                         "gpu": f"{torch.cuda.get_device_name()} ({torch.cuda.get_device_properties(0).total_memory / 2**30:.1f} GiB)",
                         "cpus": os.cpu_count(), "torch": torch.__version__, "nvcomp": nb.nvcomp_version(),
                         "python": platform.python_version(),
-                        "command": "python3 benchmarks/bench_training.py " + " ".join(argv)}
+                        "command": harness.command_line(__file__, argv)}
     tr = trained(args.steps, batch=args.batch, **(dict(d_model=512, layers=4, vocab=8000, seq=256) if args.smoke else {}))
     base: list[float] = []
     for _ in range(20):
@@ -701,11 +696,7 @@ def main(argv: list[str] | None = None) -> int:
             os.unlink(path)
             log("verified", r["method"], r["free"], r["K"], r["bit_exact_first_checkpoint"])
         dump()
-    with open(os.path.join(OUT, "bench_training.md"), "w") as f:
-        f.write(markdown())
-    dump()
-    print(markdown())
-    return 0
+    return 0 if harness.write_results(OUT, "bench_training", R, markdown, echo=True) is not None else 1
 
 
 if __name__ == "__main__":

@@ -28,6 +28,9 @@ import traceback
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
+
 OUT = os.environ.get("OUT", "/tmp/probe_out")
 DATA = os.environ.get("NVCKPT_MINILM", "/tmp/data/minilm_bf16.safetensors")
 MiB = 1 << 20
@@ -37,9 +40,7 @@ SECTIONS: list = []
 
 
 def dump() -> None:
-    os.makedirs(OUT, exist_ok=True)
-    with open(os.path.join(OUT, "probe.json"), "w") as f:
-        json.dump(results, f, indent=1, default=str)
+    harness.write_results(OUT, "probe", results)
 
 
 def probe(fn):

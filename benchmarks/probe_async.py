@@ -38,6 +38,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_training  # noqa: E402
+import harness  # noqa: E402
 
 
 def _union(spans: list[tuple[float, float]]) -> float:
@@ -341,8 +342,7 @@ def main() -> int:
     nvckpt.reserve_pinned_memory(6 << 30)
     if args.ab:
         out["ab"] = ab(args, save, base)
-        with open(os.path.join(args.out, "probe_async_ab.json"), "w") as f:
-            json.dump(out, f, indent=1, default=str)
+        harness.write_results(args.out, "probe_async_ab", out)
         return 0
     for i in range(args.warm):
         row, _, _ = save()
@@ -389,8 +389,7 @@ def main() -> int:
     out["gpu_timeline"] = timeline(trace, start, start + blocked * 1e6)
     del mark0
     print("profiled", json.dumps(out["gpu_timeline"], indent=0), flush=True)
-    with open(os.path.join(args.out, "probe_async.json"), "w") as f:
-        json.dump(out, f, indent=1, default=str)
+    harness.write_results(args.out, "probe_async", out)
     return 0
 
 

@@ -23,20 +23,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_training  # noqa: E402
+import harness  # noqa: E402
 
 
 def drop_cache(path: str) -> bool:
-    """Evict ``path`` from the page cache (posix_fadvise DONTNEED after an fsync); True if it could."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-        return True
-    except (OSError, AttributeError):
-        return False
+    """Evict ``path`` from the page cache; True if it could."""
+    return harness.cache_dropped(harness.drop_page_cache([path]))
 
 
 def main() -> int:
@@ -92,11 +84,10 @@ def main() -> int:
                                                                      "load_s", "rows_s")} for mib, rs in rows.items()}
     for mib, s in summary.items():
         print(f"{mib} MiB: {s}")
-    out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": torch.cuda.get_device_name(),
+    out = {"date": harness.utc_date(), "device": torch.cuda.get_device_name(),
            "torch": torch.__version__,
            "largest": biggest, "summary": summary, "rows": rows}
-    with open(os.path.join(args.out, "probe_chunk_size.json"), "w") as f:
-        json.dump(out, f, indent=1)
+    harness.write_results(args.out, "probe_chunk_size", out)
     for p in (path, path + ".async"):
         if os.path.exists(p):
             os.unlink(p)

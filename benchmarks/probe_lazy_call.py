@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_training  # noqa: E402
+import harness  # noqa: E402
 
 
 def main() -> int:
@@ -121,8 +122,7 @@ def main() -> int:
            "ms": {k: {"median": round(statistics.median(v) * 1e3, 3), "min": round(min(v) * 1e3, 3),
                       "max": round(max(v) * 1e3, 3)} for k, v in times.items()}}
     print(json.dumps(out, indent=1))
-    with open(os.path.join(args.out, "probe_lazy_call.json"), "w") as f:
-        json.dump(out, f, indent=1)
+    harness.write_results(args.out, "probe_lazy_call", out)
     return 0
 
 

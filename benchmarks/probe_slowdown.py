@@ -54,6 +54,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_training  # noqa: E402
+import harness  # noqa: E402
 
 BLOCK = 16 << 20
 
@@ -336,10 +337,9 @@ def main() -> int:
               f"during {summary[v]['parts_during']} after {summary[v]['parts_after']}")
     out = {"free_GB": args.free, "file_bytes": total, "first_save_s": seconds, "variants": variants,
            "summary": summary, "rows": rows, "gil_us": args.gil_us,
-           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": torch.cuda.get_device_name(),
+           "date": harness.utc_date(), "device": torch.cuda.get_device_name(),
            "torch": torch.__version__}
-    with open(os.path.join(args.out, "probe_slowdown.json"), "w") as f:
-        json.dump(out, f, indent=1)
+    harness.write_results(args.out, "probe_slowdown", out)
     return 0
 
 
