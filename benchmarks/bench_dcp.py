@@ -66,10 +66,6 @@ def drop_caches(path: str) -> bool:
     return harness.cache_dropped(harness.drop_page_cache([path]))
 
 
-def dir_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
-
-
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -266,7 +262,7 @@ def rank_main(rank: int, world: int, args: argparse.Namespace, store: str, resul
         try:
             m["save_s"] = timed(lambda: dcp.save(state, storage_writer=writer_for(method, path)), device)
             if rank == 0:
-                m["bytes"] = dir_bytes(path)
+                m["bytes"] = harness.tree_bytes(path)
             for label, column in (("load_s", False), ("load_reshard_s", True)):
                 target = target_like(state, mesh, column)
                 if rank == 0:
@@ -447,7 +443,7 @@ def save_for_reshard(args: argparse.Namespace) -> dict[str, Any]:
     spawn(save_main, args.ranks, args, results, errors, "save")
     if errors:
         raise RuntimeError(f"the save for the resharded loads failed: {errors}")
-    return {m: dir_bytes(os.path.join(args.workdir, f"ck-{m}")) for m in RESHARD_METHODS}
+    return {m: harness.tree_bytes(os.path.join(args.workdir, f"ck-{m}")) for m in RESHARD_METHODS}
 
 
 def save_main(rank: int, world: int, args: argparse.Namespace, store: str, results: str) -> None:

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when loaded by its path (tests/test_gpu.py)
 import harness  # noqa: E402
-from harness import log  # noqa: E402
+from harness import log, tree_bytes  # noqa: E402
 from nvckpt.io.atomic import fsync_path  # noqa: E402
 
 GB = 1e9
@@ -86,12 +86,6 @@ def drop_caches(path: str) -> bool:
     if not done["fadvise_dontneed"]:
         R["drop_caches"]["fadvise_failed"] = R["drop_caches"].get("fadvise_failed", 0) + 1
     return harness.cache_dropped(done)
-
-
-def tree_bytes(path: str) -> int:
-    if os.path.isfile(path):
-        return os.path.getsize(path)
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
 def remove(path: str) -> None:

@@ -93,7 +93,19 @@ def package_versions(names: Iterable[str]) -> dict[str, str]:
     return out
 
 
-# -- the page cache -----------------------------------------------------------------------------------------
+# -- files and the page cache ------------------------------------------------------------------------------
+def files_of(path: str) -> list[str]:
+    """``path`` itself if it is not a folder, else every file below it (a checkpoint of several files)."""
+    if not os.path.isdir(path):
+        return [path]
+    return [os.path.join(d, n) for d, _, names in os.walk(path) for n in names]
+
+
+def tree_bytes(path: str) -> int:
+    """The bytes of a file, or of every file below a folder (0 if there is none)."""
+    return sum(os.path.getsize(f) for f in files_of(path)) if os.path.exists(path) else 0
+
+
 def drop_page_cache(paths: Iterable[str] = ()) -> dict[str, Any]:
     """Evict from the page cache, so that the next read of ``paths`` comes from the disk: every clean page
     where the process may write /proc/sys/vm/drop_caches (root), and always each of ``paths`` (files, or
@@ -111,13 +123,10 @@ def drop_page_cache(paths: Iterable[str] = ()) -> dict[str, Any]:
         done["drop_caches"] = f"{type(exc).__name__}: {exc.strerror}"
     paths = list(paths)
     if paths:
-        files = []
-        for p in paths:
-            files += ([os.path.join(d, n) for d, _, ns in os.walk(p) for n in ns] if os.path.isdir(p) else [p])
         ok = True
-        for p in files:
+        for file in [f for p in paths for f in files_of(p)]:
             try:
-                fd = os.open(p, os.O_RDONLY)
+                fd = os.open(file, os.O_RDONLY)
                 try:
                     os.fsync(fd)
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
