@@ -1,11 +1,13 @@
 """The compiled index reader (nvckpt/format/_columns.c) against the Python one, its oracle.
 
 An index is read in pieces (from bulk.STREAM_FROM bytes on, lowered to 0 here so that every file takes
-that way) either by the compiled reader (plain one-chunk entries into columns, the tree's tensor paths
-from its bytes) or by the Python steps it replaces.  For every conformance file and for generated
+that way) either by the compiled reader (data, view and derived entries into columns, the tree's tensor
+paths from its bytes) or by the Python steps it replaces.  For every conformance file and for generated
 indexes (hypothesis: plain entries with one thing changed, trees of aliases, nested maps, int keys,
-tuples, typed values, and bytes changed at random) both must give the same table (every entry, its
-chunks, every path, the tree, the metadata) or the same error with the same message.
+tuples, typed values, and bytes changed at random; indexes of every entry kind, multi-chunk, derived by
+each function, views of an internal base, empty tensors, with their fields changed, dropped, reordered
+or added) both must give the same table (every entry, its chunks, every path, the tree, the metadata)
+or the same error with the same message.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import struct
 import msgpack
 import pytest
 import torch
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 import nvckpt
@@ -49,11 +51,13 @@ def _table(data: bytes, compiled: bool) -> tuple:
         try:
             with nvckpt.open(io.BytesIO(data)) as ck:
                 ix = ck.file.index
-                entries = [(e.tensor_id, e.description(), e.chunks.to_json() if e.chunks is not None else None,
-                            e.unsupported, e.kind) for e in ix.tensors]
+                # (repr: a view's or derived map's keys in the order the file gives them; chunks with their raw starts)
+                entries = [(e.tensor_id, repr(e.description()), list(map(tuple, e.chunks)) if e.chunks is not None
+                            else None, e.unsupported, e.kind) for e in ix.tensors]
                 paths = list(ix.paths.items())
                 looked_up = [ix.paths[p] for p, _ in paths] + [ix.paths.get(p + "~") for p, _ in paths[:3]]
-                return ("ok", entries, paths, looked_up, len(ix.paths), sorted(ix.arrays),
+                return ("ok", entries, ck.file.index.tensors.not_internal(), paths, looked_up, len(ix.paths),
+                        sorted(ix.arrays),
                         repr(ix.tree), repr(ix.metadata), repr(ix.codecs), repr(ix.writer), ix.version)
         except nvckpt.NvckptError as exc:
             return (type(exc).__name__, str(exc))
@@ -245,3 +249,179 @@ def test_paths_of_the_compiled_reader_are_a_mapping():
             assert type(ck.file.index.stored_tree) is bulk.LazyTree
             tree = ck.file.index.tree
             assert ck.file.index.stored_tree is tree and isinstance(tree, dict) and len(tree) == N
+
+
+# -- indexes of every entry kind -----------------------------------------------------------------------
+
+def _every_kind() -> bytes:
+    """A state with an entry of each kind a writer makes: one-chunk and multi-chunk data entries, an empty
+    tensor, tensors derived by bf16_rne and by copy, views of an internal base."""
+    g = torch.Generator().manual_seed(7)
+    master = {f"m{i}": torch.randn(2 + i % 3, 4, generator=g) for i in range(4)}
+    flat = torch.randn(40, generator=g)
+    state = {"master": master, "model": {k: v.to(torch.bfloat16) for k, v in master.items()},
+             "step": {i: torch.tensor(3.0) for i in range(3)},
+             "views": {"a": flat[:8].view(2, 4), "b": flat[8:20], "t": flat[20:].view(4, 5).t()},
+             "big": torch.randn(300, generator=g), "empty": torch.empty(0, 3), "w": torch.ones(3, dtype=torch.int16)}
+    buf = io.BytesIO()
+    nvckpt.save(state, buf, chunk_size=512, alignment=1)
+    return buf.getvalue()
+
+
+KINDS = _every_kind()
+KINDS_INDEX = craft.parse(KINDS).index
+KINDS_N = len(KINDS_INDEX["tensors"])
+_KIND_OF = {k: [i for i, e in enumerate(KINDS_INDEX["tensors"]) if k in e] for k in ("chunks", "view", "derived")}
+MULTI = next(i for i, e in enumerate(KINDS_INDEX["tensors"]) if len(e.get("chunks", ())) > 1)
+EMPTY = next(i for i, e in enumerate(KINDS_INDEX["tensors"]) if e.get("chunks") == [])
+
+
+def test_the_state_of_every_kind_has_every_kind():
+    tensors = KINDS_INDEX["tensors"]
+    assert {e["derived"]["function"] for e in tensors if "derived" in e} == {"bf16_rne", "copy"}
+    assert _KIND_OF["view"] and any(e.get("internal") for e in tensors) and MULTI and EMPTY
+    # every entry a writer made is read into the columns
+    columns = COMPILED.entries(craft.pack(tensors), bulk._DTYPES, bulk.DERIVED_FUNCTIONS)
+    assert columns["in_columns"] == b"\x01" * KINDS_N
+    assert _agree(KINDS)[0] == "ok"
+
+
+REF_VALUES = [0, 1, 3, 11, 12, 15, 16, 17, KINDS_N, (1 << 24), (1 << 24) + 1, -1, True, "x", None, 1.0]
+KIND_CHANGES = (
+    [("derived", "function", v) for v in ["copy", "bf16_rne", "future_fn", "", 3, None, b"copy"]]
+    + [("derived", "source", v) for v in REF_VALUES]
+    + [("view", "base", v) for v in REF_VALUES]
+    + [("view", "offset", v) for v in [0, 7, 28, 39, 40, 1 << 62, (1 << 62) + 1, -1, 1.0, True]]
+    + [("view", "stride", v) for v in [[], [1], [1, 1], [0, 0], [4, 1, 1], [-1, 1], [1 << 62, 1], [(1 << 62) + 1, 1],
+                                       "x", [True, 1], [1.0, 1], [1] * 65]]
+    + [("view", "future", {"k": [1]}), ("derived", "future", 1)]
+    + [(k, "drop", f) for k, fs in (("view", ("base", "offset", "stride")), ("derived", ("function", "source")))
+       for f in fs]
+    + [(k, "reorder", None) for k in ("view", "derived")]
+    + [(k, "as", v) for k in ("view", "derived") for v in ([1, 2], "x", None, {})]
+)
+_DEEP: object = 1
+for _ in range(70):
+    _DEEP = [_DEEP]
+KIND_ENTRY_CHANGES = {
+    "name": ["master/m0", "views/a@base", "é", "x" * 4096, "x" * 4097, "é" * 2048 + "x", "", b"n", 5],
+    "dtype": ["float32", "bfloat16", "int16", "float64", "uint8", "float7", 3],
+    "shape": [[], [0], [0, 0], [2, 4], [3, 4], [40], [12], [1 << 31, 1 << 30], [1 << 40, 1 << 30], [1 << 62],
+              [(1 << 62) + 1], [(1 << 64) - 1, 0], [0, 1 << 63], [-1], [True], [1] * 64, [1] * 65],
+    "checksum": [None, -1, 0, (1 << 64) - 1, -(1 << 63), "x", True],
+    "internal": [True, False, 1, None, "true"],
+    "future": [{"k": [1, 2]}, None, _DEEP],
+    "chunks": [[], [[100, 1, 1, 0, 0]] * 2],
+    "view": [{"base": 11, "offset": 0, "stride": []}],
+    "derived": [{"function": "copy", "source": 8}],
+}
+KIND_CHUNK_CHANGES = [(0, 71), (0, 72), (0, 1 << 40), (0, -1), (1, 0), (1, 1 << 24), (1, (1 << 24) + 1),
+                      (2, 1), (2, 2), (2, 0), (2, 1 << 24), (3, 1), (3, 0xFFFF), (3, 1 << 16), (3, -1),
+                      (4, -1), (4, -(1 << 63)), (4, True), (0, 1.5)]
+
+kind_change = st.one_of(
+    st.sampled_from([("key", k, v) for k, vs in KIND_ENTRY_CHANGES.items() for v in vs]),
+    st.sampled_from([("drop", k) for k in ("name", "dtype", "shape", "chunks", "view", "derived", "checksum",
+                                           "internal")]),
+    st.sampled_from(KIND_CHANGES).map(lambda c: ("kind", *c)),
+    st.sampled_from(KIND_CHANGES).map(lambda c: ("kind", *c)),  # (twice as often: the references' checks)
+    st.tuples(st.integers(0, 3), st.sampled_from(KIND_CHUNK_CHANGES)).map(lambda c: ("chunk", c[0], *c[1])),
+    st.sampled_from([("chunks-op", op) for op in ("drop-last", "swap", "repeat", "merge", "split")]),
+    st.sampled_from([("reorder", None), ("entry", None), ("entry", [])]),
+    st.integers(0, KINDS_N).map(lambda k: ("duplicate", k)),
+)
+
+
+def _change_kind_entry(tensors: list, tid: int, how: tuple) -> None:
+    entry = tensors[tid]
+    op = how[0]
+    if op == "entry":
+        tensors[tid] = how[1]
+    elif not isinstance(entry, dict):
+        return
+    elif op == "key":
+        entry[how[1]] = how[2]
+    elif op == "drop":
+        entry.pop(how[1], None)
+    elif op == "reorder":  # (the entry's keys in another order: the same entry)
+        tensors[tid] = dict(reversed(list(entry.items())))
+    elif op == "duplicate":
+        entry["name"] = tensors[how[1] % KINDS_N]["name"] if isinstance(tensors[how[1] % KINDS_N], dict) else "x"
+    elif op == "kind":
+        _, kind, field, value = how
+        inner = entry.get(kind)
+        if not isinstance(inner, dict):
+            return
+        if field == "drop":
+            inner.pop(value, None)
+        elif field == "reorder":
+            entry[kind] = dict(reversed(list(inner.items())))
+        elif field == "as":
+            entry[kind] = value
+        else:
+            inner[field] = value
+    elif op == "chunk":
+        _, at, field, value = how
+        chunks = entry.get("chunks")
+        if isinstance(chunks, list) and chunks:
+            chunks[at % len(chunks)][field] = value
+    elif op == "chunks-op":
+        chunks = entry.get("chunks")
+        if not isinstance(chunks, list) or not chunks:
+            return
+        kind = how[1]
+        if kind == "drop-last":
+            chunks.pop()
+        elif kind == "swap":
+            chunks.reverse()
+        elif kind == "repeat":  # the same stored bytes twice: an overlap (SPEC 8.4)
+            chunks.append(list(chunks[-1]))
+        elif kind == "merge" and len(chunks) > 1:  # raw lengths moved between chunks: still adds up
+            chunks[0][2] += chunks[1][2] - 4
+            chunks[1][2] = 4
+        elif kind == "split":  # a raw length that is not a multiple of the item size
+            chunks[0][2] -= 1
+            chunks.append([chunks[-1][0] + chunks[-1][1], 1, 1, 0, 0])
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(changes=st.lists(st.tuples(st.integers(0, KINDS_N - 1), kind_change), max_size=3),
+       flips=st.one_of(st.just([]), st.just([]), st.just([]),  # (a byte changed at random in a quarter of them)
+                       st.lists(st.tuples(st.integers(0, 1 << 20), st.integers(0, 255)), min_size=1, max_size=1)))
+@example(changes=[], flips=[])
+@example(changes=[(4, ("kind", "derived", "source", 4))], flips=[])
+@example(changes=[(12, ("kind", "view", "offset", 33))], flips=[])
+@example(changes=[(13, ("kind", "view", "base", 12))], flips=[])
+@example(changes=[(9, ("kind", "derived", "function", "future_fn"))], flips=[])
+@example(changes=[(15, ("chunk", 1, 3, 1))], flips=[])
+@example(changes=[(15, ("chunks-op", "merge")), (3, ("reorder", None))], flips=[])
+@example(changes=[(6, ("key", "shape", [1 << 31, 1 << 30]))], flips=[])
+@example(changes=[(12, ("kind", "view", "base", 0))], flips=[])  # a 2-D base
+@example(changes=[(12, ("kind", "view", "base", 15))], flips=[])  # another 1-D base, long enough
+@example(changes=[(12, ("key", "dtype", "bfloat16"))], flips=[])  # a base of another dtype
+@example(changes=[(13, ("key", "shape", [0]))], flips=[])  # a view of no element
+@example(changes=[(4, ("kind", "derived", "source", 5))], flips=[])  # a source that is not stored
+@example(changes=[(4, ("kind", "derived", "source", 1))], flips=[])  # a source of another shape
+@example(changes=[(9, ("kind", "derived", "function", "bf16_rne"))], flips=[])
+@example(changes=[(9, ("kind", "derived", "source", 40))], flips=[])
+@example(changes=[(11, ("key", "internal", False)), (8, ("key", "internal", True))], flips=[])
+def test_indexes_of_every_entry_kind_read_as_the_python_reader_reads_them(changes, flips):
+    index = craft.unpack(craft.pack(KINDS_INDEX))
+    for tid, how in changes:
+        _change_kind_entry(index["tensors"], tid, how)
+    payload = bytearray(craft.pack(index))
+    for where, value in flips:
+        payload[where % len(payload)] = value
+    outcome = _agree(craft.with_index_payload(KINDS, bytes(payload)))
+    event(outcome[0] if outcome[0] == "ok" else outcome[0] + ": " + outcome[1][:60])
+
+
+@pytest.mark.parametrize("tid, how", [(15, ("chunk", 2, 0, 1 << 40)), (15, ("chunk", 1, 3, 9)),
+                                      (12, ("kind", "view", "base", 40))])
+def test_a_bad_entry_where_every_entry_is_in_the_columns(tid, how):
+    """Every entry in the columns (the index's bytes let go before they are parsed), one wrong only in a way
+    the columns check a column at a time (a chunk past the index or of a codec the table lacks, a view's
+    base that is not there): refused as the Python reader refuses it."""
+    index = craft.unpack(craft.pack(KINDS_INDEX))
+    _change_kind_entry(index["tensors"], tid, how)
+    assert _agree(craft.with_index_payload(KINDS, craft.pack(index)))[0] == "FormatError"

@@ -23,7 +23,6 @@
 #define MAX_DEPTH 512         /* deeper than this: the plain decoding (and its nesting error) */
 #define MAX_TREE_DEPTH 64     /* SPEC 16; constants.MAX_TREE_DEPTH */
 #define MAX_RANK 64           /* constants.MAX_RANK */
-#define PLAIN_NAME_BYTES 1024 /* constants.MAX_NAME_BYTES // 4, the plain entries' bound */
 #define LOWEST_OFFSET 72      /* constants.PREAMBLE_SIZE + FRAME_HEADER_SIZE */
 #define MAX_CHUNK_LENGTH (16u << 20)
 
@@ -381,102 +380,6 @@ static int64_t shape_id(Shapes *s, const uint64_t *dims, int rank)
     return (int64_t)s->count++;
 }
 
-typedef struct {
-    int dtype;
-    int rank;
-    uint64_t dims[MAX_RANK];
-    const uint8_t *name;
-    size_t name_len;
-    int has_sum;
-    uint64_t sum;
-    uint64_t chunk[5];
-} Plain;
-
-static int key_is(const uint8_t *k, size_t n, const char *want)
-{
-    return n == strlen(want) && !memcmp(k, want, n);
-}
-
-/* One plain data entry of one chunk ({name, dtype, shape, chunks[, checksum]}, SPEC 8.3/8.4, every
- * check of entry.plain_entries but the codec count and index offset, which the caller has): 0, or -1
- * for anything else. */
-static int plain_entry(Rd *r, const DtypeInfo *dts, int ndts, Plain *e)
-{
-    if (r->p >= r->end || *r->p < 0x84 || *r->p > 0x85)
-        return -1;
-    int pairs = *r->p & 0x0f;
-    r->p++;
-    int seen = 0;
-    e->has_sum = 0;
-    for (int i = 0; i < pairs; i++) {
-        const uint8_t *k;
-        size_t kn;
-        if (read_str(r, &k, &kn) < 0)
-            return -1;
-        int bit;
-        if (key_is(k, kn, "name")) {
-            bit = 1;
-            if (read_str(r, &e->name, &e->name_len) < 0 || e->name_len > PLAIN_NAME_BYTES
-                || !utf8_ok(e->name, e->name_len))
-                return -1;
-        } else if (key_is(k, kn, "dtype")) {
-            bit = 2;
-            const uint8_t *d;
-            size_t dn;
-            if (read_str(r, &d, &dn) < 0)
-                return -1;
-            e->dtype = -1;
-            for (int j = 0; j < ndts; j++)
-                if (dts[j].len == dn && !memcmp(dts[j].name, d, dn)) {
-                    e->dtype = j;
-                    break;
-                }
-            if (e->dtype < 0)
-                return -1;
-        } else if (key_is(k, kn, "shape")) {
-            bit = 4;
-            uint64_t rank;
-            if (read_array(r, &rank) < 0 || rank > MAX_RANK)
-                return -1;
-            e->rank = (int)rank;
-            for (int j = 0; j < e->rank; j++)
-                if (read_uint(r, &e->dims[j]) < 0 || e->dims[j] < 1)
-                    return -1;
-        } else if (key_is(k, kn, "chunks")) {
-            bit = 8;
-            uint64_t n;
-            if (read_array(r, &n) < 0 || n != 1 || read_array(r, &n) < 0 || n != 5)
-                return -1;
-            for (int j = 0; j < 5; j++)
-                if (read_uint(r, &e->chunk[j]) < 0)
-                    return -1;
-        } else if (key_is(k, kn, "checksum")) {
-            bit = 16;
-            if (read_uint(r, &e->sum) < 0)
-                return -1;
-            e->has_sum = 1;
-        } else
-            return -1;
-        if (seen & bit)
-            return -1;
-        seen |= bit;
-    }
-    if ((seen & 15) != 15)
-        return -1;
-    uint64_t off = e->chunk[0], stored = e->chunk[1], raw = e->chunk[2], codec = e->chunk[3];
-    if (off < LOWEST_OFFSET || stored < 1 || stored > MAX_CHUNK_LENGTH || raw < 1 || raw > MAX_CHUNK_LENGTH
-        || codec > 0xffff)
-        return -1;
-    /* raw is the tensor's bytes: the dims' product times the item size (bounded as it grows) */
-    uint64_t bytes = (uint64_t)dts[e->dtype].itemsize;
-    for (int j = 0; j < e->rank; j++) {
-        if (e->dims[j] > MAX_CHUNK_LENGTH || bytes * e->dims[j] > MAX_CHUNK_LENGTH)
-            return -1;
-        bytes *= e->dims[j];
-    }
-    return bytes == raw ? 0 : -1;
-}
-
 /* An output column written in place: a bytes object of a bounded size, cut to its length at the end
  * (the pages never written are never touched: no copy, no memory beyond what it holds). */
 typedef struct {
@@ -524,27 +427,263 @@ static PyObject *col_take(Col *c)
     return out;
 }
 
-#define MIN_PLAIN_ENTRY 39 /* bytes of the shortest plain entry: a row per this many bytes at most */
-#define MAX_TENSORS (1u << 24)
+#define MAX_NAME_BYTES 4096           /* constants.MAX_NAME_BYTES */
+#define MAX_TENSORS (1u << 24)        /* constants.MAX_TENSORS */
+#define MAX_TENSOR_BYTES (1ull << 62) /* constants.MAX_TENSOR_BYTES */
 
-/* entries(data, dtypes): the "tensors" array's byte bounds (u64, one more than entries), and of each plain
- * entry (plain: u8 1) a row of the other columns, in order: name (UTF-8 in names, ending at name_ends, u64),
- * dtype (u8, its place in dtypes), shape (u32, its place in shapes, a list of tuples), has_sum (u8), sum,
- * offset, stored, raw, checksum (u64), codec (u16).  None where the bytes are not an array of at most
+/* An entry's kind (the "kind" column): DERIVED + j for a tensor derived by the j-th known function. */
+enum { DATA = 0, VIEW = 1, DERIVED = 2 };
+
+/* The columns of entries(): one value per entry (BOUNDS: one more), per row (an entry read here), per chunk
+ * (OFF .. CHECK, the rows' chunks in order) or per view row (VIEW_*). */
+enum { BOUNDS, IN_COLUMNS, DTYPE, SHAPE, HAS_SUM, SUM, NAME_ENDS, NAMES, KIND, INTERNAL, REF, NCHUNKS,
+       OFF, STORED, RAW, CODEC, CHECK, VIEW_OFFSET, VIEW_STRIDE, VIEW_END, NCOLS };
+
+typedef struct {
+    int dtype, rank, kind, internal, has_sum, view_rank;
+    uint64_t dims[MAX_RANK];
+    const uint8_t *name;
+    size_t name_len;
+    uint64_t sum;
+    uint64_t ref;      /* a view's base, a derived tensor's source */
+    uint64_t nchunks;  /* a data entry's chunks: the last nchunks rows of the chunk columns */
+    uint64_t view_offset, view_end, strides[MAX_RANK];
+} Entry;
+
+static int key_is(const uint8_t *k, size_t n, const char *want)
+{
+    return n == strlen(want) && !memcmp(k, want, n);
+}
+
+/* The next object is the str ``want``. */
+static int next_key(Rd *r, const char *want)
+{
+    const uint8_t *k;
+    size_t n;
+    return read_str(r, &k, &n) == 0 && key_is(k, n, want);
+}
+
+/* A chunk table (SPEC 8.4), each chunk's own checks made (all but those against the codec table and the
+ * index offset, which the caller has, and against the entry's dtype and shape, read maybe later), its
+ * chunks added to the chunk columns: 0, -1 for anything else, -2 with a Python error. */
+static int read_chunks(Rd *r, Entry *e, Col *cols)
+{
+    uint64_t n;
+    if (read_array(r, &n) < 0 || n > (uint64_t)(r->end - r->p) || n > UINT32_MAX)
+        return -1;
+    for (uint64_t i = 0; i < n; i++) {
+        uint64_t five, c[5];
+        if (read_array(r, &five) < 0 || five != 5)
+            return -1;
+        for (int j = 0; j < 5; j++)
+            if (read_uint(r, &c[j]) < 0)
+                return -1;
+        if (c[0] < LOWEST_OFFSET || c[1] < 1 || c[1] > MAX_CHUNK_LENGTH || c[2] < 1 || c[2] > MAX_CHUNK_LENGTH
+            || c[3] > 0xffff)
+            return -1;
+        uint16_t codec = (uint16_t)c[3];
+        if (col_add(&cols[OFF], &c[0], 8) < 0 || col_add(&cols[STORED], &c[1], 8) < 0
+            || col_add(&cols[RAW], &c[2], 8) < 0 || col_add(&cols[CODEC], &codec, 2) < 0
+            || col_add(&cols[CHECK], &c[4], 8) < 0)
+            return -2;
+    }
+    e->nchunks = n;
+    return 0;
+}
+
+/* A view map (SPEC 8.5) as the writer lays it out, {"base", "offset", "stride"} in that order: any other
+ * (another order, another key) is left to parse_entry, whose dict keeps the order it was given. */
+static int read_view(Rd *r, Entry *e)
+{
+    uint64_t n;
+    if (r->p >= r->end || *r->p != 0x83)
+        return -1;
+    r->p++;
+    if (!next_key(r, "base") || read_uint(r, &e->ref) < 0 || e->ref > MAX_TENSORS)
+        return -1;
+    if (!next_key(r, "offset") || read_uint(r, &e->view_offset) < 0 || e->view_offset > MAX_TENSOR_BYTES)
+        return -1;
+    if (!next_key(r, "stride") || read_array(r, &n) < 0 || n > MAX_RANK)
+        return -1;
+    e->view_rank = (int)n;
+    for (int j = 0; j < e->view_rank; j++)
+        if (read_uint(r, &e->strides[j]) < 0 || e->strides[j] > MAX_TENSOR_BYTES)
+            return -1;
+    e->kind = VIEW;
+    return 0;
+}
+
+/* A derived map (SPEC 8.5) as the writer lays it out, {"function", "source"}, of a known function. */
+static int read_derived(Rd *r, Entry *e, const DtypeInfo *fns, int nfns)
+{
+    const uint8_t *f;
+    size_t fn;
+    if (r->p >= r->end || *r->p != 0x82)
+        return -1;
+    r->p++;
+    if (!next_key(r, "function") || read_str(r, &f, &fn) < 0)
+        return -1;
+    e->kind = -1;
+    for (int j = 0; j < nfns; j++)
+        if (fns[j].len == fn && !memcmp(fns[j].name, f, fn))
+            e->kind = DERIVED + j;
+    if (e->kind < 0 || !next_key(r, "source") || read_uint(r, &e->ref) < 0 || e->ref > MAX_TENSORS)
+        return -1;
+    return 0;
+}
+
+static inline uint64_t add_sat(uint64_t a, uint64_t b)
+{
+    uint64_t s;
+    return __builtin_add_overflow(a, b, &s) ? UINT64_MAX : s;
+}
+
+static inline uint64_t mul_sat(uint64_t a, uint64_t b)
+{
+    uint64_t s;
+    return __builtin_mul_overflow(a, b, &s) ? UINT64_MAX : s;
+}
+
+/* One tensor entry that passes every check of entry.parse_entry (SPEC 8.3-8.5) but those against the codec
+ * table, the index offset and other entries, which the caller makes: {name, dtype, shape, one of chunks,
+ * view, derived[, checksum][, internal]}, its keys in any order, a dtype and a derived function this
+ * reader knows, every value of its plain msgpack type.  0, -1 for anything else (parse_entry checks it and
+ * says what is wrong), -2 with a Python error.  Its chunks are added to the chunk columns (the caller
+ * takes them back on -1). */
+static int column_entry(Rd *r, const DtypeInfo *dts, int ndts, const DtypeInfo *fns, int nfns, Entry *e,
+                        Col *cols)
+{
+    if (r->p >= r->end || *r->p < 0x84 || *r->p > 0x86)
+        return -1;
+    int pairs = *r->p & 0x0f;
+    r->p++;
+    int seen = 0;
+    e->has_sum = e->internal = 0;
+    e->nchunks = e->ref = 0;
+    for (int i = 0; i < pairs; i++) {
+        const uint8_t *k;
+        size_t kn;
+        if (read_str(r, &k, &kn) < 0)
+            return -1;
+        int bit, rc = 0;
+        if (key_is(k, kn, "name")) {
+            bit = 1;
+            if (read_str(r, &e->name, &e->name_len) < 0 || e->name_len > MAX_NAME_BYTES
+                || !utf8_ok(e->name, e->name_len))
+                return -1;
+        } else if (key_is(k, kn, "dtype")) {
+            bit = 2;
+            const uint8_t *d;
+            size_t dn;
+            if (read_str(r, &d, &dn) < 0)
+                return -1;
+            e->dtype = -1;
+            for (int j = 0; j < ndts; j++)
+                if (dts[j].len == dn && !memcmp(dts[j].name, d, dn)) {
+                    e->dtype = j;
+                    break;
+                }
+            if (e->dtype < 0)
+                return -1;
+        } else if (key_is(k, kn, "shape")) {
+            bit = 4;
+            uint64_t rank;
+            if (read_array(r, &rank) < 0 || rank > MAX_RANK)
+                return -1;
+            e->rank = (int)rank;
+            for (int j = 0; j < e->rank; j++)
+                if (read_uint(r, &e->dims[j]) < 0)
+                    return -1;
+        } else if (key_is(k, kn, "chunks")) {
+            bit = 8;
+            e->kind = DATA;
+            rc = read_chunks(r, e, cols);
+        } else if (key_is(k, kn, "view")) {
+            bit = 16;
+            rc = read_view(r, e);
+        } else if (key_is(k, kn, "derived")) {
+            bit = 32;
+            rc = read_derived(r, e, fns, nfns);
+        } else if (key_is(k, kn, "checksum")) {
+            bit = 64;
+            if (read_uint(r, &e->sum) < 0)
+                return -1;
+            e->has_sum = 1;
+        } else if (key_is(k, kn, "internal")) {
+            bit = 128;
+            if (r->p >= r->end || (*r->p != 0xc2 && *r->p != 0xc3))
+                return -1;
+            e->internal = *r->p++ == 0xc3;
+        } else
+            return -1;
+        if (rc < 0)
+            return rc;
+        if (seen & bit)
+            return -1;
+        seen |= bit;
+    }
+    int kinds = seen & (8 | 16 | 32);
+    if ((seen & 7) != 7 || (kinds != 8 && kinds != 16 && kinds != 32))
+        return -1;
+    /* span (SPEC 8.3): the non-zero dims times the item size, at most MAX_TENSOR_BYTES (checked as it grows) */
+    uint64_t itemsize = (uint64_t)dts[e->dtype].itemsize, span = itemsize;
+    int empty = 0;
+    for (int j = 0; j < e->rank; j++) {
+        if (!e->dims[j])
+            empty = 1;
+        else if (e->dims[j] > MAX_TENSOR_BYTES / span)
+            return -1;
+        else
+            span *= e->dims[j];
+    }
+    uint64_t nbytes = empty ? 0 : span;
+    if (e->kind == DATA) {
+        /* the raw lengths add up to nbytes (none for an empty tensor), each a multiple of the item size */
+        const uint64_t *raw = (const uint64_t *)(cols[RAW].p + cols[RAW].len) - e->nchunks;
+        uint64_t total = 0;
+        for (uint64_t i = 0; i < e->nchunks; i++) {
+            if (raw[i] % itemsize)
+                return -1;
+            total += raw[i]; /* (each at most 2^24, at most 2^32 of them) */
+        }
+        if (total != nbytes)
+            return -1;
+    } else if (e->kind == VIEW) {
+        /* one stride a dimension; view_end: one past the last element it addresses (0 for none), saturated */
+        if (e->view_rank != e->rank)
+            return -1;
+        uint64_t last = e->view_offset;
+        for (int j = 0; j < e->rank; j++)
+            last = add_sat(last, mul_sat(e->dims[j] ? e->dims[j] - 1 : 0, e->strides[j]));
+        e->view_end = empty ? 0 : add_sat(last, 1);
+    }
+    return 0;
+}
+
+#define MIN_ENTRY 33 /* bytes of the shortest entry read here: a row per this many bytes at most */
+
+/* entries(data, dtypes, functions): the "tensors" array's byte bounds (u64, one more than entries), and of
+ * each entry column_entry takes (in_columns: u8 1) a row of the other columns, in order: name (UTF-8 in
+ * names, ending at name_ends, u64), dtype (u8, its place in dtypes), shape (u32, its place in shapes, a
+ * list of tuples), has_sum (u8), sum (u64), kind (u8: 0 data, 1 view, 2 + its place in functions for a
+ * derived tensor), internal (u8), ref (u32: a view's base, a derived tensor's source), nchunks (u32); the
+ * data rows' chunks one after another: offset, stored, raw, checksum (u64), codec (u16); and of each view
+ * row: view_offset (u64), view_stride (u32, its place in shapes), view_end (u64: one past the last element
+ * of its base it addresses, 0 for none, 2^64-1 beyond).  None where the bytes are not an array of at most
  * MAX_TENSORS msgpack values filling data. */
 static PyObject *entries(PyObject *self, PyObject *args)
 {
     Py_buffer view;
-    PyObject *dtype_list;
-    if (!PyArg_ParseTuple(args, "y*O!", &view, &PyTuple_Type, &dtype_list))
+    PyObject *dtype_list, *function_list;
+    if (!PyArg_ParseTuple(args, "y*O!O!", &view, &PyTuple_Type, &dtype_list, &PyTuple_Type, &function_list))
         return NULL;
     PyObject *out = NULL;
-    int ndts = (int)PyTuple_GET_SIZE(dtype_list);
-    DtypeInfo *dts = calloc(ndts ? ndts : 1, sizeof(DtypeInfo));
-    enum { BOUNDS, PLAIN, DTYPE, SHAPE, HAS_SUM, SUM, NAME_ENDS, NAMES, OFF, STORED, RAW, CODEC, CHECK, NCOLS };
-    static const char *keys[NCOLS] = {"bounds", "plain", "dtype", "shape", "has_sum", "sum", "name_ends",
-                                      "names", "offset", "stored", "raw", "codec", "checksum"};
-    static const int width[NCOLS] = {8, 1, 1, 4, 1, 8, 8, 0, 8, 8, 8, 2, 8};
+    int ndts = (int)PyTuple_GET_SIZE(dtype_list), nfns = (int)PyTuple_GET_SIZE(function_list);
+    DtypeInfo *dts = calloc(ndts + nfns + 1, sizeof(DtypeInfo)), *fns = dts + ndts;
+    static const char *keys[NCOLS] = {"bounds", "in_columns", "dtype", "shape", "has_sum", "sum", "name_ends",
+                                      "names", "kind", "internal", "ref", "nchunks", "offset", "stored", "raw",
+                                      "codec", "checksum", "view_offset", "view_stride", "view_end"};
+    static const int width[NCOLS] = {8, 1, 1, 4, 1, 8, 8, 0, 1, 1, 4, 4, 8, 8, 8, 2, 8, 8, 4, 8};
     Col cols[NCOLS] = {{0}};
     Shapes shapes = {{0}};
     if (!dts) {
@@ -556,59 +695,87 @@ static PyObject *entries(PyObject *self, PyObject *args)
         PyObject *item = PyTuple_GET_ITEM(dtype_list, j);
         if (!PyArg_ParseTuple(item, "s#i", &dts[j].name, &len, &dts[j].itemsize))
             goto done;
+        if (dts[j].itemsize < 1) {
+            PyErr_SetString(PyExc_ValueError, "entries: an item size is at least 1");
+            goto done;
+        }
         dts[j].len = (size_t)len;
+    }
+    for (int j = 0; j < nfns; j++) {
+        Py_ssize_t len;
+        fns[j].name = (const uint8_t *)PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(function_list, j), &len);
+        if (!fns[j].name)
+            goto done;
+        fns[j].len = (size_t)len;
+    }
+    if (DERIVED + nfns > 255) {
+        PyErr_SetString(PyExc_ValueError, "entries: too many functions");
+        goto done;
     }
     const uint8_t *base = view.buf;
     Rd r = {base, base + view.len};
     uint64_t n;
     if (read_array(&r, &n) < 0 || n > (uint64_t)(r.end - r.p) || n > MAX_TENSORS)
         goto plain;
-    size_t rows = (size_t)view.len / MIN_PLAIN_ENTRY + 1;
+    size_t rows = (size_t)view.len / MIN_ENTRY + 1;
     if (rows > n)
         rows = (size_t)n;
     for (int c = 0; c < NCOLS; c++) {
-        size_t cap = c == BOUNDS ? 8 * ((size_t)n + 1) : c == PLAIN ? (size_t)n : c == NAMES ? (size_t)view.len
-                                                                                  : width[c] * rows;
+        /* caps: bounds (the row columns' are put without checks), estimates (the chunk and view columns') */
+        size_t cap = c == BOUNDS ? 8 * ((size_t)n + 1) : c == IN_COLUMNS ? (size_t)n : c == NAMES ? (size_t)view.len
+                   : c >= VIEW_OFFSET ? 0 : width[c] * rows;
         if (col_open(&cols[c], cap) < 0)
             goto done;
     }
     uint64_t names_end = 0;
     uint8_t one = 1, nil = 0;
-    Plain e;
+    Entry e;
     for (uint64_t i = 0; i <= n; i++) {
         uint64_t at = (uint64_t)(r.p - base);
         col_put(&cols[BOUNDS], &at, 8);
         if (i == n)
             break;
         Rd probe = r;
-        if (cols[DTYPE].len < rows && plain_entry(&probe, dts, ndts, &e) == 0) {
+        size_t chunks = cols[OFF].len / 8;
+        int rc = cols[DTYPE].len < rows ? column_entry(&probe, dts, ndts, fns, nfns, &e, cols) : -1;
+        if (rc == -2)
+            goto done;
+        if (rc == 0) {
             int64_t sid = shape_id(&shapes, e.dims, e.rank);
-            if (sid < 0) {
+            int64_t stride_id = e.kind == VIEW ? shape_id(&shapes, e.strides, e.rank) : 0;
+            if (sid < 0 || stride_id < 0) {
                 PyErr_NoMemory();
                 goto done;
             }
-            uint8_t dt = (uint8_t)e.dtype, has = (uint8_t)e.has_sum;
-            uint32_t sid32 = (uint32_t)sid;
-            uint16_t codec = (uint16_t)e.chunk[3];
+            uint8_t dt = (uint8_t)e.dtype, has = (uint8_t)e.has_sum, kind = (uint8_t)e.kind;
+            uint8_t internal = (uint8_t)e.internal;
+            uint32_t sid32 = (uint32_t)sid, ref = (uint32_t)e.ref, nchunks = (uint32_t)e.nchunks;
             uint64_t sum = e.has_sum ? e.sum : 0;
             names_end += e.name_len;
-            col_put(&cols[PLAIN], &one, 1);
+            col_put(&cols[IN_COLUMNS], &one, 1);
             col_put(&cols[DTYPE], &dt, 1);
             col_put(&cols[SHAPE], &sid32, 4);
             col_put(&cols[HAS_SUM], &has, 1);
             col_put(&cols[SUM], &sum, 8);
             col_put(&cols[NAMES], e.name, e.name_len);
             col_put(&cols[NAME_ENDS], &names_end, 8);
-            col_put(&cols[OFF], &e.chunk[0], 8);
-            col_put(&cols[STORED], &e.chunk[1], 8);
-            col_put(&cols[RAW], &e.chunk[2], 8);
-            col_put(&cols[CODEC], &codec, 2);
-            col_put(&cols[CHECK], &e.chunk[4], 8);
+            col_put(&cols[KIND], &kind, 1);
+            col_put(&cols[INTERNAL], &internal, 1);
+            col_put(&cols[REF], &ref, 4);
+            col_put(&cols[NCHUNKS], &nchunks, 4);
+            if (e.kind == VIEW) {
+                uint32_t stride32 = (uint32_t)stride_id;
+                if (col_add(&cols[VIEW_OFFSET], &e.view_offset, 8) < 0 || col_add(&cols[VIEW_STRIDE], &stride32, 4) < 0
+                    || col_add(&cols[VIEW_END], &e.view_end, 8) < 0)
+                    goto done;
+            }
             r = probe;
         } else {
+            for (int c = OFF; c <= CHECK; c++) /* (its chunks, if it had any, go back) */
+                cols[c].len = chunks * (size_t)width[c];
             if (skip(&r) < 0)
                 goto plain;
-            col_put(&cols[PLAIN], &nil, 1);
+            col_put(&cols[IN_COLUMNS], &nil, 1);
         }
     }
     if (r.p != r.end)
@@ -1191,7 +1358,7 @@ static PyMethodDef methods[] = {
     {"map_spans", map_spans, METH_O,
      "map_spans(data) -> [(key start, key end, value start, value end)] of a msgpack map filling data, or None"},
     {"entries", entries, METH_VARARGS,
-     "entries(data, dtypes) -> dict of columns of a tensors array (its plain entries), or None"},
+     "entries(data, dtypes, functions) -> dict of columns of a tensors array (the entries it reads), or None"},
     {"tree_paths", tree_paths, METH_O, "tree_paths(data) -> (blob, ends, tids, max tensor id) or None"},
     {"path_index", path_index, METH_VARARGS, "path_index(blob, ends, slots, key) -> place of key, or -1"},
     {"strings", strings, METH_VARARGS, "strings(blob, ends, lo, hi) -> names lo..hi-1 as a list of str"},

@@ -19,7 +19,8 @@ the ext types, nesting, the memory budget): on anything unusual a piece is
 decoded the plain way, so the errors and their messages are the same.
 
 Where the compiled column reader (``nvckpt.format._columns``) is built, the top-level map's values are found
-by it, the plain one-chunk entries of ``"tensors"`` are read by it into columns (``LazyEntries.columns``,
+by it, the entries of ``"tensors"`` as a writer makes them (data entries of any number of chunks, views and
+derived tensors, with their optional keys) are read by it into columns (``LazyEntries.columns``,
 taken by ``nvckpt.format.index.parse_index`` a run at a time), and a ``"tree"`` made of containers, scalars,
 tuples and tensor references is only checked here and kept as its bytes (``LazyTree``): its paths are read
 from them, and it is decoded when something first asks for it.  Whatever it does not take (anything
@@ -41,7 +42,7 @@ import msgpack
 
 from ..errors import NvckptError
 from . import tree
-from .constants import MAX_NAME_BYTES
+from .constants import DERIVED_FUNCTIONS, MAX_NAME_BYTES
 
 try:
     from . import _columns as compiled
@@ -96,8 +97,8 @@ class LazyEntries:
         self._data = data
         self._bounds = bounds
         self._budget = getattr(tree._nesting, "budget", None)
-        # The compiled reader's columns (nvckpt.format._columns.entries): "plain" marks the plain one-chunk
-        # entries, whose name, dtype, shape, checksum and chunk are in the other columns.
+        # The compiled reader's columns (nvckpt.format._columns.entries): "in_columns" marks the entries it
+        # read (data, view and derived entries as a writer makes them), whose values are in the other columns.
         self.columns = columns
 
     def __len__(self) -> int:
@@ -118,18 +119,27 @@ class LazyEntries:
         return map(self.__getitem__, range(len(self)))
 
     def row(self, r: int) -> dict[str, Any]:
-        """The plain entry of row ``r`` of the compiled reader's columns, as its decoding gives it (its values
-        are all in the columns: the index's bytes may be gone)."""
+        """The data entry of row ``r`` of the compiled reader's columns, as its decoding gives it (its values are
+        all in the columns: the index's bytes may be gone).  Only a data entry's row can fail the checks that
+        the parser makes a column at a time (its chunks against the codec table and the index offset)."""
+        import numpy as np
+
         c = self.columns
+        if c["kind"][r] != _DATA:
+            raise ValueError(f"row {r} is not a data entry's")
         ends = memoryview(c["name_ends"]).cast("Q")
+        first = int(np.frombuffer(c["nchunks"], dtype=np.uint32)[:r].sum(dtype=np.uint64))
         entry: dict[str, Any] = {
             "name": c["names"][ends[r - 1] if r else 0: ends[r]].decode("utf-8"),
             "dtype": _DTYPES[c["dtype"][r]][0],
             "shape": list(c["shapes"][memoryview(c["shape"]).cast("I")[r]]),
-            "chunks": [[memoryview(c[k]).cast("H" if k == "codec" else "Q")[r]
-                        for k in ("offset", "stored", "raw", "codec", "checksum")]]}
+            "chunks": [[memoryview(c[k]).cast("H" if k == "codec" else "Q")[i]
+                        for k in ("offset", "stored", "raw", "codec", "checksum")]
+                       for i in range(first, first + memoryview(c["nchunks"]).cast("I")[r])]}
         if c["has_sum"][r]:
             entry["checksum"] = memoryview(c["sum"]).cast("Q")[r]
+        if c["internal"][r]:
+            entry["internal"] = True
         return entry
 
     def plain(self, lo: int, hi: int) -> list | None:
@@ -329,13 +339,14 @@ def _decode_spans(data: memoryview, spans: list[tuple[int, int, int, int]]) -> A
 
 def _column_entries(data: memoryview) -> Any:
     """The "tensors" array as LazyEntries with the compiled reader's columns; None where it does not take it."""
-    columns = compiled.entries(data, _DTYPES)
+    columns = compiled.entries(data, _DTYPES, DERIVED_FUNCTIONS)
     if columns is None:
         return _entries(data)  # (not an array, or bytes msgpack would refuse: the Python way says what)
     bounds = memoryview(columns.pop("bounds")).cast("Q")
     _spend(bounds.nbytes + sum(len(v) for k, v in columns.items() if k != "shapes") + 64 * len(columns["shapes"]))
-    # Entries all plain: none is decoded from its bytes, and the index's bytes can go before they are parsed.
-    return LazyEntries(data if 0 in columns["plain"] else None, bounds, columns)
+    # Entries all in the columns: none is decoded from its bytes, and the index's bytes can go before they are
+    # parsed.
+    return LazyEntries(data if 0 in columns["in_columns"] else None, bounds, columns)
 
 
 def _entries(data: memoryview) -> Any:
@@ -456,5 +467,6 @@ def _dtype_table() -> tuple[tuple[str, int], ...]:
 
 
 _DTYPES = _dtype_table()  # (the order of EntryTable._DTYPES: a dtype's id is its place here)
+_DATA = 0  # the "kind" column's value of a data entry (EntryTable.DATA)
 
 __all__ = ["ChunkColumns", "LazyEntries", "LazyTree", "PathTable", "decode_index", "decode_entry", "STREAM_FROM", "BIG_ENTRY", "COLUMNS_FROM"]

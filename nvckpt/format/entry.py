@@ -66,13 +66,14 @@ class ChunkStore:
             column.frombytes(values.astype(values.dtype.newbyteorder("=")).tobytes())
         return ChunkTable(self, lo, len(self.offset) - lo)
 
-    def add_plain(self, columns: dict[str, Any], lo: int, hi: int, whole: bool = False) -> None:
-        """Rows ``lo .. hi-1`` of the compiled reader's columns (nvckpt.format.bulk.LazyEntries.columns), one
-        chunk each, starting at raw byte 0; ``whole``: all of them, each column let go once copied."""
+    def add_rows(self, columns: dict[str, Any], lo: int, hi: int, starts: Any, whole: bool = False) -> None:
+        """Chunks ``lo .. hi-1`` of the compiled reader's chunk columns (nvckpt.format.bulk.LazyEntries.columns),
+        ``starts`` where each starts in its tensor's raw bytes (u64, bytes or numpy); ``whole``: all of them,
+        each column let go once copied."""
         for column, key, size in ((self.offset, "offset", 8), (self.stored, "stored", 8), (self.raw, "raw", 8),
                                   (self.codec, "codec", 2), (self.checksum, "checksum", 8)):
             column.frombytes(memoryview(columns.pop(key) if whole else columns[key])[lo * size: hi * size])
-        self.start.frombytes(bytes(8 * (hi - lo)))
+        self.start.frombytes(starts if isinstance(starts, bytes) else memoryview(starts).cast("B"))
 
     def add_one(self, offset: int, stored: int, raw: int, codec: int, checksum: int) -> "ChunkTable":
         """A table of one chunk."""
@@ -215,26 +216,38 @@ class TensorEntry:
 
 
 class EntryTable(Sequence[TensorEntry]):
-    """The index's tensor entries, by tensor id.  Plain data entries of one chunk (what a state of many small
-    tensors is made of, ``plain_entries``) are kept as columns, and their TensorEntry is made each time one is
-    read: a million of them take ~30 bytes each here, not the ~250 of a TensorEntry, its ChunkTable and
-    its checksum int.  Any other entry is kept as it was parsed.  Every entry's name is kept as UTF-8 in one
-    blob (``name_blob``, entry i's ending at ``name_ends[i]``), a str made only when one is asked for."""
+    """The index's tensor entries, by tensor id.  The entries the compiled reader reads (nvckpt.format.bulk:
+    data, view and derived entries as a writer makes them, what a training state is made of) and the plain
+    data entries of one chunk (``plain_entries``) are kept as columns, and their TensorEntry is made each
+    time one is read: a million of them take ~40 bytes each here, not the ~250 of a TensorEntry, its
+    ChunkTable and its checksum int.  Any other entry is kept as it was parsed.  Every entry's name is kept
+    as UTF-8 in one blob (``name_blob``, entry i's ending at ``name_ends[i]``), a str made only when one is
+    asked for."""
 
-    __slots__ = ("store", "_objs", "name_blob", "name_ends", "_dtype", "_shape", "_sum", "_has_sum", "_first",
-                 "_shapes", "_shape_ids")
+    __slots__ = ("store", "_objs", "name_blob", "name_ends", "_dtype", "_shape", "_sum", "_has_sum", "_kind",
+                 "_internal", "_ref", "_nchunks", "_at", "_view_offset", "_view_stride", "_view_end", "_shapes",
+                 "_shape_ids")
 
     _DTYPES = list(dtypes.DTYPES.values())
     _DTYPE_IDS = {d.name: i for i, d in enumerate(_DTYPES)}
+    # An entry's kind (``_kind``; the compiled reader's "kind" column): DATA, VIEW, DERIVED + its function's
+    # place in DERIVED_FUNCTIONS, or OBJECT (kept as parsed, in ``_objs``).
+    DATA, VIEW, DERIVED, OBJECT = 0, 1, 2, 255
 
     def __init__(self, store: ChunkStore) -> None:
         self.store = store
-        self._objs: list[TensorEntry | None] = []  # None: a plain entry, in the columns
+        self._objs: list[TensorEntry | None] = []  # None: an entry in the columns
         self.name_blob = bytearray()
         self.name_ends = array("Q")
         self._dtype, self._shape, self._has_sum = array("B"), array("I"), bytearray()
-        self._sum, self._first = array("Q"), array("Q")
-        self._shapes: list[tuple[int, ...]] = []  # one tuple per distinct shape, shared by the entries
+        self._sum = array("Q")
+        self._kind, self._internal = bytearray(), bytearray()
+        self._ref = array("I")  # a view's base, a derived tensor's source
+        self._nchunks = array("I")
+        self._at = array("Q")  # a data entry's first chunk in the store; a view's row of the _view_ columns
+        self._view_offset, self._view_stride, self._view_end = array("Q"), array("I"), array("Q")
+        # one tuple per distinct shape (and view stride), shared by the entries
+        self._shapes: list[tuple[int, ...]] = []
         self._shape_ids: dict[tuple[int, ...], int] = {}
 
     def append(self, entry: TensorEntry) -> None:
@@ -245,7 +258,11 @@ class EntryTable(Sequence[TensorEntry]):
         self._shape.append(0)
         self._sum.append(0)
         self._has_sum.append(0)
-        self._first.append(0)
+        self._kind.append(self.OBJECT)
+        self._internal.append(entry.internal)
+        self._ref.append(0)
+        self._nchunks.append(0)
+        self._at.append(0)
 
     def extend_plain(self, names: list[str], types: list[str], shapes: list[list[int]],
                      checksums: list[int | None], first_chunk: int) -> None:
@@ -271,23 +288,56 @@ class EntryTable(Sequence[TensorEntry]):
         self._shape.extend(map(shape_id, shapes))
         self._has_sum.extend([c is not None for c in checksums])
         self._sum.extend([c or 0 for c in checksums])
-        self._first.extend(range(first_chunk, first_chunk + n))
+        self._kind += bytes(n)  # (DATA)
+        self._internal += bytes(n)
+        self._ref.frombytes(bytes(4 * n))
+        self._nchunks.extend([1] * n)
+        self._at.extend(range(first_chunk, first_chunk + n))
 
-    def extend_columns(self, columns: dict[str, Any], lo: int, hi: int, first_chunk: int, whole: bool = False) -> None:
-        """Rows ``lo .. hi-1`` of the compiled reader's columns (nvckpt.format.bulk.LazyEntries.columns: plain
-        entries), whose chunks are the store's from ``first_chunk`` on; ``whole``: all of them, each column let
-        go once copied."""
+    def extend_columns(self, columns: dict[str, Any], rows: tuple[int, int], chunks: tuple[int, int],
+                       views: tuple[int, int], whole: bool = False) -> Any:
+        """Rows ``rows`` of the compiled reader's columns (nvckpt.format.bulk.LazyEntries.columns), their chunks
+        (rows ``chunks`` of its chunk columns) added to the store and their views (rows ``views`` of its view
+        columns) to this table; ``whole``: all of them, each column let go once copied.  Returns each entry's
+        first chunk in the store (numpy u64)."""
         import numpy as np
 
         def take(key: str) -> memoryview:
             return memoryview(columns.pop(key) if whole else columns[key])
 
+        (lo, hi), (c0, c1), (v0, v1) = rows, chunks, views
         n = hi - lo
         if not self._shapes:
             self._shapes = columns["shapes"]
             self._shape_ids = {t: i for i, t in enumerate(self._shapes)}
         elif self._shapes is not columns["shapes"]:
             raise RuntimeError("an EntryTable takes one compiled reader's columns")
+        store = self.store
+        first = len(store)
+        nchunks = np.frombuffer(take("nchunks"), dtype=np.uint32)[lo:hi]
+        held = nchunks[nchunks > 0]
+        if len(held) == c1 - c0:  # (one chunk an entry that has any, each starting its tensor's raw bytes)
+            starts: Any = bytes(8 * (c1 - c0))
+        else:  # where each chunk starts in its tensor's raw bytes: the raw lengths before it, its entry's own
+            raw = np.frombuffer(columns["raw"], dtype=np.uint64)[c0:c1]
+            starts = np.cumsum(raw) - raw
+            starts -= np.repeat(starts[(np.cumsum(held) - held).astype(np.intp)], held.astype(np.intp))
+            del raw
+        del held
+        store.add_rows(columns, c0, c1, starts, whole)
+        firsts = np.empty(n, dtype=np.uint64)  # each entry's first chunk: those before it in the store
+        firsts[0] = first
+        np.cumsum(nchunks[:-1], dtype=np.uint64, out=firsts[1:])
+        firsts[1:] += np.uint64(first)
+        kind = take("kind")[lo:hi]
+        at = firsts
+        if v1 > v0:  # a view's row of the view columns instead
+            at = firsts.copy()
+            is_view = np.frombuffer(kind, dtype=np.uint8) == self.VIEW
+            at[is_view] = np.arange(len(self._view_offset), len(self._view_offset) + v1 - v0, dtype=np.uint64)
+            self._view_offset.frombytes(take("view_offset")[8 * v0: 8 * v1])
+            self._view_stride.frombytes(take("view_stride")[4 * v0: 4 * v1])
+            self._view_end.frombytes(take("view_end")[8 * v0: 8 * v1])
         ends = np.frombuffer(take("name_ends"), dtype=np.uint64)
         start = int(ends[lo - 1]) if lo else 0
         base = len(self.name_blob) - start
@@ -299,7 +349,12 @@ class EntryTable(Sequence[TensorEntry]):
         self._shape.frombytes(take("shape")[4 * lo: 4 * hi])
         self._has_sum += take("has_sum")[lo:hi]
         self._sum.frombytes(take("sum")[8 * lo: 8 * hi])
-        self._first.extend(range(first_chunk, first_chunk + n))
+        self._kind += kind
+        self._internal += take("internal")[lo:hi]
+        self._ref.frombytes(take("ref")[4 * lo: 4 * hi])
+        self._nchunks.frombytes(memoryview(nchunks).cast("B"))
+        self._at.frombytes(memoryview(at).cast("B"))
+        return firsts
 
     def __len__(self) -> int:
         return len(self._objs)
@@ -312,9 +367,20 @@ class EntryTable(Sequence[TensorEntry]):
             return e
         if i < 0:
             i += len(self._objs)
-        return TensorEntry(i, self.name(i), self._DTYPES[self._dtype[i]], self._shapes[self._shape[i]],
-                           ChunkTable(self.store, self._first[i], 1), None, None,
-                           self._sum[i] if self._has_sum[i] else None, False, 1, None)
+        kind = self._kind[i]
+        chunks = view = derived = None
+        nchunks = 0
+        if kind == self.DATA:
+            nchunks = self._nchunks[i]
+            chunks = ChunkTable(self.store, self._at[i], nchunks)
+        elif kind == self.VIEW:
+            at = self._at[i]
+            view = {"base": self._ref[i], "offset": self._view_offset[at],
+                    "stride": list(self._shapes[self._view_stride[at]])}
+        else:
+            derived = {"function": DERIVED_FUNCTIONS[kind - self.DERIVED], "source": self._ref[i]}
+        return TensorEntry(i, self.name(i), self._DTYPES[self._dtype[i]], self._shapes[self._shape[i]], chunks, view,
+                           derived, self._sum[i] if self._has_sum[i] else None, self._internal[i] == 1, nchunks, None)
 
     def __iter__(self) -> Iterator[TensorEntry]:
         return map(self.__getitem__, range(len(self)))
@@ -323,9 +389,42 @@ class EntryTable(Sequence[TensorEntry]):
         """The names of entries ``lo .. hi-1``."""
         return list(map(self.name, range(lo, hi)))
 
-    def objects(self) -> Iterator[TensorEntry]:
-        """The entries that are not plain ones of one chunk (views, derived tensors, ...)."""
-        return (e for e in self._objs if e is not None)
+    def references_to_check(self) -> list[int]:
+        """The ids, in order, of the view and derived entries whose base or source (SPEC 8.5) may be wrong:
+        every one kept as parsed, and those in the columns that the rules checked on whole columns do not
+        clear (``reference_problem`` says what is wrong, if anything)."""
+        import numpy as np
+
+        kind = np.frombuffer(self._kind, dtype=np.uint8)
+        objs = np.flatnonzero(kind == self.OBJECT)
+        suspects = [int(i) for i in objs if not self._objs[i].is_data]
+        rows = np.flatnonzero((kind != self.DATA) & (kind != self.OBJECT))
+        if not len(rows):
+            return suspects
+        ref = np.frombuffer(self._ref, dtype=np.uint32)[rows].astype(np.intp)
+        there = ref < len(kind)
+        src = np.where(there, ref, 0)
+        dtype, shape = np.frombuffer(self._dtype, dtype=np.uint8), np.frombuffer(self._shape, dtype=np.uint32)
+        fine = there & (ref != rows) & (kind[src] == self.DATA)  # a stored tensor, not itself
+        own = kind[rows]
+        same_shape = shape[src] == shape[rows]  # (one id per distinct shape)
+        for j, function in enumerate(DERIVED_FUNCTIONS):
+            these = own == self.DERIVED + j
+            if function == "copy":
+                fine[these] &= (dtype[src] == dtype[rows])[these] & same_shape[these]
+            elif function == "bf16_rne":
+                fine[these] &= ((dtype[rows] == self._DTYPE_IDS["bfloat16"]) & (dtype[src] == self._DTYPE_IDS["float32"])
+                                & same_shape)[these]
+            else:  # (a function the columns do not know the rules of: checked one by one)
+                fine[these] = False
+        views = own == self.VIEW
+        if views.any():  # a 1-D base of the entry's dtype, long enough for every element it addresses
+            length = np.array([t[0] if len(t) == 1 else -1 for t in self._shapes], dtype=np.int64)
+            base_length = length[shape[src[views]]]
+            end = np.frombuffer(self._view_end, dtype=np.uint64)[np.frombuffer(self._at, dtype=np.uint64)[rows[views]]]
+            fine[views] &= ((dtype[src] == dtype[rows])[views] & (base_length >= 0)
+                            & (end <= base_length.clip(0).astype(np.uint64)))
+        return sorted(suspects + rows[~fine].tolist())
 
     def name(self, i: int) -> str:
         """Entry ``i``'s name (no TensorEntry made)."""
@@ -338,8 +437,10 @@ class EntryTable(Sequence[TensorEntry]):
         return self.name_blob[ends[i - 1] if i else 0: ends[i]].decode("utf-8", "surrogatepass")
 
     def not_internal(self) -> list[int]:
-        """The ids of the entries not marked internal (no TensorEntry made for a plain one)."""
-        return [i for i, e in enumerate(self._objs) if e is None or not e.internal]
+        """The ids of the entries not marked internal (no TensorEntry made for one in the columns)."""
+        import numpy as np
+
+        return np.flatnonzero(np.frombuffer(self._internal, dtype=np.uint8) == 0).tolist()
 
 
 def not_internal(tensors: Sequence[TensorEntry]) -> list[int]:

@@ -117,7 +117,8 @@ def parse_index(data: dict[str, Any], index_offset: int, required_features: int 
 
     check_overlaps(store, chunk_name)
     lookup = (lambda tid: tensors[tid] if tid < len(tensors) else None)
-    for entry in tensors.objects():  # (a plain entry is neither a view nor a derived tensor)
+    for tid in tensors.references_to_check():  # (the others' bases and sources were checked a column at a time)
+        entry = tensors[tid]
         problem = reference_problem(entry, lookup)
         if problem is not None:
             raise FormatError(f"tensor {entry.name!r:.200}: {problem}")
@@ -157,36 +158,52 @@ def parse_index(data: dict[str, Any], index_offset: int, required_features: int 
 
 
 def _column_entries(raw: LazyEntries, ncodecs: int, index_offset: int, tensors: EntryTable, firsts: array) -> None:
-    """parse_index's entries from the compiled reader's columns (nvckpt.format._columns): runs of plain entries
-    whose chunks fit the codec table and lie before the index a column at a time, any other entry one by one
-    (parse_entry, which says what is wrong), and the first name given twice refused as the one-by-one checks
-    refuse it: before any later entry's error."""
+    """parse_index's entries from the compiled reader's columns (nvckpt.format._columns): runs of the entries it
+    read whose chunks fit the codec table and lie before the index a column at a time, any other entry one by
+    one (parse_entry, which says what is wrong), and the first name given twice refused as the one-by-one
+    checks refuse it: before any later entry's error."""
     import numpy as np
 
     columns = raw.columns
     store = tensors.store
-    plain = np.frombuffer(columns["plain"], dtype=np.bool_)  # the plain entries have a row each, in order
+    in_columns = np.frombuffer(columns["in_columns"], dtype=np.bool_)  # the entries it read have a row each, in order
     off = np.frombuffer(columns["offset"], dtype=np.uint64)
     room = np.uint64(index_offset) - np.minimum(off, np.uint64(index_offset))  # (no wrap where off is past it)
-    ok = plain.copy()
-    ok[plain] = ((np.frombuffer(columns["codec"], dtype=np.uint16) < ncodecs) & (off <= index_offset)
-                 & (np.frombuffer(columns["stored"], dtype=np.uint64) <= room))
+    chunk_ok = ((np.frombuffer(columns["codec"], dtype=np.uint16) < ncodecs) & (off <= index_offset)
+                & (np.frombuffer(columns["stored"], dtype=np.uint64) <= room))
     del off, room
+    nchunks = np.frombuffer(columns["nchunks"], dtype=np.uint32)
+    ok = in_columns.copy()
+    if not chunk_ok.all():  # the rows of the chunks that do not: one by one
+        row_ok = np.ones(len(nchunks), dtype=np.bool_)
+        row_ok[np.searchsorted(np.cumsum(nchunks, dtype=np.uint64), np.flatnonzero(~chunk_ok), side="right")] = False
+        ok[in_columns] = row_ok
+    del chunk_ok
     edges = (np.flatnonzero(ok[1:] != ok[:-1]) + 1).tolist()
+    if len(edges) < 2 and ok.all():  # (every entry in the columns: each column let go once it is copied)
+        chunk_at = view_at = None
+    else:  # where each row's chunks and view start in their columns
+        zero = np.zeros(1, dtype=np.uint64)
+        chunk_at = np.concatenate((zero, np.cumsum(nchunks, dtype=np.uint64))).tolist()
+        is_view = np.frombuffer(columns["kind"], dtype=np.uint8) == EntryTable.VIEW
+        view_at = np.concatenate((zero, np.cumsum(is_view, dtype=np.uint64))).tolist()
+        del is_view
+    del nchunks
     row = 0
     for lo, hi in zip([0, *edges], [*edges, len(raw)]) if len(raw) else ():
         if ok[lo]:
-            first = len(store)
-            firsts.extend(range(first, first + hi - lo))
-            whole = hi - lo == len(plain)  # (then each column is let go once it is copied)
-            store.add_plain(columns, row, row + hi - lo, whole)
-            tensors.extend_columns(columns, row, row + hi - lo, first, whole)
+            if chunk_at is None:
+                spans = (0, hi), (0, len(columns["offset"]) // 8), (0, len(columns["view_offset"]) // 8)
+            else:
+                end = row + hi - lo
+                spans = (row, end), (chunk_at[row], chunk_at[end]), (view_at[row], view_at[end])
+            firsts.frombytes(memoryview(tensors.extend_columns(columns, *spans, whole=chunk_at is None)).cast("B"))
             row += hi - lo
             continue
         for tid in range(lo, hi):
             firsts.append(len(store))
             try:
-                if plain[tid]:  # (a chunk past the index or of a codec not in the table: parse_entry says which)
+                if in_columns[tid]:  # (a chunk past the index or of a codec not in the table: parse_entry says which)
                     value, row = raw.row(row), row + 1
                 else:
                     value = raw[tid]  # (its decoding may fail: after a name given twice before it)
