@@ -220,9 +220,9 @@ class EntryTable(Sequence[TensorEntry]):
     data, view and derived entries as a writer makes them, what a training state is made of) and the plain
     data entries of one chunk (``plain_entries``) are kept as columns, and their TensorEntry is made each
     time one is read: a million of them take ~50 bytes each here (and 42 a chunk in the store), not the
-    ~250 of a TensorEntry, its ChunkTable and its checksum int.  Any other entry is kept as it was parsed.  Every entry's name is kept
-    as UTF-8 in one blob (``name_blob``, entry i's ending at ``name_ends[i]``), a str made only when one is
-    asked for."""
+    ~250 of a TensorEntry, its ChunkTable and its checksum int.  Any other entry is kept as it was parsed.
+    Every entry's name is kept as UTF-8 in one blob (``name_blob``, entry i's ending at ``name_ends[i]``), a
+    str made only when one is asked for."""
 
     __slots__ = ("store", "_objs", "name_blob", "name_ends", "_dtype", "_shape", "_sum", "_has_sum", "_kind",
                  "_internal", "_ref", "_nchunks", "_at", "_view_offset", "_view_stride", "_view_end", "_shapes",

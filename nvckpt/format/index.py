@@ -180,14 +180,13 @@ def _column_entries(raw: LazyEntries, ncodecs: int, index_offset: int, tensors: 
         ok[in_columns] = row_ok
     del chunk_ok
     edges = (np.flatnonzero(ok[1:] != ok[:-1]) + 1).tolist()
-    if len(edges) < 2 and ok.all():  # (every entry in the columns: each column let go once it is copied)
+    if ok.all():  # (every entry in the columns: each column let go once it is copied)
         chunk_at = view_at = None
     else:  # where each row's chunks and view start in their columns
         zero = np.zeros(1, dtype=np.uint64)
-        chunk_at = np.concatenate((zero, np.cumsum(nchunks, dtype=np.uint64))).tolist()
-        is_view = np.frombuffer(columns["kind"], dtype=np.uint8) == EntryTable.VIEW
-        view_at = np.concatenate((zero, np.cumsum(is_view, dtype=np.uint64))).tolist()
-        del is_view
+        chunk_at = np.concatenate((zero, np.cumsum(nchunks, dtype=np.uint64)))
+        view_at = np.concatenate((zero, np.cumsum(np.frombuffer(columns["kind"], dtype=np.uint8) == EntryTable.VIEW,
+                                                  dtype=np.uint64)))
     del nchunks
     row = 0
     for lo, hi in zip([0, *edges], [*edges, len(raw)]) if len(raw) else ():
@@ -196,7 +195,7 @@ def _column_entries(raw: LazyEntries, ncodecs: int, index_offset: int, tensors: 
                 spans = (0, hi), (0, len(columns["offset"]) // 8), (0, len(columns["view_offset"]) // 8)
             else:
                 end = row + hi - lo
-                spans = (row, end), (chunk_at[row], chunk_at[end]), (view_at[row], view_at[end])
+                spans = (row, end), (int(chunk_at[row]), int(chunk_at[end])), (int(view_at[row]), int(view_at[end]))
             firsts.frombytes(memoryview(tensors.extend_columns(columns, *spans, whole=chunk_at is None)).cast("B"))
             row += hi - lo
             continue
