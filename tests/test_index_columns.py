@@ -347,7 +347,8 @@ def _change_kind_entry(tensors: list, tid: int, how: tuple) -> None:
     elif op == "reorder":  # (the entry's keys in another order: the same entry)
         tensors[tid] = dict(reversed(list(entry.items())))
     elif op == "duplicate":
-        entry["name"] = tensors[how[1] % KINDS_N]["name"] if isinstance(tensors[how[1] % KINDS_N], dict) else "x"
+        other = tensors[how[1] % KINDS_N]
+        entry["name"] = other.get("name") if isinstance(other, dict) else "x"
     elif op == "kind":
         _, kind, field, value = how
         inner = entry.get(kind)
