@@ -25,7 +25,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def child(code: str, *, wait: bool = True, timeout: float = 120) -> subprocess.Popen | subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    args = [sys.executable, "-c", textwrap.dedent(code)]
+    # As a program run from a terminal: a test run started in the background (`nohup ... &`) ignores SIGINT, and
+    # a child would inherit that and let Ctrl-C pass unseen.
+    code = "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n" + textwrap.dedent(code)
+    args = [sys.executable, "-c", code]
     if wait:
         return subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
     return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
