@@ -80,6 +80,14 @@ def within_budget(account: DeviceMemory, dev: HostBackend) -> None:
     assert dev.peak <= BUDGET, f"the engines held {dev.peak} bytes of device buffers at once, budget {BUDGET}"
     assert 0 < account.peak(CPU) <= BUDGET
     assert dev.live == 0  # every device buffer freed
+    gone_at_lease_end(dev)
+
+
+def gone_at_lease_end(dev: HostBackend) -> None:
+    """Every engine's buffers were gone when its backend's last lease ended: where a CUDA backend hands its
+    private pool back to the device, a buffer still alive would stay behind in torch's cache."""
+    assert dev.leases == 0 and dev.left_at_lease_end, "no engine ran, or a lease was never ended"
+    assert not any(dev.left_at_lease_end), f"bytes of device buffers alive at lease ends: {dev.left_at_lease_end}"
 
 
 @pytest.mark.parametrize("first", ["lazy", "plain"])
@@ -207,3 +215,44 @@ def test_a_budget_that_the_saves_own_copy_leaves_too_small_is_a_clear_error():
     with acc.take_copy(CPU, 500, 1000, owner):
         with pytest.raises(ValueError, match="memory_budget 1000 leaves 500 bytes beside this save's copy"):
             acc.take_work(CPU, want=1000, need=600, budget=1000, owner=owner)
+
+
+# -- the loader's device buffers ---------------------------------------------------------------
+class FailingDecode(HostBackend):
+    """The host stand-in whose ``fail_at``-th decode call raises, as a device error would."""
+
+    def __init__(self, fail_at: int | None = None, **kw) -> None:
+        super().__init__(**kw)
+        self.calls = 0
+        self.fail_at = fail_at
+
+    def decode(self, key, payloads, outs):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("simulated device failure in a decode")
+        return super().decode(key, payloads, outs)
+
+
+@pytest.mark.parametrize("device_reads", [False, True])
+@pytest.mark.parametrize("fail_at", [None, 2])
+def test_a_load_has_let_go_of_its_device_buffers_when_its_lease_ends(tmp_path, device_reads, fail_at):
+    from nvckpt.options import GpuLoadOptions
+
+    model, opt = trained()
+    state = state_of(model, opt)
+    path = tmp_path / "s.nvckpt"
+    nvckpt.save(state, path, chunk_size=16 * KiB)
+    dev = FailingDecode(fail_at, device_reads=device_reads)
+    opts = GpuLoadOptions(backend=dev, read_span_bytes=64 * KiB, decode_batch_bytes=128 * KiB, read_buffers=3,
+                          read_path="kvikio" if device_reads else "o_direct")
+    if fail_at is None:
+        got = nvckpt.load(path, gpu=opts)
+        assert_tree_equal(got["model"], state["model"])
+        with nvckpt.open(path, gpu=opts) as ck:  # one tensor, then another: a lease each
+            for name in list(ck.keys())[:2]:
+                assert torch.equal(ck.get_tensor(name), ck.get_tensor(name))
+    else:
+        with pytest.raises(RuntimeError, match="simulated device failure"):
+            nvckpt.load(path, gpu=opts)
+    assert len(dev.left_at_lease_end) >= (1 if fail_at else 3)
+    gone_at_lease_end(dev)

@@ -437,7 +437,8 @@ class Checkpoint(Mapping):
     def _gpu_run(self, fn: Any, *args: Any) -> Any:
         stats: dict[str, Any] = {}
         try:
-            return fn(self._file, *args, self._gpu, self.options.gpu, stats)
+            with self._gpu.lease():  # the loader's buffers go back to the device when it returns
+                return fn(self._file, *args, self._gpu, self.options.gpu, stats)
         finally:
             with self._stats_lock:
                 self._stats["gpu_loads"] += 1

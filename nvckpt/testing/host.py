@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ..codecs.base import DecodeRejected, DeviceOp, Pipeline
-from ..engines.gpu.backend import Encoded, _batch_parts, _copy_run
+from ..engines.gpu.backend import Encoded, Lease, _batch_parts, _copy_run
 from ..engines.gpu.batching import Batch, SlotRun, aligned_host_buffer
 from ..tensors import flat_bytes
 
@@ -22,7 +22,10 @@ class HostBackend:
 
     "Device" and "pinned" memory are plain host memory; work is done when issued.  ``memory_total``: the
     simulated device's capacity (its default memory budget follows from it, as a GPU's does); ``live`` and
-    ``peak`` are the bytes of "device" buffers the engine holds (batch outputs, scratch), now and at most."""
+    ``peak`` are the bytes of "device" buffers the engine holds (batch outputs, scratch), now and at most;
+    ``left_at_lease_end``: ``live`` each time the last lease ended, where a CUDA backend hands its pool back
+    to the device (a buffer still alive then would stay behind in torch's cache).  A load's results (``dest``)
+    are the caller's, not the engine's: not counted."""
 
     def __init__(self, *, gpu_zstd: bool = False, timing: bool = False, memory_total: int | None = None,
                  device_reads: bool = False) -> None:
@@ -33,6 +36,8 @@ class HostBackend:
         self._lock = threading.Lock()
         self.live = 0
         self.peak = 0
+        self.leases = 0
+        self.left_at_lease_end: list[int] = []
 
     def _device_buffer(self, nbytes: int, zero: bool = False) -> torch.Tensor:
         """A buffer of the simulated device: counted while alive."""
@@ -48,6 +53,17 @@ class HostBackend:
             self.live -= nbytes
 
     # -- both directions --
+    def lease(self) -> Lease:
+        with self._lock:
+            self.leases += 1
+        return Lease(self._end_lease)
+
+    def _end_lease(self) -> None:
+        with self._lock:
+            self.leases -= 1
+            if not self.leases:
+                self.left_at_lease_end.append(self.live)
+
     def memory_total(self) -> int | None:
         return self._total
 
@@ -131,7 +147,9 @@ class HostBackend:
     def alloc(self, nbytes: int) -> torch.Tensor:
         return self._device_buffer(nbytes)
 
-    dest = alloc
+    @staticmethod
+    def dest(nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
 
     def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)

@@ -7,10 +7,19 @@ codecs in plain memory, so that CI tests the engines' logic without a GPU.
 
 Events stand for "this device work is done": ``wait(event)`` blocks on one,
 ``ready(event)`` polls it; the host backend's work is done when issued (None).
+
+An engine run (a save's encode, a load's decode) holds a ``lease()`` of its backend
+from before its first buffer until every buffer it made is gone.  On CUDA the
+buffers of a lease come from a private pool of torch's caching allocator, which
+goes back to the device when the last lease ends: torch caches a freed block for
+the stream it was allocated on, and blocks cached for the engine's streams were
+kept from the training (about the budget, for good) and multiplied per stream
+when saves of different block sizes overlapped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 from dataclasses import dataclass
@@ -56,6 +65,7 @@ class Backend(Protocol):
     device: torch.device
 
     # -- both directions --
+    def lease(self) -> "Lease": ...
     def memory_total(self) -> int | None: ...
     def host_buffer(self, size: int) -> torch.Tensor: ...
     def to_host(self, src: torch.Tensor, dst: torch.Tensor, stream: Any) -> Any: ...
@@ -85,6 +95,27 @@ class Backend(Protocol):
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None: ...
     def unshuffle(self, dst: torch.Tensor, planes: torch.Tensor, k: int) -> None: ...
     def decode(self, key: Hashable, payloads: list[torch.Tensor], outs: list[torch.Tensor]) -> None: ...
+
+
+class Lease:
+    """An engine run's hold on its backend's device memory; ``end()`` (idempotent) once none of the buffers
+    it made is alive: the last lease of a backend to end hands their memory back to the device."""
+
+    __slots__ = ("_end",)
+
+    def __init__(self, end: Callable[[], None]) -> None:
+        self._end: Callable[[], None] | None = end
+
+    def end(self) -> None:
+        end, self._end = self._end, None
+        if end is not None:
+            end()
+
+    def __enter__(self) -> "Lease":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.end()
 
 
 def _pieces(run: SlotRun, raw: list[int]) -> list[tuple[int, int, int, int, int]]:
@@ -161,8 +192,18 @@ def cuda_device(device: Any) -> torch.device:
     return torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
 
 
+def _private_pool(device: torch.device) -> Any:
+    """A new private pool of torch's caching allocator on ``device``, or None where torch has none that takes
+    one thread's allocations (older ones routed those of a stream, the training's among them)."""
+    if not hasattr(torch._C, "_cuda_beginAllocateCurrentThreadToPool"):
+        return None
+    with torch.cuda.device(device):
+        return torch.cuda.MemPool()
+
+
 class CudaBackend:
-    """nvCOMP on the device's compute stream, device-to-host copies on its copy stream."""
+    """nvCOMP on the device's compute stream, device-to-host copies on its copy stream; the engine's buffers
+    in a private pool while a lease is held (see the module's docstring)."""
 
     def __init__(self, device: Any, *, gpu_zstd: bool = False, timing: bool = False) -> None:
         from ...codecs.nvcomp import device as nb  # imported lazily: nvCOMP is optional
@@ -175,6 +216,51 @@ class CudaBackend:
         self.timing = timing
         self.timings: list[tuple] = []  # (stage start, stage end, codec start, codec end, label, bytes)
         self._fetch_streams = threading.local()
+        self._leases = 0
+        self._pool: Any = None
+        self._pool_lock = threading.Lock()
+        # A pool takes the allocations of one thread at a time (torch refuses a second), and a thread enters
+        # it once: the allocating methods nest (encode stages its parts).
+        self._allocating_lock = threading.Lock()
+        self._inside = threading.local()
+
+    def lease(self) -> Lease:
+        with self._pool_lock:
+            self._leases += 1
+        return Lease(self._end_lease)
+
+    def _end_lease(self) -> None:
+        with self._pool_lock:
+            self._leases -= 1
+            if self._leases:
+                return
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            self.finish()  # nothing queued may still use the pool's memory
+            # Dropping the pool frees its cached blocks (cudaFree).  A block still alive (a buffer someone
+            # kept) is freed into torch's cache of released pools instead, which torch empties before an
+            # out-of-memory error.
+            del pool
+
+    @contextlib.contextmanager
+    def _allocating(self) -> Any:
+        """Allocations made inside come from the lease's private pool (none held: torch's default pool)."""
+        if getattr(self._inside, "yes", False):
+            yield
+            return
+        with self._pool_lock:
+            if self._leases and self._pool is None:
+                self._pool = _private_pool(self.device)
+            pool = self._pool
+        if pool is None:
+            yield
+            return
+        with self._allocating_lock, torch.cuda.use_mem_pool(pool, self.device):
+            self._inside.yes = True
+            try:
+                yield
+            finally:
+                self._inside.yes = False
 
     def _codec(self, op: DeviceOp) -> Any:
         codec = self._nb.codec_for(op, device=self.device, stream=self.stream)
@@ -205,7 +291,7 @@ class CudaBackend:
     def flat(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.is_contiguous():  # a view, no copy: no stream to allocate on (entering one costs ~40 us)
             return flat_bytes(tensor)
-        with torch.cuda.stream(self.stream):
+        with self._allocating(), torch.cuda.stream(self.stream):
             return flat_bytes(tensor)
 
     def source(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -274,15 +360,17 @@ class CudaBackend:
         if op is None:
             raise ValueError(f"pipeline {pipeline.describe()} does not encode on the GPU")
         c = self._codec(op)
-        return align_up(c.max_compressed_size(length), c.comp_alignment)
+        with self._allocating():  # nvCOMP's bound is asked with a probe buffer (once per process)
+            return align_up(c.max_compressed_size(length), c.comp_alignment)
 
     def encode(self, batch: Batch, sources: dict[int, torch.Tensor]) -> Encoded:
         codec = self._codec(batch.key.device_op())
-        parts = self._parts(batch, sources)
-        with torch.cuda.stream(self.stream):
-            start = self._timed()
-            result = codec.encode_parts(parts)
-            end = self._timed()
+        with self._allocating():
+            parts = self._parts(batch, sources)
+            with torch.cuda.stream(self.stream):
+                start = self._timed()
+                result = codec.encode_parts(parts)
+                end = self._timed()
         if result.capacity != batch.capacity:
             raise RuntimeError(f"planned capacity {batch.capacity} != nvCOMP's {result.capacity}")
         if self.timing:
@@ -292,7 +380,7 @@ class CudaBackend:
     def _parts(self, batch: Batch, sources: dict[int, torch.Tensor]) -> list[tuple[torch.Tensor, int, int]]:
         """(tensor, start, length) of each chunk of ``batch`` on this device: chunks of tensors elsewhere (an
         optimizer's step counts on the CPU, another GPU) or not contiguous are staged on the engine's stream."""
-        with torch.cuda.stream(self.stream):
+        with self._allocating(), torch.cuda.stream(self.stream):
             return _batch_parts(batch, sources, self.device,
                                 lambda x: x.device != self.device or not x.is_contiguous())
 
@@ -313,7 +401,7 @@ class CudaBackend:
                 done.record(copy)
             return done
         if len(self._packing) < GATHER_BUFFERS:  # a new buffer while there are fewer than two
-            with torch.cuda.stream(self.gather_stream):
+            with self._allocating(), torch.cuda.stream(self.gather_stream):
                 entry = [torch.empty(slot.numel(), dtype=torch.uint8, device=self.device), None]
         else:  # else the one packed longest ago
             entry = self._packing.pop(0)
@@ -349,7 +437,7 @@ class CudaBackend:
 
     def alloc(self, nbytes: int) -> torch.Tensor:
         """Scratch memory of the engine's stream (the arena)."""
-        with torch.cuda.stream(self.stream):
+        with self._allocating(), torch.cuda.stream(self.stream):
             return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def dest(self, nbytes: int) -> torch.Tensor:
@@ -398,7 +486,7 @@ class CudaBackend:
 
     def unshuffle(self, dst: torch.Tensor, planes: torch.Tensor, k: int) -> None:
         """Byte planes (host) -> elements (device): upload, then the transpose on the engine's stream."""
-        with torch.cuda.stream(self.stream):
+        with self._allocating(), torch.cuda.stream(self.stream):
             tmp = torch.empty(planes.numel(), dtype=torch.uint8, device=self.device)
             tmp.copy_(planes, non_blocking=True)
             self._nb.unshuffle_into(dst, tmp, k)
@@ -409,11 +497,12 @@ class CudaBackend:
     def decode(self, key: Hashable, payloads: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
         codec = self._codec(key)
         start = self._timed()
-        codec.decode(payloads, outs)
+        with self._allocating():  # the decode's scratch
+            codec.decode(payloads, outs)
         end = self._timed()
         if self.timing:
             self.timings.append((start, end, *(codec.last_codec_events or (None, None)), key.describe(),
                                  sum(o.numel() for o in outs)))
 
 
-__all__ = ["Backend", "CudaBackend", "Encoded", "cuda_device", "device_streams"]
+__all__ = ["Backend", "CudaBackend", "Encoded", "Lease", "cuda_device", "device_streams"]

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import threading
 import time
+import traceback
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -523,6 +524,11 @@ def _decode(file: ChunkReader, targets: list[_Target], dev: Backend, options: Gp
         decode_round()
         dev.finish()
         ok = True
+    except BaseException as exc:
+        # The frames of the error's traceback (a decode round, the decoder) hold views of the arena and of
+        # the read buffers; the caller may keep the error: let them go, so the lease's pool goes back whole.
+        traceback.clear_frames(exc.__traceback__)
+        raise
     finally:
         for *_, fut in inflight:
             fut.cancel()
@@ -532,6 +538,12 @@ def _decode(file: ChunkReader, targets: list[_Target], dev: Backend, options: Gp
             except Exception:  # noqa: BLE001 - the load's own error is the one to raise
                 pass
         stage.close()
+        # The device buffers go now, not with this frame (an error's traceback keeps it): the caller's lease
+        # hands the memory of all of them back to the device when it ends.
+        staged.clear()
+        inflight.clear()
+        uploading.clear()
+        arena = dev_span = payload = buf = None
         used = device_reads if device_reads is not None else reads
         bytes_read, direct_reads = used.bytes_read, used.direct_reads
         used.close()

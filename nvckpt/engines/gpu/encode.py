@@ -403,6 +403,7 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
     # The engine's memory comes from the process's account, which other saves (and this save's own snapshot)
     # draw from too: it may get less than the budget (its batches shrink), or wait for others to give some back.
     grant = None
+    lease = dev.lease()  # the engine's buffers (nvCOMP's probe of its bound included) from before the first
     if stored:
         full = save_budget(options, dev)
         lengths = {(t.entry["dtype"], n) for t in stored for _, n in t.chunks}
@@ -413,15 +414,16 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
         grant = DEVICE_MEMORY.take_work(dev.device, full, need, full, owner=plan)
     try:
         yield from _granted(plan, choose, dev, options, tensor_checksums, ready, stats, read_ahead,
-                            scratch, staged, grant)
+                            scratch, staged, grant, lease)
     finally:
-        if grant is not None:
-            grant.release()  # every batch of this save is done with (on success, failure or close)
+        lease.end()  # every batch of this save is done with (on success, failure or close): to the device,
+        if grant is not None:  # then to the account
+            grant.release()
 
 
 def _granted(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, options: GpuSaveOptions,
              tensor_checksums: bool, ready: Any, stats: dict[str, Any], read_ahead: threading.Event | None,
-             scratch: bool, staged: int, grant: Any) -> Iterator[TensorReady | EncodedChunk]:
+             scratch: bool, staged: int, grant: Any, lease: Any) -> Iterator[TensorReady | EncodedChunk]:
     started = time.perf_counter()
     inflight, slot_bytes = options.inflight, options.slot_bytes
     batch_bytes, budget, scratch, staged = _batch_plan(options, dev, scratch, staged,
@@ -492,6 +494,9 @@ def _granted(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, op
     waits = {"encode": 0.0, "copy_out": 0.0, "chunk_xxh3": 0.0, "writer": 0.0}  # where the generator's time went
     raw_bytes = stored = nraw = 0
     todo = deque(batches)
+    encoded: deque[Encoded] = deque()
+    copied: deque[_Group] = deque()
+    enc: Encoded | None = None
     try:
         def chunkless(tensors: list[PlannedTensor]) -> Iterator[TensorReady]:
             for t in tensors:
@@ -528,9 +533,7 @@ def _granted(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, op
         else:
             pool = SlotPool(options.pinned_slots, slot_bytes, cached_allocator(dev.host_buffer))
         slots = _Slots(pool)
-        encoded: deque[Encoded] = deque()
         cursor: list[Any] = [None, None]  # [groups of encoded[0], index of the next group]
-        copied: deque[_Group] = deque()
 
         def submit() -> None:
             # Batches alive on the device: those not yet copied out, and those whose copy is still running.
@@ -622,7 +625,9 @@ def _granted(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, op
                     # the account then, not once the disk has the file (the next save may want it meanwhile).
                     for g in copied:
                         g.detach(dev)
+                    enc = None  # the last batch's buffers
                     dev.finish()
+                    lease.end()
                     if grant is not None:
                         grant.release()
             if later:  # the writer gets a chunk: every tensor's storage must be known by then
@@ -660,6 +665,13 @@ def _granted(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, op
         stats["waits"] = waits
         hasher.shutdown(wait=True, cancel_futures=True)
         dev.finish()  # nothing may still read the sources or write the slots
+        # The device buffers go now, not with this frame: an error's traceback keeps the frame alive, and a
+        # buffer alive when the lease ends would not go back to the device with the rest.
+        encoded.clear()
+        for g in copied:
+            g.enc = None  # also where a frame of the traceback (submit's) still holds the group
+        copied.clear()
+        enc = None
         if read_ahead is not None:
             read_ahead.set()  # also on an error: whoever waits sees the save's outcome next
         if pool is not None:
