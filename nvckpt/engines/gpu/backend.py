@@ -194,7 +194,7 @@ def cuda_device(device: Any) -> torch.device:
 
 def _private_pool(device: torch.device) -> Any:
     """A new private pool of torch's caching allocator on ``device``, or None where torch has none that takes
-    one thread's allocations (older ones routed those of a stream, the training's among them)."""
+    one thread's allocations (before 2.8 they routed those of a stream, the training's among them)."""
     if not hasattr(torch._C, "_cuda_beginAllocateCurrentThreadToPool"):
         return None
     with torch.cuda.device(device):
@@ -255,12 +255,18 @@ class CudaBackend:
         if pool is None:
             yield
             return
-        with self._allocating_lock, torch.cuda.use_mem_pool(pool, self.device):
+        # What torch.cuda.use_mem_pool does where it routes a thread's allocations (its own routed a stream's
+        # before torch 2.8, and takes a device the pool was not made on without a word).
+        c, index = torch._C, self.device.index
+        with self._allocating_lock:
+            c._cuda_beginAllocateCurrentThreadToPool(index, pool.id)
             self._inside.yes = True
             try:
                 yield
             finally:
                 self._inside.yes = False
+                c._cuda_endAllocateToPool(index, pool.id)
+                c._cuda_releasePool(index, pool.id)
 
     def _codec(self, op: DeviceOp) -> Any:
         codec = self._nb.codec_for(op, device=self.device, stream=self.stream)
