@@ -10,11 +10,12 @@ Events stand for "this device work is done": ``wait(event)`` blocks on one,
 
 An engine run (a save's encode, a load's decode) holds a ``lease()`` of its backend
 from before its first buffer until every buffer it made is gone.  On CUDA the
-buffers of a lease come from a private pool of torch's caching allocator, which
-goes back to the device when the last lease ends: torch caches a freed block for
-the stream it was allocated on, and blocks cached for the engine's streams were
-kept from the training (about the budget, for good) and multiplied per stream
-when saves of different block sizes overlapped.
+buffers of the leases come from private pools of torch's caching allocator (one
+per allocating thread), which go back to the device when the last lease ends:
+torch caches a freed block for the stream it was allocated on, and blocks
+cached for the engine's streams were kept from the training (about the budget,
+for good) and multiplied per stream when saves of different block sizes
+overlapped.
 """
 
 from __future__ import annotations
@@ -217,12 +218,11 @@ class CudaBackend:
         self.timings: list[tuple] = []  # (stage start, stage end, codec start, codec end, label, bytes)
         self._fetch_streams = threading.local()
         self._leases = 0
-        self._pool: Any = None
+        # A pool per allocating thread: torch routes one thread's allocations to a pool, and refuses to route
+        # a second thread's to a pool another thread is routing to.
+        self._pools: dict[int, Any] = {}
         self._pool_lock = threading.Lock()
-        # A pool takes the allocations of one thread at a time (torch refuses a second), and a thread enters
-        # it once: the allocating methods nest (encode stages its parts).
-        self._allocating_lock = threading.Lock()
-        self._inside = threading.local()
+        self._inside = threading.local()  # the allocating methods nest (encode stages its parts)
 
     def lease(self) -> Lease:
         with self._pool_lock:
@@ -234,39 +234,42 @@ class CudaBackend:
             self._leases -= 1
             if self._leases:
                 return
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            self.finish()  # nothing queued may still use the pool's memory
-            # Dropping the pool frees its cached blocks (cudaFree).  A block still alive (a buffer someone
-            # kept) is freed into torch's cache of released pools instead, which torch empties before an
-            # out-of-memory error.
-            del pool
+            pools, self._pools = self._pools, {}
+        if pools:
+            self.finish()  # nothing queued may still use the pools' memory
+            # Dropping a pool frees its cached blocks (cudaFree).  A block still alive (a buffer someone kept)
+            # is freed into torch's cache of released pools instead, which torch empties before it reports
+            # an out-of-memory error.
+            pools.clear()
 
     @contextlib.contextmanager
     def _allocating(self) -> Any:
-        """Allocations made inside come from the lease's private pool (none held: torch's default pool)."""
+        """This thread's allocations made inside come from its private pool of the leases (none held: torch's
+        default pool)."""
         if getattr(self._inside, "yes", False):
             yield
             return
+        me = threading.get_ident()
         with self._pool_lock:
-            if self._leases and self._pool is None:
-                self._pool = _private_pool(self.device)
-            pool = self._pool
+            pool = self._pools.get(me)
+            if pool is None and self._leases:
+                pool = _private_pool(self.device)
+                if pool is not None:
+                    self._pools[me] = pool
         if pool is None:
             yield
             return
-        # What torch.cuda.use_mem_pool does where it routes a thread's allocations (its own routed a stream's
-        # before torch 2.8, and takes a device the pool was not made on without a word).
+        # What torch.cuda.use_mem_pool does where it routes a thread's allocations (before torch 2.8 it routed
+        # a stream's).
         c, index = torch._C, self.device.index
-        with self._allocating_lock:
-            c._cuda_beginAllocateCurrentThreadToPool(index, pool.id)
-            self._inside.yes = True
-            try:
-                yield
-            finally:
-                self._inside.yes = False
-                c._cuda_endAllocateToPool(index, pool.id)
-                c._cuda_releasePool(index, pool.id)
+        c._cuda_beginAllocateCurrentThreadToPool(index, pool.id)
+        self._inside.yes = True
+        try:
+            yield
+        finally:
+            self._inside.yes = False
+            c._cuda_endAllocateToPool(index, pool.id)
+            c._cuda_releasePool(index, pool.id)
 
     def _codec(self, op: DeviceOp) -> Any:
         codec = self._nb.codec_for(op, device=self.device, stream=self.stream)
