@@ -153,6 +153,20 @@ def test_a_failed_save_gives_its_device_memory_back(tmp_path, account, mode, fai
     within_budget(account, dev)
 
 
+class ProbeFails(HostBackend):
+    """The host stand-in whose question for nvCOMP's bound fails, as its probe allocation does on a full device."""
+
+    def capacity(self, pipeline, length):
+        raise RuntimeError("simulated out of memory in nvCOMP's probe")
+
+
+def test_a_save_that_fails_before_it_takes_device_memory_ends_its_lease(tmp_path, account):
+    dev = ProbeFails(memory_total=CAPACITY)
+    with pytest.raises(RuntimeError, match="simulated out of memory"):
+        nvckpt.save({"w": torch.randn(256, 256)}, tmp_path / "f.nvckpt", **options(dev))
+    assert dev.leases == 0 and dev.left_at_lease_end == [0]
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_dcp_stager_and_writer_beside_a_lazy_save(tmp_path, account):
     import torch.distributed.checkpoint as dcp

@@ -403,16 +403,16 @@ def _pipeline(plan: SavePlan, choose: Callable[[str], Pipeline], dev: Backend, o
     # The engine's memory comes from the process's account, which other saves (and this save's own snapshot)
     # draw from too: it may get less than the budget (its batches shrink), or wait for others to give some back.
     grant = None
-    lease = dev.lease()  # the engine's buffers (nvCOMP's probe of its bound included) from before the first
-    if stored:
-        full = save_budget(options, dev)
-        lengths = {(t.entry["dtype"], n) for t in stored for _, n in t.chunks}
-        biggest = max(dev.capacity(choose(d), n) for d, n in lengths)
-        need = _halves(scratch) * (options.inflight + 1) * biggest // 2 + gather_bytes(options, full) + staged
-        if need > full or biggest > options.slot_bytes:
-            need = 0  # no room for one chunk even alone: planning says what to change
-        grant = DEVICE_MEMORY.take_work(dev.device, full, need, full, owner=plan)
+    lease = dev.lease()  # the engine's buffers, from nvCOMP's probe of its bound (capacity) on
     try:
+        if stored:
+            full = save_budget(options, dev)
+            lengths = {(t.entry["dtype"], n) for t in stored for _, n in t.chunks}
+            biggest = max(dev.capacity(choose(d), n) for d, n in lengths)
+            need = _halves(scratch) * (options.inflight + 1) * biggest // 2 + gather_bytes(options, full) + staged
+            if need > full or biggest > options.slot_bytes:
+                need = 0  # no room for one chunk even alone: planning says what to change
+            grant = DEVICE_MEMORY.take_work(dev.device, full, need, full, owner=plan)
         yield from _granted(plan, choose, dev, options, tensor_checksums, ready, stats, read_ahead,
                             scratch, staged, grant, lease)
     finally:
