@@ -193,13 +193,21 @@ def cuda_device(device: Any) -> torch.device:
     return torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
 
 
+_no_pools: set[Any] = set()  # devices whose allocator made no private pool (cudaMallocAsync, say): not asked again
+
+
 def _private_pool(device: torch.device) -> Any:
     """A new private pool of torch's caching allocator on ``device``, or None where torch has none that takes
-    one thread's allocations (before 2.8 they routed those of a stream, the training's among them)."""
-    if not hasattr(torch._C, "_cuda_beginAllocateCurrentThreadToPool"):
+    one thread's allocations (before 2.8 they routed those of a stream, the training's among them) or its
+    allocator makes none."""
+    if device in _no_pools or not hasattr(torch._C, "_cuda_beginAllocateCurrentThreadToPool"):
         return None
-    with torch.cuda.device(device):
-        return torch.cuda.MemPool()
+    try:
+        with torch.cuda.device(device):
+            return torch.cuda.MemPool()
+    except (RuntimeError, TypeError, AttributeError):
+        _no_pools.add(device)  # the engines then allocate as torch's allocator does by default
+        return None
 
 
 class CudaBackend:
@@ -256,13 +264,18 @@ class CudaBackend:
                 pool = _private_pool(self.device)
                 if pool is not None:
                     self._pools[me] = pool
-        if pool is None:
-            yield
-            return
         # What torch.cuda.use_mem_pool does where it routes a thread's allocations (before torch 2.8 it routed
         # a stream's).
         c, index = torch._C, self.device.index
-        c._cuda_beginAllocateCurrentThreadToPool(index, pool.id)
+        if pool is not None:
+            try:
+                c._cuda_beginAllocateCurrentThreadToPool(index, pool.id)
+            except RuntimeError:  # an allocator that routes nothing to pools
+                _no_pools.add(self.device)
+                pool = None
+        if pool is None:
+            yield
+            return
         self._inside.yes = True
         try:
             yield
