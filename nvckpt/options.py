@@ -44,7 +44,8 @@ def _check_storage_options(value: Any) -> None:
 @dataclass(frozen=True)
 class GpuSaveOptions:
     """The GPU engine's knobs.  GPU memory: at most ``memory_budget`` (default the smaller of 1 GiB and
-    2 % of the device): batches shrink to fit it, (inflight + 1) x 2 x batch_bytes <= budget.  Pinned host
+    2 % of the device): batches shrink to fit it, (inflight + 1) x 2 x batch_bytes <= budget, and all of it
+    goes back to the device when the save ends (the engine's private pools, torch >= 2.8).  Pinned host
     memory: a save pinned_slots x slot_bytes + checksum_workers x 2 x piece_bytes (384 MiB by default);
     an async_save holds the compressed state, up to ``pinned_limit`` (default a quarter of the host's
     memory), and waits for the disk beyond it.  Pinned buffers are kept for the next save
@@ -82,8 +83,9 @@ class GpuLoadOptions:
     """The GPU loader's knobs.  Its extra memory: pinned read_buffers x read_span_bytes (+ 2 x
     piece_bytes per verify worker); GPU at most ``memory_budget`` (default the smaller of 1 GiB and 2 %
     of the device) for the decode arena (decode_batch_bytes, shrunk to half the budget) and its staging,
-    beside the tensors loaded.  Reads through KvikIO (``read_path``) use device buffers instead, from what
-    the budget leaves beside the arena, and read_threads pinned buffers to check chunks on the host."""
+    beside the tensors loaded, all of it back to the device when the load ends (as a save's).  Reads through
+    KvikIO (``read_path``) use device buffers instead, from what the budget leaves beside the arena, and
+    read_threads pinned buffers to check chunks on the host."""
 
     memory_budget: int | None = None
 
